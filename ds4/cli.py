@@ -1,0 +1,81 @@
+"""The `ds4` command: serve, generate, make-tiny, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+_BENCHMARKS = {"kernels": "ds4.bench.kernels", "throughput": "ds4.bench.throughput"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
+    parser = argparse.ArgumentParser(prog="ds4", description="Serve DeepSeek-V4-family models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete one prompt offline and print the text")
+    add_model_args(generate)
+    generate.add_argument("--prompt", required=True, help="the prompt text")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat format")
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=None)
+
+    tiny = commands.add_parser("make-tiny", help="write a tiny random DeepSeek-V4 checkpoint")
+    tiny.add_argument("out", help="output directory")
+    tiny.add_argument("--format", choices=("official", "hf"), default="official")
+    tiny.add_argument("--seed", type=int, default=0)
+
+    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|throughput --help`")
+
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "make-tiny":
+        return _make_tiny(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose and place the model, shared by every command that loads one."""
+    parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--speculative-mtp", action="store_true", help="load the MTP layer for speculative decoding")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ds4.engine.llm import LLM
+    from ds4.engine.sampling_params import SamplingParams
+
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
+    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    output = llm.generate([prompt], params)[0]
+    print(output.text)
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from ds4.checkpoint.tiny import make_tiny
+
+    make_tiny(args.out, format=args.format, seed=args.seed)
+    print(f"wrote a tiny {args.format}-format DeepSeek-V4 checkpoint to {args.out}")
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] not in _BENCHMARKS:
+        print(f"usage: ds4 bench {{{','.join(_BENCHMARKS)}}} [options]", file=sys.stderr)
+        return 2
+    return importlib.import_module(_BENCHMARKS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
