@@ -1,0 +1,284 @@
+"""Load a DeepSeek-V4 model directory into official-name tensors, in one pass over the shards it needs.
+
+Both layouts are read: the official hub format (FP8 block-scaled linears, FP8 or MXFP4 routed experts, `mtp.0.*`)
+and transformers' `save_pretrained` format (dequantised, `model.`-prefixed names). The expected tensor list
+comes from the config (`ds4.model.weights_spec`), so every problem is found from the index and the shard headers
+before a single data byte is read, and reported together in one CheckpointError.
+
+Which tensors are read is decided from names alone: `mtp.*` only with `with_mtp=True`, and a shard holding nothing
+needed is never opened. Each needed shard is opened once, its header parsed, and its tensors read in file order
+with plain `readinto` calls, counted per tensor in `ReadStats` so the byte traffic is observable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from tqdm import tqdm
+
+from ds4.checkpoint import hf_names
+from ds4.checkpoint.quant import QuantFormatError, fp8_block_dequantize, mxfp4_dequantize
+from ds4.config import ModelConfig, load_config
+from ds4.model.weights_spec import EXPERT, FP8_LINEAR, FP32, INDEX, expected_parameter_shapes, stored_tensor_specs
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+OFFICIAL, HF = "official", "hf"
+MTP_PREFIX = "mtp."
+
+_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+}
+_HF_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+# A safetensors header is JSON of ~100 bytes per tensor; anything far larger is a corrupt length field.
+_MAX_HEADER_BYTES = 1 << 30
+
+
+class CheckpointError(ValueError):
+    """A model directory that does not hold the checkpoint its config describes."""
+
+
+@dataclass
+class ReadStats:
+    """What a load touched: shard files in the order opened, and data bytes read per stored tensor name."""
+
+    shards_opened: list[str] = field(default_factory=list)
+    bytes_read: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class _Expected:
+    shape: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+
+
+def detect_format(model_dir: str | Path) -> str:
+    """OFFICIAL or HF, from the tensor names the index (or the single shard's header) lists."""
+    return _format_of(_weight_map(Path(model_dir)))
+
+
+def _format_of(weight_map: dict[str, str]) -> str:
+    return HF if any(hf_names.is_transformers_name(n) for n in weight_map) else OFFICIAL
+
+
+def load_checkpoint(
+    model_dir: str | Path,
+    config: ModelConfig | None = None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    with_mtp: bool = False,
+    progress: bool = True,
+    stats: ReadStats | None = None,
+) -> dict[str, torch.Tensor]:
+    """Official name -> tensor, dequantised, on `device`.
+
+    Linears, experts, embeddings and norms come in `dtype`; tensors the checkpoint keeps in fp32 (hc_*, ape,
+    attn_sink, gate bias) stay float32; integer tables (tid2eid) come as int64.
+    """
+    model_dir = Path(model_dir)
+    cfg = config if config is not None else load_config(model_dir)
+    weight_map = _weight_map(model_dir)
+    fmt = _format_of(weight_map)
+    if with_mtp and cfg.num_mtp_layers < 1:
+        raise CheckpointError(f"{model_dir}: with_mtp=True, but the config has no MTP layer (num_nextn_predict_layers 0)")
+    logical = expected_parameter_shapes(cfg, with_mtp=with_mtp)
+    expected = _expected_stored(cfg, fmt, with_mtp)
+    stats = stats if stats is not None else ReadStats()
+    with ExitStack() as files:
+        raw = _read_all(model_dir, weight_map, expected, with_mtp, files, stats, progress)
+    device = torch.device(device)
+    raw = {name: t.to(device) for name, t in raw.items()}
+    if fmt == HF:
+        raw = {hf_names.saved_to_official(name): t for name, t in raw.items()}
+    try:
+        return {name: _materialise(cfg, name, spec.kind, raw, dtype) for name, spec in logical.items()}
+    except QuantFormatError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from e
+
+
+def _expected_stored(cfg: ModelConfig, fmt: str, with_mtp: bool) -> dict[str, _Expected]:
+    """Stored name -> allowed shape and dtypes. The hf format is dequantised and may be saved in any float dtype."""
+    if fmt == OFFICIAL:
+        out = {}
+        for name, s in stored_tensor_specs(cfg, with_mtp).items():
+            out[name] = _Expected(s.shape, _INT_DTYPES if s.dtype in _INT_DTYPES else (s.dtype,))
+        return out
+    return {
+        hf_names.official_to_saved(name): _Expected(s.shape, _INT_DTYPES if s.kind == INDEX else _HF_FLOAT_DTYPES)
+        for name, s in expected_parameter_shapes(cfg, with_mtp).items()
+    }
+
+
+def _materialise(cfg: ModelConfig, name: str, kind: str, raw: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    t = raw[name]
+    if kind == INDEX:
+        return t.to(torch.int64)
+    if kind == FP32:
+        return t.to(torch.float32)
+    scale = raw.get(name.removesuffix(".weight") + ".scale")
+    if kind in (FP8_LINEAR, EXPERT) and scale is not None:
+        if t.dtype == torch.int8:
+            return mxfp4_dequantize(t, scale, dtype)
+        return fp8_block_dequantize(t, scale, cfg.fp8_block, dtype)
+    return t.to(dtype)
+
+
+def _weight_map(model_dir: Path) -> dict[str, str]:
+    """Tensor name -> shard file name."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        return weight_map
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        with open(single, "rb") as f:
+            entries, _ = _read_header(f, os.fstat(f.fileno()).st_size, SINGLE_FILE)
+        return {name: SINGLE_FILE for name in entries}
+    raise CheckpointError(f"{model_dir}: no {INDEX_FILE} or {SINGLE_FILE}")
+
+
+def _read_all(model_dir: Path, weight_map: dict[str, str], expected: dict[str, _Expected], with_mtp: bool,
+              files: ExitStack, stats: ReadStats, progress: bool) -> dict[str, torch.Tensor]:
+    """Validate everything from the index and headers, then read the needed tensors shard by shard."""
+    problems: list[str] = []
+    wanted = {n: s for n, s in weight_map.items() if with_mtp or not n.startswith(MTP_PREFIX)}
+    missing = sorted(set(expected) - set(wanted))
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
+    unexpected = sorted(set(wanted) - set(expected))
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
+    by_shard: dict[str, list[str]] = {}
+    for name in sorted(set(wanted) & set(expected)):
+        by_shard.setdefault(wanted[name], []).append(name)
+    plan: list[tuple[BinaryIO, list[tuple[str, _Entry]], int]] = []
+    for shard, names in sorted(by_shard.items()):
+        path = model_dir / shard
+        if not path.is_file():
+            problems.append(f"shard {shard} (listed in the index for {len(names)} tensors, e.g. {names[0]}) does not exist")
+            continue
+        f = files.enter_context(open(path, "rb"))
+        stats.shards_opened.append(shard)
+        try:
+            entries, data_start = _read_header(f, os.fstat(f.fileno()).st_size, shard)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        reads = []
+        for name in names:
+            problem = _check_entry(shard, name, entries.get(name), expected[name])
+            if problem:
+                problems.append(problem)
+            else:
+                reads.append((name, entries[name]))
+        plan.append((f, sorted(reads, key=lambda r: r[1].begin), data_start))
+    if problems:
+        raise CheckpointError(f"{model_dir}: cannot load the checkpoint:\n  - " + "\n  - ".join(problems))
+    total = sum(e.end - e.begin for _, reads, _ in plan for _, e in reads)
+    out = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
+        for f, reads, data_start in plan:
+            for name, entry in reads:
+                out[name] = _read_tensor(f, data_start, entry)
+                stats.bytes_read[name] = stats.bytes_read.get(name, 0) + entry.end - entry.begin
+                bar.update(entry.end - entry.begin)
+    return out
+
+
+def _check_entry(shard: str, name: str, entry: _Entry | None, want: _Expected) -> str | None:
+    if entry is None:
+        return f"{name}: the index places it in {shard}, whose header does not list it"
+    if entry.shape != want.shape:
+        return f"{name}: shape {list(entry.shape)}, expected {list(want.shape)}"
+    if entry.dtype not in want.dtypes:
+        allowed = " or ".join(str(d).removeprefix("torch.") for d in want.dtypes)
+        return f"{name}: dtype {str(entry.dtype).removeprefix('torch.')}, expected {allowed}"
+    return None
+
+
+def _read_header(f: BinaryIO, file_size: int, shard: str) -> tuple[dict[str, _Entry], int]:
+    """Parse a safetensors header and check it against the file size: name -> entry, and where data starts."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"shard {shard}: truncated ({file_size} bytes; not even a safetensors header length)")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(_MAX_HEADER_BYTES, file_size - 8):
+        raise CheckpointError(f"shard {shard}: corrupt or truncated safetensors header (claims {n} bytes, file has {file_size})")
+    try:
+        header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"shard {shard}: corrupt safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"shard {shard}: corrupt safetensors header (not a JSON object)")
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        entries[name] = _parse_entry(shard, name, info)
+    data_start = 8 + n
+    data_size = max((e.end for e in entries.values()), default=0)
+    if data_start + data_size != file_size:
+        state = "truncated" if data_start + data_size > file_size else "corrupt (trailing bytes)"
+        raise CheckpointError(
+            f"shard {shard}: {state}: the header needs {data_start + data_size} bytes, the file has {file_size}"
+        )
+    return entries, data_start
+
+
+def _parse_entry(shard: str, name: str, info: object) -> _Entry:
+    try:
+        dtype = _DTYPES[info["dtype"]]
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(x) for x in info["data_offsets"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"shard {shard}: corrupt safetensors header entry for {name}: {info!r}") from e
+    numel = 1
+    for d in shape:
+        numel *= d
+    if end - begin != numel * dtype.itemsize or begin < 0:
+        raise CheckpointError(
+            f"shard {shard}: corrupt safetensors header: {name} has offsets [{begin}, {end}) for "
+            f"{numel} x {dtype.itemsize} bytes"
+        )
+    return _Entry(dtype, shape, begin, end)
+
+
+def _read_tensor(f: BinaryIO, data_start: int, entry: _Entry) -> torch.Tensor:
+    size = entry.end - entry.begin
+    buffer = bytearray(size)
+    f.seek(data_start + entry.begin)
+    if f.readinto(buffer) != size:
+        raise CheckpointError(f"{f.name}: file shrank while reading")
+    if size == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape)
+
+
+def _listing(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
