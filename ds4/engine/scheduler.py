@@ -1,0 +1,190 @@
+"""Which requests run in the next step, and how many tokens each.
+
+One step has a token budget. Running decodes go first (one token each), then prefill chunks: short
+prompts before long ones, at most `max_num_partial_prefills` prompts per step of which at most
+`max_long_partial_prefills` long, long ones in chunks of at most `long_prefill_token_threshold`.
+So a short request that arrives while a huge prompt prefills starts in the very next step.
+
+Fairness bound (tested): a request whose prompt is short (<= the threshold) and fits in the budget left
+after the running decodes, arriving when no other short prompt waits and a slot and pages are free, is
+scheduled whole in the first step after it arrives and so gets its first token from that step, however
+many long prompts are prefilling.
+
+When pages run out, the newest request is preempted: its pages and slot go back and it restarts from
+zero later, keeping the tokens it generated. The scheduler deals only in tokens, pages and slots.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ds4.engine.config import EngineConfig
+from ds4.engine.page_allocator import PageAllocator
+from ds4.engine.sequence import Sequence, SequenceStatus
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never run (e.g. a prompt longer than max_model_len)."""
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    # Tokens [start, start + num_tokens) of seq run through the model in this step.
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the known tokens, so the model's last row gives the next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: PageAllocator, max_model_len: int):
+        if allocator.pages_for(max_model_len) > allocator.num_pages:
+            raise RequestRejected(
+                f"the cache holds {allocator.capacity_tokens} tokens, less than max_model_len={max_model_len}: "
+                "give the cache more memory or lower max_model_len")
+        if allocator.num_slots < config.max_num_seqs:
+            raise ValueError(f"{allocator.num_slots} slots for max_num_seqs={config.max_num_seqs}")
+        self.config = config
+        self.allocator = allocator
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise RequestRejected if seq can never run."""
+        if seq.num_tokens >= self.max_model_len:
+            raise RequestRejected(
+                f"request {seq.request_id!r}: the prompt has {seq.num_tokens} tokens, but max_model_len is "
+                f"{self.max_model_len} (prompt plus at least one output token)")
+
+    def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove seq wherever it is and give its pages and slot back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+        for seq in list(self.running):
+            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
+                if self._make_room(seq, 1, scheduled, out, newer_only=False):
+                    self._take(seq, 1, scheduled, out)
+                    budget -= 1
+        self._schedule_prefills(budget, scheduled, out)
+        return out
+
+    def _schedule_prefills(self, budget: int, scheduled: set[int], out: SchedulerOutput) -> None:
+        limit = self.config.prefill_chunk_limit
+        partial = [s for s in self.running if id(s) not in scheduled and s.num_uncomputed_tokens > 0]
+        candidates = sorted(partial + list(self.waiting), key=lambda s: (s.num_uncomputed_tokens > limit, s.arrival))
+        num_prefills = num_long = 0
+        admitting = True
+        for seq in candidates:
+            if budget == 0 or num_prefills == self.config.max_num_partial_prefills:
+                break
+            is_long = seq.num_uncomputed_tokens > limit
+            if (is_long and num_long == self.config.max_long_partial_prefills) or seq in out.preempted:
+                continue
+            if seq.status is SequenceStatus.WAITING:
+                if not admitting:
+                    continue
+                n = min(seq.num_uncomputed_tokens, budget, limit)
+                if not self._admit(seq, n):
+                    # Later arrivals must not overtake a request that waits for room, or it could starve.
+                    admitting = False
+                    continue
+            else:
+                n = min(seq.num_uncomputed_tokens, budget, limit, self._fits(seq))
+                if n == 0:
+                    if not self._make_room(seq, 1, scheduled, out, newer_only=True):
+                        continue
+                    n = min(seq.num_uncomputed_tokens, budget, limit, self._fits(seq))
+            self._take(seq, n, scheduled, out)
+            budget -= n
+            num_prefills += 1
+            num_long += is_long
+
+    def _fits(self, seq: Sequence) -> int:
+        """How many more tokens seq can compute with its pages plus the free ones."""
+        pages = len(seq.page_table) + self.allocator.num_free_pages
+        return pages * self.allocator.page_size - seq.num_computed_tokens
+
+    def _admit(self, seq: Sequence, n: int) -> bool:
+        if len(self.running) >= self.config.max_num_seqs or not self.allocator.can_grow([], n):
+            return False
+        self.waiting.remove(seq)
+        seq.slot = self.allocator.allocate_slot()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput, newer_only: bool) -> bool:
+        """Preempt the newest unscheduled requests until seq can grow by n tokens; False if seq itself went."""
+        while not self.allocator.can_grow(seq.page_table, seq.num_computed_tokens + n):
+            victims = [s for s in self.running if id(s) not in scheduled and (s is not seq or not newer_only)]
+            if newer_only:
+                victims = [s for s in victims if s.arrival > seq.arrival]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda s: s.arrival)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _take(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput) -> None:
+        self.allocator.grow(seq.page_table, seq.num_computed_tokens + n)
+        scheduled.add(id(seq))
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        # Preempted requests are older than anything still waiting, so they go first.
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free_pages(seq.page_table)
+        if seq.slot is not None:
+            self.allocator.free_slot(seq.slot)
+            seq.slot = None
