@@ -1,0 +1,235 @@
+"""Choose the next token of every request in a batch, each request with its own sampling parameters.
+
+Per row, in this order (the order matters when options combine; it is vLLM's):
+    raw logits -> + logit_bias -> min_tokens mask -> penalties -> greedy rows: argmax
+    -> / temperature -> min_p -> top_k -> top_p -> one draw from the remaining distribution.
+
+- min_tokens: until a request has min_tokens output tokens, its stop_token_ids and the EOS ids
+  (unless ignore_eos) get -inf, so it cannot stop on a token early.
+- Penalties: repetition (HF / vLLM: a logit of a token seen in prompt or output is divided by the
+  penalty when positive, multiplied when negative), then frequency and presence (OpenAI: minus
+  frequency * count and minus presence * [count > 0], counting output tokens only).
+- top_k keeps every token tied with the k-th largest logit. top_p keeps the smallest set of most
+  likely tokens whose mass reaches top_p (the first token always stays).
+- Randomness: every request owns a CPU `torch.Generator` (seeded from its `seed`, or from the
+  sampler's own generator when it has none). A random row draws exactly one float64 uniform from it
+  per sampled token and inverts the row's cumulative distribution, so a seeded request gives the
+  same tokens whatever else shares the batch, in any row, on any device with the same logits.
+- Logprobs are RAW: log_softmax of the model's logits, before bias, penalties, temperature and
+  filtering (vLLM's default "raw_logprobs"), so they describe the model, not the sampling options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ds4.engine.sampling_params import SamplingParams
+
+_SEED_RANGE = 2**62
+
+
+@dataclass
+class TokenLogprobs:
+    """The log-probability of one chosen token and of the `num_top` most likely ones (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64, on the logits' device
+    logprobs: list[TokenLogprobs | None]  # per row; None where the request asked for none
+
+
+class RequestSampling:
+    """One request's sampling state across steps: its params, its random stream, the tokens it has seen.
+
+    `prompt_token_ids` is kept by reference, not copied. Call `append` for every output token the
+    request keeps (after speculative verification), so penalties and min_tokens see it.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], seed: int):
+        self.params = params
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.generator = torch.Generator().manual_seed(seed)
+        # Built on first use, only for requests with penalties: [vocab] on the logits' device.
+        self._seen_in_prompt: torch.Tensor | None = None
+        self._output_counts: torch.Tensor | None = None
+
+    def append(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self._output_counts is not None:
+            self._output_counts[token_id] += 1
+
+    def draw_uniform(self) -> float:
+        """One uniform in [0, 1) from this request's own stream."""
+        return torch.rand((), dtype=torch.float64, generator=self.generator).item()
+
+    def penalty_state(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen in prompt [vocab] bool, output token counts [vocab] int32)."""
+        if self._output_counts is None or self._output_counts.device != device:
+            self._seen_in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self._seen_in_prompt[_ids_tensor(self.prompt_token_ids, vocab_size, device)] = True
+            self._output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+            outputs = _ids_tensor(self.output_token_ids, vocab_size, device)
+            self._output_counts.index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.int32))
+        return self._seen_in_prompt, self._output_counts
+
+
+class Sampler:
+    """Samples a [B, vocab] fp32 logits tensor for B requests; knows the model's EOS ids."""
+
+    def __init__(self, eos_token_ids: Iterable[int], seed: int | None = None):
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._seed_source = torch.Generator()
+        if seed is None:
+            self._seed_source.seed()
+        else:
+            self._seed_source.manual_seed(seed)
+
+    def new_request(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> RequestSampling:
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(_SEED_RANGE, (), generator=self._seed_source))
+        return RequestSampling(params, prompt_token_ids, seed)
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[RequestSampling]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.dtype != torch.float32:
+            raise ValueError(f"logits must be a [batch, vocab] float32 tensor, got {logits.dtype} {tuple(logits.shape)}")
+        if logits.shape[0] != len(requests):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
+        processed = apply_penalties(self._mask_early_stops(apply_logit_bias(logits, requests), requests), requests)
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        greedy = [row for row, request in enumerate(requests) if request.params.is_greedy]
+        if greedy:
+            rows = torch.tensor(greedy, device=logits.device)
+            token_ids[rows] = processed[rows].argmax(dim=-1)
+        randoms = [row for row, request in enumerate(requests) if not request.params.is_greedy]
+        if randoms:
+            rows = torch.tensor(randoms, device=logits.device)
+            token_ids[rows] = sample_random(processed[rows], [requests[row] for row in randoms])
+        return SamplerOutput(token_ids, self._logprobs(logits, token_ids, requests))
+
+    def _mask_early_stops(self, logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
+        rows, cols = [], []
+        for row, request in enumerate(requests):
+            params = request.params
+            if len(request.output_token_ids) >= params.min_tokens:
+                continue
+            stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+            rows += [row] * len(stops)
+            cols += stops
+        if not rows:
+            return logits
+        index = (torch.tensor(rows, device=logits.device), _ids_tensor(cols, logits.shape[1], logits.device))
+        return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                  requests: Sequence[RequestSampling]) -> list[TokenLogprobs | None]:
+        wanted = [row for row, request in enumerate(requests) if request.params.logprobs is not None]
+        out: list[TokenLogprobs | None] = [None] * len(requests)
+        if wanted:
+            rows = torch.tensor(wanted, device=logits.device)
+            num_top = [requests[row].params.logprobs for row in wanted]
+            for row, entry in zip(wanted, compute_logprobs(logits[rows], token_ids[rows], num_top)):
+                out[row] = entry
+        return out
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
+    rows, cols, biases = [], [], []
+    for row, request in enumerate(requests):
+        bias = request.params.logit_bias
+        rows += [row] * len(bias)
+        cols += bias.keys()
+        biases += bias.values()
+    if not rows:
+        return logits
+    index = (torch.tensor(rows, device=logits.device), _ids_tensor(cols, logits.shape[1], logits.device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
+    penalised = [row for row, request in enumerate(requests) if request.params.uses_penalties]
+    if not penalised:
+        return logits
+    vocab_size, device = logits.shape[1], logits.device
+    states = [requests[row].penalty_state(vocab_size, device) for row in penalised]
+    seen_in_prompt = torch.stack([seen for seen, _ in states])
+    counts = torch.stack([count for _, count in states]).to(logits.dtype)
+
+    def column(name: str) -> torch.Tensor:
+        values = [getattr(requests[row].params, name) for row in penalised]
+        return torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)
+
+    rows = torch.tensor(penalised, device=device)
+    x = logits[rows]
+    repetition = column("repetition_penalty")
+    repeated = torch.where(x > 0, x / repetition, x * repetition)
+    x = torch.where(seen_in_prompt | (counts > 0), repeated, x)
+    x = x - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0).to(x.dtype)
+    logits = logits.clone()
+    logits[rows] = x
+    return logits
+
+
+def sample_random(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row from its request's generator."""
+    device, vocab_size = logits.device, logits.shape[1]
+
+    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+    params = [request.params for request in requests]
+    x = logits / column([p.temperature for p in params], logits.dtype)
+    if any(p.min_p > 0 for p in params):
+        probs = x.softmax(dim=-1)
+        min_p = column([p.min_p for p in params], probs.dtype)
+        x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    if any(p.top_k > 0 or p.top_p < 1 for p in params):
+        top_k = column([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.long)
+        top_p = column([p.top_p for p in params], torch.float64)
+        x = x.masked_fill(top_k_top_p_drop(x, top_k, top_p), float("-inf"))
+    cdf = x.softmax(dim=-1).double().cumsum(dim=-1)
+    uniforms = torch.tensor([request.draw_uniform() for request in requests], dtype=torch.float64, device=device)
+    # right=True picks the first token whose cdf exceeds the target, so never a zero-probability token.
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=vocab_size - 1)
+
+
+def top_k_top_p_drop(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Bool [n, vocab]: the tokens top_k ([n, 1], vocab = off) and top_p ([n, 1], 1 = off) remove."""
+    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
+    drop = ordered < ordered.gather(1, top_k - 1)
+    probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1).double()
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= (mass_before >= top_p) & (top_p < 1)
+    return torch.empty_like(drop).scatter_(1, order, drop)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Per row: log_softmax(logits)[token_ids] and the num_top[row] most likely tokens.
+
+    Also serves prompt logprobs: pass the logits of positions 0..T-2 and the prompt tokens 1..T-1.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1).tolist()
+    most = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(token_id, chosen[row], dict(zip(top_ids[row][:n], top_values[row][:n])))
+            for row, (token_id, n) in enumerate(zip(token_ids.tolist(), num_top))]
+
+
+def _ids_tensor(ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    bad = [token_id for token_id in ids if not 0 <= token_id < vocab_size]
+    if bad:
+        raise ValueError(f"token ids outside the vocabulary of {vocab_size}: {bad[:8]}")
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
