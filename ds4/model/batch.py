@@ -1,0 +1,77 @@
+"""One model step over a flat batch of tokens from several requests (prefill chunks, decode and draft tokens alike)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Tokens of R requests laid end to end; request r owns tokens query_start_loc[r]:query_start_loc[r + 1].
+
+    A request's tokens are consecutive positions starting at its context length (the tokens its caches
+    already hold). `slots` index the fixed per-request state (sliding window, compressor state) and
+    `block_tables` the pages of the paged pools (page_size tokens per page, -1 = unused).
+    """
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long, absolute position of each token
+    query_start_loc: torch.Tensor  # [R + 1] int, cumulative token counts
+    context_lens: torch.Tensor  # [R] int, tokens cached before this step
+    slots: torch.Tensor  # [R] int
+    block_tables: torch.Tensor  # [R, max_pages] int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_requests(self) -> int:
+        return self.context_lens.shape[0]
+
+    def token_requests(self) -> torch.Tensor:
+        """[T] the request index of each token."""
+        counts = (self.query_start_loc[1:] - self.query_start_loc[:-1]).long()
+        return torch.repeat_interleave(torch.arange(self.num_requests, device=counts.device), counts)
+
+    def validate(self) -> None:
+        """Check the layout invariants (costs host syncs; for tests and debugging)."""
+        t, r = self.num_tokens, self.num_requests
+        if self.positions.shape != (t,) or self.query_start_loc.shape != (r + 1,):
+            raise ValueError(f"ForwardBatch: positions {tuple(self.positions.shape)} / query_start_loc "
+                             f"{tuple(self.query_start_loc.shape)} do not fit {t} tokens of {r} requests")
+        if int(self.query_start_loc[0]) != 0 or int(self.query_start_loc[-1]) != t:
+            raise ValueError("ForwardBatch: query_start_loc must start at 0 and end at the token count")
+        if self.slots.shape != (r,) or self.block_tables.dim() != 2 or self.block_tables.shape[0] != r:
+            raise ValueError("ForwardBatch: slots / block_tables must have one row per request")
+        req = self.token_requests()
+        offset = torch.arange(t, device=req.device) - self.query_start_loc.long()[req]
+        if not torch.equal(self.positions.long(), self.context_lens.long()[req] + offset):
+            raise ValueError("ForwardBatch: each request's positions must run context_len, context_len + 1, ...")
+
+
+@dataclass
+class StepLayout:
+    """Host-side view of a ForwardBatch that the per-request parts of the model loop over."""
+
+    token_requests: torch.Tensor  # [T] request index of each token (device)
+    starts: list[int]
+    counts: list[int]
+    context_lens: list[int]
+    slots: list[int]
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> StepLayout:
+        loc = batch.query_start_loc.tolist()
+        return cls(
+            token_requests=batch.token_requests(),
+            starts=loc[:-1],
+            counts=[b - a for a, b in zip(loc[:-1], loc[1:])],
+            context_lens=batch.context_lens.tolist(),
+            slots=batch.slots.tolist(),
+        )
+
+    def token_slice(self, r: int) -> slice:
+        return slice(self.starts[r], self.starts[r] + self.counts[r])

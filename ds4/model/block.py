@@ -1,0 +1,42 @@
+"""One DeepSeek-V4 block: mHC-wrapped attention, then mHC-wrapped MoE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds4.config import ModelConfig
+from ds4.kernels.rmsnorm import rms_norm
+from ds4.model.attention import Attention
+from ds4.model.batch import ForwardBatch, StepLayout
+from ds4.model.cache import LayerCache
+from ds4.model.hyper_connection import hc_post, hc_pre
+from ds4.model.linear import Norm, fp32_param
+from ds4.model.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str):
+        super().__init__()
+        hc, d = cfg.hc_mult, cfg.hidden_size
+        self.hc, self.iters, self.hc_eps, self.eps = hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.attn = Attention(cfg, layer, dtype, device, kv_cache_dtype)
+        self.ffn = MoE(cfg, cfg.is_hash_layer(layer), dtype, device)
+        self.attn_norm = Norm(d, device)
+        self.ffn_norm = Norm(d, device)
+        mix = (2 + hc) * hc
+        self.hc_attn_fn, self.hc_ffn_fn = fp32_param(mix, hc * d, device=device), fp32_param(mix, hc * d, device=device)
+        self.hc_attn_base, self.hc_ffn_base = fp32_param(mix, device=device), fp32_param(mix, device=device)
+        self.hc_attn_scale, self.hc_ffn_scale = fp32_param(3, device=device), fp32_param(3, device=device)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, layout: StepLayout, cache: LayerCache) -> torch.Tensor:
+        """h: the hc_mult residual streams [T, hc, D]."""
+        x, post, comb = self._pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        x = self.attn(rms_norm(x, self.attn_norm.weight, self.eps), batch, layout, cache)
+        h = hc_post(x, h, post, comb)
+        x, post, comb = self._pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        x = self.ffn(rms_norm(x, self.ffn_norm.weight, self.eps), batch.input_ids)
+        return hc_post(x, h, post, comb)
+
+    def _pre(self, h, fn, scale, base):
+        return hc_pre(h, fn, scale, base, self.hc, self.iters, self.hc_eps, self.eps)

@@ -1,0 +1,102 @@
+"""The KV compressor: every `ratio` tokens become one entry, a per-channel softmax-gated sum of their projections.
+
+With overlap (CSA), entry i pools the first half of the channels of window i-1 and the second half of
+window i (2 * ratio tokens, stride ratio). Entries get RMSNorm and RoPE at position i * ratio. Unfinished
+windows wait in a per-slot fp32 state, so chunks may end anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ds4.kernels.rmsnorm import rms_norm
+from ds4.kernels.rope import apply_rope
+from ds4.model.batch import ForwardBatch, StepLayout
+from ds4.model.cache import CompressorState
+from ds4.model.linear import Linear, Norm, fp32_param
+from ds4.model.paging import entry_rows
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden: int, ratio: int, head_dim: int, overlap: bool, eps: float, device: torch.device):
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap, self.eps = ratio, head_dim, overlap, eps
+        width = (2 if overlap else 1) * head_dim
+        self.ape = fp32_param(ratio, width, device=device)
+        # Compression runs in fp32, as in the reference.
+        self.wkv = Linear(hidden, width, torch.float32, device)
+        self.wgate = Linear(hidden, width, torch.float32, device)
+        self.norm = Norm(head_dim, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        layout: StepLayout,
+        state: CompressorState,
+        pool: torch.Tensor,
+        inv_freq: torch.Tensor,
+        finish: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Write every entry whose window completes in this step into `pool` [pages, page_size // ratio, head_dim].
+
+        `finish` applies the storage rounding (fp8 / fp4 simulation) to normalised, rotated entries.
+        """
+        xf = x.float()
+        kv = self.wkv(xf)
+        score = self.wgate(xf) + self.ape[batch.positions % self.ratio]
+        for r in range(len(layout.counts)):
+            if layout.counts[r] == 0:
+                continue
+            tokens = layout.token_slice(r)
+            entries, first = self._request(kv[tokens], score[tokens], layout.context_lens[r], layout.slots[r], state)
+            if entries is None:
+                continue
+            entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
+            index = torch.arange(first, first + entries.shape[0], device=x.device)
+            entries = finish(apply_rope(entries, index * self.ratio, inv_freq))
+            rows = entry_rows(batch.block_tables[r], index, pool.shape[1])
+            pool.view(-1, pool.shape[-1])[rows] = entries.to(pool.dtype)
+
+    def _request(self, kv: torch.Tensor, score: torch.Tensor, start: int, slot: int, state: CompressorState):
+        """Pool the windows one request completes; update its state. Returns (entries [m, head_dim] | None, first index)."""
+        ratio = self.ratio
+        cur = ratio if self.overlap else 0
+        filled = start % ratio
+        buf_kv = torch.cat((state.kv[slot, cur : cur + filled], kv))
+        buf_score = torch.cat((state.score[slot, cur : cur + filled], score))
+        done = buf_kv.shape[0] // ratio
+        left = buf_kv.shape[0] - done * ratio
+        first = start // ratio
+        entries = None
+        if done:
+            win_kv = buf_kv[: done * ratio].view(done, ratio, -1)
+            win_score = buf_score[: done * ratio].view(done, ratio, -1)
+            if self.overlap:
+                pooled_kv, pooled_score = self._overlap(win_kv, win_score, state, slot, first)
+            else:
+                pooled_kv, pooled_score = win_kv, win_score
+            entries = (pooled_kv * pooled_score.softmax(dim=1)).sum(dim=1)
+            if self.overlap:
+                state.kv[slot, :ratio] = win_kv[-1]
+                state.score[slot, :ratio] = win_score[-1]
+        state.kv[slot, cur : cur + left] = buf_kv[done * ratio :]
+        state.score[slot, cur : cur + left] = buf_score[done * ratio :]
+        return entries, first
+
+    def _overlap(self, win_kv, win_score, state: CompressorState, slot: int, first: int):
+        """[m, 2 * ratio, head_dim]: the previous window's first channel half, then this window's second half."""
+        d, ratio = self.head_dim, self.ratio
+        if first == 0:
+            prev_kv = torch.zeros_like(win_kv[:1])
+            prev_score = torch.full_like(win_score[:1], float("-inf"))
+        else:
+            prev_kv, prev_score = state.kv[slot, None, :ratio], state.score[slot, None, :ratio]
+        prev_kv = torch.cat((prev_kv, win_kv[:-1]))
+        prev_score = torch.cat((prev_score, win_score[:-1]))
+        pooled_kv = torch.cat((prev_kv[..., :d], win_kv[..., d:]), dim=1)
+        pooled_score = torch.cat((prev_score[..., :d], win_score[..., d:]), dim=1)
+        return pooled_kv, pooled_score

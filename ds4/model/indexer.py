@@ -1,0 +1,72 @@
+"""The lightning indexer of a CSA layer: picks, per query token, the top-k compressed entries to attend to.
+
+score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the entries s the token may see (s < (t + 1) // ratio),
+with q from the query low-rank residual and k from the indexer's own (overlapping) compressor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ds4.config import ModelConfig
+from ds4.kernels.rope import apply_rope
+from ds4.model.batch import ForwardBatch, StepLayout
+from ds4.model.cache import LayerCache
+from ds4.model.compressor import Compressor
+from ds4.model.linear import Linear
+from ds4.model.paging import entry_rows
+
+
+def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row (the order among them does not matter)."""
+    return torch.topk(scores, k, dim=-1).indices
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.ratio, self.topk = ratio, cfg.index_topk
+        self.heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.head_dim, dtype, device)
+        self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype, device)
+        self.compressor = Compressor(cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device)
+        self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        batch: ForwardBatch,
+        layout: StepLayout,
+        cache: LayerCache,
+        inv_freq: torch.Tensor,
+        finish: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Rows of the flattened compressed pool each token attends to: [T, k] (-1 = none)."""
+        self.compressor(x, batch, layout, cache.indexer, cache.index_keys, inv_freq, finish)
+        q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
+        q = finish(apply_rope(q, batch.positions, inv_freq)).float()
+        weights = self.weights_proj(x).float() * self.weight_scale
+        keys = cache.index_keys.view(-1, self.head_dim)
+        per_request = []
+        for r in range(len(layout.counts)):
+            tokens = layout.token_slice(r)
+            n_entries = (layout.context_lens[r] + layout.counts[r]) // self.ratio
+            if layout.counts[r] == 0 or n_entries == 0:
+                per_request.append(torch.full((layout.counts[r], 0), -1, dtype=torch.long, device=x.device))
+                continue
+            rows = entry_rows(batch.block_tables[r], torch.arange(n_entries, device=x.device), cache.index_keys.shape[1])
+            per_request.append(self._select(q[tokens], weights[tokens], keys[rows].float(), rows, batch.positions[tokens]))
+        width = max((p.shape[1] for p in per_request), default=0)
+        return torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in per_request])
+
+    def _select(self, q, weights, keys, rows, positions) -> torch.Tensor:
+        scores = (torch.einsum("thd,sd->ths", q, keys).relu() * weights[..., None]).sum(dim=1)
+        visible = (positions + 1) // self.ratio
+        entry = torch.arange(keys.shape[0], device=q.device)
+        scores = scores.masked_fill(entry[None, :] >= visible[:, None], float("-inf"))
+        picked = top_entries(scores, min(self.topk, keys.shape[0]))
+        return torch.where(picked < visible[:, None], rows[picked], torch.full_like(picked, -1))

@@ -1,0 +1,32 @@
+"""The multi-token-prediction layer: one more block fed the main model's streams and the next token's embedding.
+
+x = e_proj(enorm(embed(next_id))) + h_proj(hnorm(h)) per stream, then a block (its own cache layer),
+then its own hc_head and norm before the shared output head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds4.config import ModelConfig
+from ds4.kernels.rmsnorm import rms_norm
+from ds4.model.block import Block
+from ds4.model.linear import Linear, Norm, fp32_param
+
+
+class MTPBlock(Block):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str):
+        super().__init__(cfg, cfg.num_hidden_layers, dtype, device, kv_cache_dtype)
+        d, hc = cfg.hidden_size, cfg.hc_mult
+        self.e_proj = Linear(d, d, dtype, device)
+        self.h_proj = Linear(d, d, dtype, device)
+        self.enorm, self.hnorm, self.norm = Norm(d, device), Norm(d, device), Norm(d, device)
+        self.hc_head_fn = fp32_param(hc, hc * d, device=device)
+        self.hc_head_base = fp32_param(hc, device=device)
+        self.hc_head_scale = fp32_param(1, device=device)
+
+    def embed_inputs(self, token_embeddings: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """[T, D] embeddings of the next tokens and [T, hc, D] main-model streams -> the block's input streams."""
+        e = self.e_proj(rms_norm(token_embeddings, self.enorm.weight, self.eps))
+        return (e.unsqueeze(1) + self.h_proj(rms_norm(h, self.hnorm.weight, self.eps))).to(h.dtype)
