@@ -481,19 +481,18 @@ def encode_chat_request(
     thinking = _thinking_switch(chat_template_kwargs) and reasoning_effort != "none"
     effort = ("max" if reasoning_effort == "max" else "high") if thinking else None
     converted = _attach_tools([_from_openai_message(m, i) for i, m in enumerate(messages)], tools)
-    _check_generation_point(converted, continue_final_message)
     if continue_final_message:
+        if converted[-1].get("role") != "assistant":
+            raise ChatFormatError("continue_final_message needs the last message to be an assistant message")
         converted[-1]["wo_eos"] = True
     text = encode_messages(converted, thinking=thinking, reasoning_effort=effort)
+    if not continue_final_message:
+        _check_generation_point(converted)
     return ChatPrompt(text, thinking, effort, output_starts_in_reasoning=text.endswith(THINK_START_TEXT))
 
 
-def _check_generation_point(messages: list[dict], continue_final_message: bool) -> None:
+def _check_generation_point(messages: list[dict]) -> None:
     """The prompt must end where the assistant speaks next, or the model would answer into the void."""
-    if continue_final_message:
-        if messages[-1].get("role") != "assistant":
-            raise ChatFormatError("continue_final_message needs the last message to be an assistant message")
-        return
     last = next((m for m in reversed(messages) if m.get("role") != "latest_reminder"), messages[-1])
     if last.get("role") not in ("user", "developer", "tool"):
         raise ChatFormatError(
