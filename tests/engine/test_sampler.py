@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ds4.engine.sampler import Sampler, apply_penalties, compute_logprobs
+from ds4.engine.sampler import Sampler, apply_penalties, compute_logprobs, sample_random
 from ds4.engine.sampling_params import SamplingParams
 
 EOS = 1
@@ -89,6 +89,29 @@ def test_random_rows_follow_the_reference_distribution(options):
     observed = torch.bincount(tokens, minlength=vocab).double() / draws
     assert torch.all(observed[expected == 0] == 0), "a filtered-out token was sampled"
     assert (observed - expected).abs().max() < 0.02
+
+
+class _FixedDraw:
+    """A request whose random stream always yields `uniform`: pins the inverse-CDF boundaries."""
+
+    def __init__(self, params, uniform):
+        self.params, self.uniform = params, uniform
+
+    def draw_uniform(self):
+        return self.uniform
+
+
+def test_boundaries_of_top_p_min_p_and_the_draw():
+    four_equal = torch.zeros(1, 4)  # probabilities exactly 1/4 each
+    # top_p = 1/2 is reached by exactly two of four equal tokens: the third is not needed.
+    drawn = {int(sample_random(four_equal, [_FixedDraw(SamplingParams(top_p=0.5), u)])) for u in (0.0, 0.3, 0.6, 0.99)}
+    assert drawn == {0, 1}
+    # min_p = 1 keeps every token tied for the largest probability.
+    drawn = {int(sample_random(four_equal, [_FixedDraw(SamplingParams(min_p=1.0), u)])) for u in (0.0, 0.3, 0.6, 0.99)}
+    assert drawn == {0, 1, 2, 3}
+    # A draw of exactly 0 must not land on a leading token that was filtered out.
+    leading_loser = torch.tensor([[0.0, 5.0, 4.0]])
+    assert int(sample_random(leading_loser, [_FixedDraw(SamplingParams(top_k=2), 0.0)])) == 1
 
 
 def _run_steps(sampler, request, companions, position, steps_logits):
