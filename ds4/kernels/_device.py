@@ -1,0 +1,52 @@
+"""Facts about the device a kernel launches on, read once per device (block sizes and grids derive from them)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# The interpreter runs programs one after another on the CPU: few, large programs are fastest there.
+_INTERPRETER_SMS = 4
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a small fixed number for the CPU interpreter)."""
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _patch_interpreter_scalars() -> None:
+    """Lets the Triton 3.6 interpreter use tensor scalars as loop bounds under numpy >= 2.4.
+
+    The interpreter keeps scalars as 1-element arrays and converts them with int(array), which
+    numpy 2.4 rejects, so every `range(start, n, STEP)` with runtime bounds fails on the CPU.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_ds4_scalar_fix", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._ds4_scalar_fix = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _patch_interpreter_scalars()
