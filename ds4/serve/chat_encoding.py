@@ -79,7 +79,9 @@ _TOOLS_SECTION_HEAD = (
     f"Otherwise, output directly after {THINK_END_TEXT} with tool calls or final response.\n\n"
     "### Available Tool Schemas\n\n"
 )
-_TOOLS_SECTION_TAIL = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+_TOOLS_SECTION_TAIL = (
+    "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+)
 _RESPONSE_FORMAT_HEAD = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
@@ -196,7 +198,8 @@ def _check_tool_result_has_call(messages: list[dict], index: int, where: str) ->
     start = index
     while start > 0 and messages[start - 1].get("role") == "tool":
         start -= 1
-    calls = messages[start - 1].get("tool_calls") if start > 0 and messages[start - 1].get("role") == "assistant" else None
+    before = messages[start - 1] if start > 0 else {}
+    calls = before.get("tool_calls") if before.get("role") == "assistant" else None
     if not calls:
         raise ChatFormatError(f"{where}: a tool message must follow an assistant message with tool_calls")
     if index - start >= len(calls):

@@ -1,8 +1,8 @@
 """Model output text -> reasoning, content and tool calls, incrementally.
 
-The text arrives in deltas cut anywhere (incremental detokenisation can split `<｜DSML｜invo...` or a
-multi-byte character's neighbours), so every marker is recognised across delta boundaries: text that
-could still turn out to be the start of a marker is held back until it is decided. DSML never reaches
+The text arrives in deltas cut anywhere (incremental detokenisation splits `<｜DSML｜invoke` into several
+tokens), so every marker is recognised across delta boundaries: text that could still turn out to be the
+start of a marker is held back until it is decided. DSML never reaches
 content or reasoning; a tool call block that turns out malformed (or is cut off) is handed back as
 content, raw, with an error, so no text is lost.
 
@@ -367,7 +367,9 @@ class OutputParser:
 
 
 def parse_full(text: str, thinking: bool) -> tuple[str, str, list[dict]]:
-    """Whole output -> (reasoning, content, OpenAI tool_calls). Errors are in `OutputParser.errors`."""
+    """Whole output -> (reasoning, content, OpenAI tool_calls).
+
+    Malformed DSML ends up in content; run an `OutputParser` to also get the errors."""
     parser = OutputParser(thinking)
     reasoning, content, calls = [], [], {}
     for event in parser.feed(text) + parser.finish():

@@ -319,7 +319,8 @@ def test_special_token_ids(tokenizer):
         assert tokenizer.encode(text) == [token_id]
     special = tokenizer.special
     assert (special.bos, special.eos, special.user, special.assistant) == (0, 1, 128803, 128804)
-    assert (special.think_start, special.think_end, special.dsml, special.latest_reminder) == (128821, 128822, 128825, 128828)
+    assert (special.think_start, special.think_end) == (128821, 128822)
+    assert (special.dsml, special.latest_reminder) == (128825, 128828)
     assert tokenizer.vocab_size == 129280
 
 

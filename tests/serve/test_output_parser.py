@@ -215,7 +215,8 @@ def test_completed_calls_survive_a_later_malformed_one():
 def test_output_cut_off_inside_a_call_is_content():
     text = 'Hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x" string="true">par'
     _, content, calls, errors = every_split(text, thinking=False)
-    assert content == text and calls == [] and errors == ["malformed tool call: the output ended inside the tool calls block"]
+    assert content == text and calls == []
+    assert errors == ["malformed tool call: the output ended inside the tool calls block"]
 
 
 def test_duplicate_parameter_is_malformed():
