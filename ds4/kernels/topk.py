@@ -294,7 +294,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
     if n_cols == 0:
         return out.fill_(-1)
     k_pad = triton.next_power_of_2(k)
-    cap = max(4 * k_pad, 1024)
+    cap = max(4 * k_pad, 256)
     group = _group_size(n_cols, k)
     splits = max(1, min(triton.cdiv(n_cols, _TILE), triton.cdiv(4 * num_sms(device), rows)))
     chunk = triton.cdiv(triton.cdiv(n_cols, splits), _TILE) * _TILE

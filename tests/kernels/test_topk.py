@@ -1,0 +1,110 @@
+"""Exact top-k: the Triton kernels (through the CPU interpreter) and the torch path against torch.topk."""
+
+import importlib
+import inspect
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+import ds4.kernels._device
+import ds4.kernels.topk
+
+
+@pytest.fixture(scope="module")
+def topk():
+    """The top-k module with its kernels interpreted, even if it was imported before the variable was set."""
+    module = ds4.kernels.topk
+    if not isinstance(module._finish_kernel, InterpretedFunction):
+        os.environ["TRITON_INTERPRET"] = "1"
+        importlib.reload(ds4.kernels._device)
+        module = importlib.reload(module)
+    return module
+
+
+def check_against_torch(scores, lengths, k, got):
+    """Values equal torch.topk's as a multiset, indices valid and unique, -1 exactly past the row length."""
+    for row in range(scores.shape[0]):
+        n = min(int(lengths[row]), scores.shape[1])
+        want = min(k, n)
+        assert (got[row, want:] == -1).all()
+        idx = got[row, :want].long()
+        assert (idx >= 0).all() and (idx < n).all()
+        assert idx.unique().numel() == want
+        if want:
+            expect = torch.topk(scores[row, :n], want).values
+            chosen = scores[row, idx]
+            assert torch.equal(chosen.sort().values.nan_to_num(), expect.sort().values.nan_to_num())
+            assert torch.equal(chosen.isnan().sum(), expect.isnan().sum())
+
+
+def hard_rows(cols):
+    g = torch.Generator().manual_seed(cols)
+    randn = torch.randn(cols, generator=g)
+    equal = torch.full((cols,), 0.5)
+    ten = torch.randint(0, 10, (cols,), generator=g).float()
+    low_bits = (torch.ones(cols).view(torch.int32) + torch.randint(0, 4, (cols,), generator=g, dtype=torch.int32))
+    inf = torch.where(torch.rand(cols, generator=g) < 0.3, torch.tensor(float("inf")), randn)
+    inf[::3] = float("-inf")
+    zeros = torch.where(torch.rand(cols, generator=g) < 0.5, torch.tensor(-0.0), torch.tensor(0.0))
+    return torch.stack([randn, equal, ten, low_bits.view(torch.float32), inf, zeros])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_hard_inputs_equal_torch_topk(topk, impl):
+    k, cols = 16, 2100
+    scores = hard_rows(cols)
+    lengths = torch.tensor([cols, cols - 1, 9000, 1, k + 1, k - 1])
+    got = topk.topk_indices(scores, lengths, k, impl=impl)
+    check_against_torch(scores, lengths, k, got)
+    assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))
+
+
+def test_triton_equals_reference_across_group_sizes_and_strides(topk):
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(3, 9000, generator=g)
+    scores = base[:, 100:8700]  # row stride 9000, rows of 8600
+    lengths = torch.tensor([8600, 5000, 0])
+    got = topk.topk_indices(scores, lengths, 8, impl="triton")  # 8600 // 64 groups -> G = 16
+    assert torch.equal(got, topk.topk_indices_reference(scores, lengths, 8))
+    check_against_torch(scores, lengths, 8, got)
+
+
+def test_overflowing_candidates_take_the_exact_row_path(topk):
+    scores = torch.zeros(2, 3000)
+    scores[0, 2000:] = 1.0  # 1000 ties at the threshold, far more than the candidate buffer holds
+    scores[1, 7] = float("nan")
+    lengths = torch.tensor([3000, 3000])
+    got = topk.topk_indices(scores, lengths, 16, impl="triton")
+    assert torch.equal(got[0], torch.arange(2000, 2016, dtype=torch.int32))
+    assert got[1, 0] == 7 and torch.equal(got[1, 1:], torch.arange(0, 16, dtype=torch.int32)[torch.arange(16) != 7])
+
+
+def test_nan_ranks_above_inf_and_ties_take_lowest_index(topk):
+    scores = torch.tensor([[1.0, float("inf"), float("nan"), 1.0, -0.0, float("-nan"), 0.0, 1.0]])
+    for impl in ("torch", "triton"):
+        got = topk.topk_indices(scores, torch.tensor([8]), 5, impl=impl)
+        assert got.tolist() == [[2, 5, 1, 0, 3]]
+        assert torch.topk(scores[0], 2).values.isnan().all()  # torch.topk also puts NaN first
+
+
+def test_bad_arguments_fail_loudly(topk):
+    with pytest.raises(ValueError):
+        topk.topk_indices(torch.zeros(2, 8), torch.tensor([8, 8]), 0)
+    with pytest.raises(ValueError):
+        topk.topk_indices(torch.zeros(2, 8), torch.tensor([8, 8]), 4096)
+    with pytest.raises(ValueError):
+        topk.topk_indices(torch.zeros(2, 8, dtype=torch.float16), torch.tensor([8, 8]), 2)
+    with pytest.raises(ValueError):
+        topk.topk_indices(torch.zeros(8, 2).t(), torch.tensor([8, 8]), 2)
+
+
+def test_kernels_take_no_shape_as_constexpr(topk):
+    allowed = {"G", "TILE", "CAP", "K_PAD"}
+    for kernel in (topk._group_max_kernel, topk._group_hist_kernel, topk._collect_kernel, topk._finish_kernel):
+        params = inspect.signature(kernel.fn).parameters.values()
+        constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
+        assert constexprs and constexprs <= allowed, constexprs
