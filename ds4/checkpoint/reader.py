@@ -87,13 +87,16 @@ def load_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     with_mtp: bool = False,
+    keep_quantized: bool = False,
     progress: bool = True,
     stats: ReadStats | None = None,
 ) -> dict[str, torch.Tensor]:
     """Official name -> tensor, dequantised, on `device`.
 
     Linears, experts, embeddings and norms come in `dtype`; tensors the checkpoint keeps in fp32 (hc_*, ape,
-    attn_sink, gate bias) stay float32; integer tables (tid2eid) come as int64.
+    attn_sink, gate bias) stay float32; integer tables (tid2eid) come as int64. With `keep_quantized`, FP8 and
+    MXFP4 weights of an official checkpoint come as stored (float8_e4m3fn / int8) next to their `.scale`
+    (float8_e8m0fnu); a transformers-format checkpoint has nothing quantised to keep.
     """
     model_dir = Path(model_dir)
     cfg = config if config is not None else load_config(model_dir)
@@ -110,10 +113,13 @@ def load_checkpoint(
     raw = {name: t.to(device) for name, t in raw.items()}
     if fmt == HF:
         raw = {hf_names.saved_to_official(name): t for name, t in raw.items()}
+    out: dict[str, torch.Tensor] = {}
     try:
-        return {name: _materialise(cfg, name, spec.kind, raw, dtype) for name, spec in logical.items()}
+        for name, spec in logical.items():
+            out.update(_materialise(cfg, name, spec.kind, raw, dtype, keep_quantized))
     except QuantFormatError as e:
         raise CheckpointError(f"{model_dir}: {e}") from e
+    return out
 
 
 def _expected_stored(cfg: ModelConfig, fmt: str, with_mtp: bool) -> dict[str, _Expected]:
@@ -129,18 +135,23 @@ def _expected_stored(cfg: ModelConfig, fmt: str, with_mtp: bool) -> dict[str, _E
     }
 
 
-def _materialise(cfg: ModelConfig, name: str, kind: str, raw: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    t = raw[name]
+def _materialise(cfg: ModelConfig, name: str, kind: str, raw: dict[str, torch.Tensor], dtype: torch.dtype,
+                 keep_quantized: bool) -> dict[str, torch.Tensor]:
+    """The output tensor(s) for one logical name; raw tensors are dropped as used to bound peak memory."""
+    t = raw.pop(name)
     if kind == INDEX:
-        return t.to(torch.int64)
+        return {name: t.to(torch.int64)}
     if kind == FP32:
-        return t.to(torch.float32)
-    scale = raw.get(name.removesuffix(".weight") + ".scale")
-    if kind in (FP8_LINEAR, EXPERT) and scale is not None:
-        if t.dtype == torch.int8:
-            return mxfp4_dequantize(t, scale, dtype)
-        return fp8_block_dequantize(t, scale, cfg.fp8_block, dtype)
-    return t.to(dtype)
+        return {name: t.to(torch.float32)}
+    scale_name = name.removesuffix(".weight") + ".scale"
+    scale = raw.pop(scale_name, None)
+    if kind not in (FP8_LINEAR, EXPERT) or scale is None:
+        return {name: t.to(dtype)}
+    if keep_quantized:
+        return {name: t, scale_name: scale}
+    if t.dtype == torch.int8:
+        return {name: mxfp4_dequantize(t, scale, dtype)}
+    return {name: fp8_block_dequantize(t, scale, cfg.fp8_block, dtype)}
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:

@@ -27,7 +27,7 @@ from ds4.config import ModelConfig, load_config
 from ds4.model.weights_spec import BF16, EXPERT, FP8_LINEAR, FP32, INDEX, TensorSpec, expected_parameter_shapes
 
 # Bump whenever the generated weights or config change, so cached default models are rebuilt.
-TINY_VERSION = 1
+TINY_VERSION = 2
 FORMATS = ("official", "hf")
 
 TINY_CONFIG: dict[str, Any] = {
@@ -147,7 +147,8 @@ def _random_tensor(cfg: ModelConfig, name: str, spec: TensorSpec, seed: int) -> 
 
     Scales keep activations O(1) through every layer: projections ~ N(0, 1/in), norms ~ 1, mHC mixes ~ N(0, 1).
     """
-    gen = torch.Generator().manual_seed(seed * 0x1_0000_0000 + zlib.crc32(name.encode()))
+    # The CPU generator keeps only 32 bits of its seed: mix seed and name into those.
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
 
     def normal(std: float) -> torch.Tensor:
         return torch.randn(spec.shape, generator=gen) * std

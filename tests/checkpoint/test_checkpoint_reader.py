@@ -174,6 +174,16 @@ def test_fp8_and_fp4_weights_are_dequantised_from_their_stored_bytes(official_di
     assert torch.equal(state[name], values * scale.repeat_interleave(32, 1))
 
 
+def test_keep_quantized_returns_stored_weights_and_scales(official_dir):
+    kept = load(official_dir, keep_quantized=True, with_mtp=True)
+    wmap = weight_map(official_dir)
+    for name in ("layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale", "layers.2.ffn.experts.3.w1.weight",
+                 "layers.2.ffn.experts.3.w1.scale", "mtp.0.h_proj.weight"):
+        stored = load_file(official_dir / wmap[name])[name]
+        assert kept[name].dtype == stored.dtype and torch.equal(kept[name].view(torch.uint8), stored.view(torch.uint8))
+    assert kept["norm.weight"].dtype == torch.bfloat16 and kept["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+
+
 def test_single_file_checkpoint_without_index(official_dir, broken):
     tensors = {}
     for shard in sorted(set(weight_map(broken).values())):
