@@ -1,0 +1,250 @@
+"""Lightning-indexer logits over the paged fp8 indexer key cache, and the top-k that feeds on them.
+
+    score[r, s] = sum_h w[r, h] * relu(q[r, h] . k[s]) * k_scale[s]     for s < key_end[r], else -inf
+
+q is fp8 e4m3 [R, 64, 128] (an optional positive per-(row, head) scale folds into w, since
+relu(c x) = c relu(x) for c > 0); w [R, 64] fp32 already carries the softmax scale; keys are fp8
+e4m3 with one fp32 scale per entry (likewise applied after the relu).
+
+Rows are grouped by request: request b owns rows [b * n, (b + 1) * n) with n = rows_per_request
+(a prefill chunk is one request with n = its tokens and causal ends key_end = (t + 1) // 4; a decode
+step has n = 1, or 1 + the MTP draft rows, each with its own key_end). Keys are read through the
+request's block table, so prefill and decode share one kernel and neither copies the cache.
+
+Paged indexer key cache layout (`new_indexer_cache`): uint8 [num_pages, PAGE_BYTES], PAGE = 64
+entries per page; a page holds the 64 entries' 128-byte e4m3 vectors first (entry j at byte 128 j),
+then their 64 fp32 scales (at byte 8192 + 4 j): 132 bytes per entry. Keeping the vectors contiguous
+lets a key tile load as one [64, 128] block of 16-byte vectors, and the scales as one 256-byte read.
+Logical key s of a request lives in page block_table[b, s // 64], slot s % 64.
+
+`indexer_topk` returns the top-k key indices per row without materialising the [rows x keys] score
+matrix of a long prefill chunk: it scores at most `max_scratch_bytes` worth of rows at a time into
+one reused buffer and selects from each slice with ds4.kernels.topk.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4.kernels._device import interpreting
+from ds4.kernels.topk import topk_indices
+
+PAGE = 64
+HEAD_DIM = 128
+ENTRY_BYTES = HEAD_DIM + 4
+PAGE_BYTES = PAGE * ENTRY_BYTES
+FP8_MAX = 448.0
+
+# ----------------------------------------------------------------------------------------------
+# cache layout helpers (torch)
+# ----------------------------------------------------------------------------------------------
+
+
+def new_indexer_cache(num_pages: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An empty paged indexer key cache: uint8 [num_pages, PAGE_BYTES]."""
+    return torch.zeros((num_pages, PAGE_BYTES), dtype=torch.uint8, device=device)
+
+
+def cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 vectors [pages, PAGE, 128], fp32 scales [pages, PAGE]) viewing the cache's bytes."""
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != PAGE_BYTES or not cache.is_contiguous():
+        raise ValueError(f"indexer cache must be contiguous uint8 [pages, {PAGE_BYTES}], got {tuple(cache.shape)}")
+    vectors = cache[:, : PAGE * HEAD_DIM].view(torch.float8_e4m3fn).view(-1, PAGE, HEAD_DIM)
+    scales = cache[:, PAGE * HEAD_DIM :].view(torch.float32)
+    return vectors, scales
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-vector e4m3 quantisation over the last dim: (fp8 values, fp32 scales with x ~ values * scale)."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    values = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def write_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> None:
+    """Quantises keys [N, 128] and stores them at flat slots [N] (slot = page * PAGE + offset)."""
+    vectors, scales = cache_views(cache)
+    values, scale = quantize_rows(keys)
+    page, offset = slots.to(torch.int64) // PAGE, slots.to(torch.int64) % PAGE
+    vectors[page, offset] = values
+    scales[page, offset] = scale
+
+
+# ----------------------------------------------------------------------------------------------
+# torch reference (the spec, and the CPU path)
+# ----------------------------------------------------------------------------------------------
+
+
+def _fold_scale(weights: torch.Tensor, q_scale: torch.Tensor | None) -> torch.Tensor:
+    w = weights.float()
+    return w if q_scale is None else w * q_scale.float().expand_as(w)
+
+
+def indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                             key_end: torch.Tensor, rows_per_request: int, max_keys: int,
+                             q_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [R, max_keys]: the logits computed plainly from dequantised q and gathered keys."""
+    vectors, scales = cache_views(cache)
+    rows = q.shape[0]
+    w = _fold_scale(weights, q_scale)
+    out = torch.full((rows, max_keys), float("-inf"), dtype=torch.float32, device=q.device)
+    positions = torch.arange(max_keys, device=q.device)
+    for b in range(rows // rows_per_request):
+        pages = block_table[b, : triton.cdiv(max_keys, PAGE)].long().clamp(0, vectors.shape[0] - 1)
+        k = vectors[pages].float().reshape(-1, HEAD_DIM)[:max_keys]
+        k_scale = scales[pages].reshape(-1)[:max_keys]
+        r = slice(b * rows_per_request, (b + 1) * rows_per_request)
+        dots = torch.einsum("rhd,sd->rhs", q[r].float(), k).relu()
+        logits = torch.einsum("rh,rhs->rs", w[r], dots) * k_scale
+        visible = positions[None, :] < key_end[r].long()[:, None]
+        out[r] = torch.where(visible, logits, out[r])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["stride_qr", "stride_qh", "stride_wr", "stride_bt", "rows_per_request",
+                               "tiles_per_request", "n_heads", "max_keys", "stride_out"])
+def _indexer_logits_kernel(q_ptr, stride_qr, stride_qh, w_ptr, stride_wr, vec_ptr, scale_ptr, bt_ptr, stride_bt,
+                           key_end_ptr, rows_per_request, tiles_per_request, n_heads, max_keys, out_ptr, stride_out,
+                           BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PAGE_: tl.constexpr, D: tl.constexpr,
+                           DOT_F32: tl.constexpr):
+    request = tl.program_id(0) // tiles_per_request
+    local = (tl.program_id(0) % tiles_per_request) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_live = local < rows_per_request
+    rows = (request * rows_per_request + local).to(tl.int64)
+    key_end = tl.load(key_end_ptr + rows, mask=row_live, other=0)
+    keys = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    out_ptrs = out_ptr + rows[:, None] * stride_out + keys[None, :]
+    out_mask = row_live[:, None] & (keys[None, :] < max_keys)
+    if tl.program_id(1) * BLOCK_S >= tl.max(key_end, axis=0):
+        tl.store(out_ptrs, tl.full([BLOCK_R, BLOCK_S], float("-inf"), tl.float32), mask=out_mask)
+    else:
+        key_live = keys < tl.max(key_end, axis=0)
+        page = tl.load(bt_ptr + request.to(tl.int64) * stride_bt + keys // PAGE_, mask=key_live, other=0).to(tl.int64)
+        slot = keys % PAGE_
+        dims = tl.arange(0, D)
+        k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + dims[None, :],
+                    mask=key_live[:, None], other=0.0)
+        k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live, other=0.0)
+        kt = tl.trans(k)
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+        q_ptrs = q_ptr + rows[:, None] * stride_qr + dims[None, :]
+        acc = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
+        for h in range(0, n_heads):
+            qh = tl.load(q_ptrs + h * stride_qh, mask=row_live[:, None], other=0.0)
+            if DOT_F32:
+                qh = qh.to(tl.float32)
+            dots = tl.dot(qh, kt)
+            wh = tl.load(w_ptr + rows * stride_wr + h, mask=row_live, other=0.0)
+            acc += wh[:, None] * tl.maximum(dots, 0.0)
+        logits = acc * k_scale[None, :]
+        visible = keys[None, :] < key_end[:, None]
+        tl.store(out_ptrs, tl.where(visible, logits, float("-inf")), mask=out_mask)
+
+
+# Tile shapes per row count (measured on the H200, see BENCHMARKS.md): rows per tile, keys per tile, warps.
+_PREFILL_TILE = (64, 128, 4)
+_DECODE_TILE = (16, 64, 4)
+
+
+def _tile(rows_per_request: int) -> tuple[int, int, int]:
+    return _DECODE_TILE if rows_per_request <= _DECODE_TILE[0] else _PREFILL_TILE
+
+
+def _check_inputs(q, weights, cache, block_table, key_end, rows_per_request, max_keys):
+    rows = q.shape[0]
+    if q.dtype != torch.float8_e4m3fn or q.dim() != 3 or q.shape[2] != HEAD_DIM or q.stride(2) != 1:
+        raise ValueError(f"q must be e4m3 [rows, heads, {HEAD_DIM}] with a contiguous last dim, got {q.dtype} "
+                         f"{tuple(q.shape)}")
+    if weights.shape != q.shape[:2] or weights.dtype != torch.float32 or weights.stride(1) != 1:
+        raise ValueError(f"weights must be fp32 {tuple(q.shape[:2])} with a contiguous last dim")
+    if rows_per_request < 1 or rows % rows_per_request:
+        raise ValueError(f"{rows} rows do not split into requests of {rows_per_request}")
+    if block_table.dim() != 2 or block_table.shape[0] < rows // rows_per_request or block_table.stride(1) != 1:
+        raise ValueError("block_table must be int32 [requests, pages] with a contiguous last dim")
+    if block_table.shape[1] * PAGE < max_keys:
+        raise ValueError(f"block_table covers {block_table.shape[1] * PAGE} keys, fewer than max_keys={max_keys}")
+    if key_end.shape != (rows,):
+        raise ValueError(f"key_end must have shape ({rows},)")
+    cache_views(cache)
+
+
+def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                   key_end: torch.Tensor, rows_per_request: int, max_keys: int, q_scale: torch.Tensor | None = None,
+                   impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [R, max_keys] logits (-inf past each row's key_end); see the module docstring for the layout.
+
+    q: e4m3 [R, H, 128]; weights: fp32 [R, H]; q_scale: optional positive fp32 [R, H] (or broadcastable);
+    cache: paged indexer cache; block_table: int32 [R / rows_per_request, pages]; key_end: int [R].
+    impl: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch", or "auto".
+    """
+    _check_inputs(q, weights, cache, block_table, key_end, rows_per_request, max_keys)
+    if impl == "auto":
+        impl = "triton" if q.is_cuda else "torch"
+    if impl == "torch":
+        return indexer_logits_reference(q, weights, cache, block_table, key_end, rows_per_request, max_keys, q_scale)
+    if impl != "triton":
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    rows, n_heads, _ = q.shape
+    if out is None:
+        out = torch.empty((rows, max_keys), dtype=torch.float32, device=q.device)
+    if rows == 0 or max_keys == 0:
+        return out
+    w = _fold_scale(weights, q_scale).contiguous()
+    vectors = cache.view(torch.float8_e4m3fn)
+    scales = cache.view(torch.float32)
+    block_r, block_s, warps = _tile(rows_per_request)
+    tiles = triton.cdiv(rows_per_request, block_r)
+    grid = (rows // rows_per_request * tiles, triton.cdiv(max_keys, block_s))
+    _indexer_logits_kernel[grid](
+        q, q.stride(0), q.stride(1), w, w.stride(0), vectors, scales, block_table.to(torch.int32), block_table.stride(0),
+        key_end.to(torch.int32), rows_per_request, tiles, n_heads, max_keys, out, out.stride(0),
+        BLOCK_R=block_r, BLOCK_S=block_s, PAGE_=PAGE, D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps,
+        num_stages=3)
+    return out
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                 key_end: torch.Tensor, rows_per_request: int, max_keys: int, k: int,
+                 q_scale: torch.Tensor | None = None, impl: str = "auto",
+                 max_scratch_bytes: int = 1 << 30) -> torch.Tensor:
+    """int32 [R, k]: top-k key indices per row (ds4.kernels.topk order, -1 padded) with bounded scratch.
+
+    Rows are scored in slices of whole requests (or of rows, for a single request) so that the
+    fp32 score scratch never exceeds max_scratch_bytes.
+    """
+    _check_inputs(q, weights, cache, block_table, key_end, rows_per_request, max_keys)
+    rows = q.shape[0]
+    out = torch.empty((rows, k), dtype=torch.int32, device=q.device)
+    if rows == 0:
+        return out
+    slice_rows = max(1, max_scratch_bytes // (4 * max(max_keys, 1)))
+    requests = rows // rows_per_request
+    if requests > 1:
+        per_slice = max(1, slice_rows // rows_per_request)
+        slice_rows = per_slice * rows_per_request
+    else:
+        slice_rows = min(slice_rows, rows)
+    scratch = torch.empty((min(slice_rows, rows), max_keys), dtype=torch.float32, device=q.device)
+    scale = None if q_scale is None else q_scale.float().expand(q.shape[:2])
+    for start in range(0, rows, slice_rows):
+        stop = min(start + slice_rows, rows)
+        if requests > 1:
+            table = block_table[start // rows_per_request: stop // rows_per_request]
+            per_request = rows_per_request
+        else:
+            table = block_table
+            per_request = stop - start
+        logits = indexer_logits(q[start:stop], weights[start:stop], cache, table, key_end[start:stop], per_request,
+                                max_keys, None if scale is None else scale[start:stop], impl=impl,
+                                out=scratch[: stop - start])
+        out[start:stop] = topk_indices(logits, key_end[start:stop], k, impl=impl)
+    return out

@@ -1,0 +1,109 @@
+"""Indexer logits over the paged fp8 key cache: the Triton kernel (interpreted) against an fp64 oracle."""
+
+import importlib
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+import ds4.kernels._device
+import ds4.kernels.indexer
+import ds4.kernels.topk
+
+
+@pytest.fixture(scope="module")
+def indexer():
+    module = ds4.kernels.indexer
+    if not isinstance(module._indexer_logits_kernel, InterpretedFunction):
+        os.environ["TRITON_INTERPRET"] = "1"
+        importlib.reload(ds4.kernels._device)
+        importlib.reload(ds4.kernels.topk)
+        module = importlib.reload(module)
+    return module
+
+
+def paged_keys(indexer, requests, keys_per_request, pages_per_request, generator):
+    """A cache holding random keys for each request on shuffled pages, and the full-precision keys."""
+    total_pages = requests * pages_per_request + 3
+    cache = indexer.new_indexer_cache(total_pages)
+    order = torch.randperm(total_pages, generator=generator)[: requests * pages_per_request]
+    table = order.view(requests, pages_per_request).to(torch.int32)
+    keys = torch.randn(requests, keys_per_request, 128, generator=generator)
+    for b in range(requests):
+        s = torch.arange(keys_per_request)
+        slots = table[b, s // indexer.PAGE].long() * indexer.PAGE + s % indexer.PAGE
+        indexer.write_indexer_keys(cache, slots, keys[b])
+    return cache, table, keys
+
+
+def oracle(q, q_scale, w, keys_fp8, k_scale, key_end):
+    """fp64 score over the dequantised operands, written independently of the module."""
+    qd = q.double() * q_scale.double()[..., None]
+    kd = keys_fp8.double() * k_scale.double()[:, None]
+    s = torch.einsum("rhd,sd->rhs", qd, kd).clamp_min(0)
+    out = torch.einsum("rh,rhs->rs", w.double(), s)
+    visible = torch.arange(kd.shape[0])[None, :] < key_end[:, None]
+    return torch.where(visible, out, torch.tensor(float("-inf"), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("rows_per_request", [2, 70])
+def test_logits_match_fp64_oracle(indexer, impl, rows_per_request):
+    g = torch.Generator().manual_seed(rows_per_request)
+    requests, n_keys, heads = (3, 150, 4) if rows_per_request == 2 else (1, 200, 2)
+    cache, table, _ = paged_keys(indexer, requests, n_keys, 4, g)
+    rows = requests * rows_per_request
+    q, q_scale = indexer.quantize_rows(torch.randn(rows, heads, 128, generator=g))
+    w = torch.randn(rows, heads, generator=g)
+    key_end = torch.randint(0, n_keys + 1, (rows,), generator=g)
+    key_end[0] = n_keys
+    max_keys = 4 * indexer.PAGE
+    got = indexer.indexer_logits(q, w, cache, table, key_end, rows_per_request, max_keys, q_scale=q_scale, impl=impl)
+    vectors, scales = indexer.cache_views(cache)
+    for b in range(requests):
+        pages = table[b].long()
+        r = slice(b * rows_per_request, (b + 1) * rows_per_request)
+        want = oracle(q[r], q_scale[r], w[r], vectors[pages].reshape(-1, 128), scales[pages].reshape(-1), key_end[r])
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got[r]), finite)
+        err = (got[r][finite].double() - want[finite]).norm() / want[finite].norm()
+        assert err < 1e-5, err
+
+
+def test_quantised_keys_stay_close_to_the_originals(indexer):
+    g = torch.Generator().manual_seed(3)
+    cache, table, keys = paged_keys(indexer, 1, 100, 2, g)
+    vectors, scales = indexer.cache_views(cache)
+    pages = table[0].long()
+    back = (vectors[pages].float() * scales[pages][..., None]).reshape(-1, 128)[:100]
+    assert (back - keys[0]).norm() / keys[0].norm() < 0.05
+
+
+def test_topk_with_bounded_scratch_equals_whole_matrix(indexer):
+    g = torch.Generator().manual_seed(5)
+    n_keys, rows = 180, 40
+    cache, table, _ = paged_keys(indexer, 1, n_keys, 3, g)
+    q, q_scale = indexer.quantize_rows(torch.randn(rows, 2, 128, generator=g))
+    w = torch.randn(rows, 2, generator=g)
+    key_end = (torch.arange(rows) * 4 + 4) // 4 + 140  # causal-style growing ends
+    max_keys = 3 * indexer.PAGE
+    logits = indexer.indexer_logits(q, w, cache, table, key_end, rows, max_keys, q_scale=q_scale, impl="torch")
+    want = ds4.kernels.topk.topk_indices(logits, key_end, 16, impl="torch")
+    for impl in ("torch", "triton"):
+        got = indexer.indexer_topk(q, w, cache, table, key_end, rows, max_keys, 16, q_scale=q_scale, impl=impl,
+                                   max_scratch_bytes=7 * max_keys * 4)
+        assert torch.equal(got, want)
+
+
+def test_bad_layouts_fail_loudly(indexer):
+    cache = indexer.new_indexer_cache(2)
+    q = torch.zeros(2, 4, 128).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError):
+        indexer.indexer_logits(q.float(), torch.zeros(2, 4), cache, torch.zeros(1, 2, dtype=torch.int32),
+                               torch.tensor([1, 1]), 2, 128)
+    with pytest.raises(ValueError):
+        indexer.indexer_logits(q, torch.zeros(2, 4), cache, torch.zeros(1, 1, dtype=torch.int32),
+                               torch.tensor([1, 1]), 2, 128)
