@@ -239,7 +239,9 @@ def _read_header(f: BinaryIO, file_size: int, shard: str) -> tuple[dict[str, _En
         raise CheckpointError(f"shard {shard}: truncated ({file_size} bytes; not even a safetensors header length)")
     (n,) = struct.unpack("<Q", head)
     if n > min(_MAX_HEADER_BYTES, file_size - 8):
-        raise CheckpointError(f"shard {shard}: corrupt or truncated safetensors header (claims {n} bytes, file has {file_size})")
+        raise CheckpointError(
+            f"shard {shard}: corrupt or truncated safetensors header (claims {n} bytes, file has {file_size})"
+        )
     try:
         header = json.loads(f.read(n))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -94,7 +94,8 @@ def test_fp8_quantize_reproduces_known_codes_and_scales():
     assert weight.dtype == torch.float8_e4m3fn and scale.dtype == E8M0
     assert torch.equal(scale.view(torch.uint8), scale_bytes)
     # +0 and -0 are the same value; compare values, and bytes everywhere else.
-    assert torch.equal(weight.float(), values / scale.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols])
+    per_element = scale.float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    assert torch.equal(weight.float(), values / per_element)
     nonzero = values != 0
     assert torch.equal(weight.view(torch.uint8)[nonzero], raw[nonzero])
 
@@ -124,7 +125,8 @@ def test_mxfp4_dequantize_hand_built_bytes_low_nibble_first():
         block_scale = 2.0 if i < 16 else 0.25
         expected += [e2m1_value(byte & 0xF) * block_scale, e2m1_value(byte >> 4) * block_scale]
     assert got.tolist() == [expected]
-    # Spelled out: 0x21 -> (0.5, 1.0); 0xF8 -> (-0, -6); 0x7A -> (-1, 6); 0x09 -> (-0.5, 0); 0x3C at scale 1/4 -> (-2/4, 1.5/4).
+    # Spelled out at scale 2: 0x21 -> (0.5, 1.0); 0xF8 -> (-0, -6); 0x7A -> (-1, 6); 0x09 -> (-0.5, 0);
+    # and at scale 1/4: 0x3C -> (-2, 1.5).
     assert got[0, :8].tolist() == [1.0, 2.0, -0.0, -12.0, -2.0, 12.0, -1.0, 0.0]
     assert got[0, 32:34].tolist() == [-0.5, 0.375]
 

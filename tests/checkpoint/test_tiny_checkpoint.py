@@ -34,7 +34,8 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
     c = shard_bytes(make_tiny(tmp_path / "c", seed=6, config_overrides=SMALL))
     assert len(a) >= 2 and a == b
     assert a.keys() == c.keys() and all(a[k] != c[k] for k in a)
-    assert (tmp_path / "a" / "model.safetensors.index.json").read_text() == (tmp_path / "b" / "model.safetensors.index.json").read_text()
+    index = "model.safetensors.index.json"
+    assert (tmp_path / "a" / index).read_text() == (tmp_path / "b" / index).read_text()
 
 
 def test_every_feature_is_present(tmp_path):
