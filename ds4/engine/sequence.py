@@ -36,8 +36,13 @@ class Sequence:
         self.slot: int | None = None
         self.finish_reason: str | None = None
         self.num_preemptions = 0
-        # Sampling and detokenising state owned by the engine (logprobs, detokenizer, penalties).
-        self.state: dict[str, Any] = {}
+        # Set by the engine: the sampler's per-request state, the detokenizer and stop checker, and the
+        # prompt logprobs gathered so far (one per prompt token, None for the first; None if not asked for).
+        self.sampling: Any = None
+        self.detokenizer: Any = None
+        self.prompt_logprobs: list | None = None
+        self.arrival_time = 0.0
+        self.first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,104 @@
+"""How many cache pages and slots the engine allocates at start-up, from a memory budget.
+
+The budget is --kv-cache-memory bytes when given; on CUDA otherwise --gpu-memory-utilization of the
+device minus what is already in use (weights) and the activation peak of one full step, measured by
+running one; on CPU otherwise 1 GiB. Slots (sliding windows, compressor states) are paid first, the
+rest becomes pages. Pages beyond max_num_seqs requests of max_model_len tokens would never be used.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ds4.engine.config import GiB, EngineConfig
+from ds4.model.batch import ForwardBatch
+from ds4.model.cache import bytes_per_page, bytes_per_slot
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_CACHE_BYTES = GiB
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    num_pages: int
+    num_slots: int  # allocated in the cache; the scheduler hands out max_num_seqs of them
+    page_size: int
+    max_model_len: int
+    page_bytes: int
+    slot_bytes: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.page_bytes + self.num_slots * self.slot_bytes
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_pages} pages x {self.page_size} tokens = {self.capacity_tokens} tokens of context, "
+                f"{self.num_slots} request slots, {self.total_bytes / GiB:.3f} GiB; max_model_len {self.max_model_len}")
+
+
+def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int) -> CachePlan:
+    cfg = model.cfg
+    page_bytes = bytes_per_page(cfg, config.page_size, model.dtype, model.with_mtp)
+    slot_bytes = bytes_per_slot(cfg, model.dtype, model.with_mtp)
+    budget = config.kv_cache_memory
+    if budget is None:
+        budget = cuda_cache_budget(model, config, device) if device.type == "cuda" else CPU_DEFAULT_CACHE_BYTES
+    num_pages = (budget - num_slots * slot_bytes) // page_bytes
+    if num_pages < 1:
+        raise ValueError(
+            f"the cache budget of {budget} bytes does not cover {num_slots} request slots ({slot_bytes} bytes each) "
+            f"and one page ({page_bytes} bytes): give more memory or lower max_num_seqs")
+    wanted_len = config.max_model_len or cfg.max_position_embeddings
+    num_pages = min(num_pages, config.max_num_seqs * -(-wanted_len // config.page_size))
+    max_model_len = config.max_model_len or min(cfg.max_position_embeddings, num_pages * config.page_size)
+    plan = CachePlan(num_pages, num_slots, config.page_size, max_model_len, page_bytes, slot_bytes)
+    logger.info(plan.describe())
+    return plan
+
+
+def cuda_cache_budget(model, config: EngineConfig, device: torch.device) -> int:
+    """Bytes left for the cache under gpu_memory_utilization after the weights and one full step's activations."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    peak = _activation_peak(model, config, device)
+    budget = int(total * config.gpu_memory_utilization) - in_use - peak
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no room for the cache: "
+            f"{in_use / GiB:.1f} GiB in use, one step needs {peak / GiB:.1f} GiB of activations, device {total / GiB:.1f} GiB")
+    return budget
+
+
+def _activation_peak(model, config: EngineConfig, device: torch.device) -> int:
+    """Peak bytes of one step of max_num_batched_tokens prompt tokens plus the logits of max_num_seqs rows."""
+    n = config.max_num_batched_tokens
+    pages = -(-n // config.page_size)
+    scratch = model.new_cache(1, pages, config.page_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(n, dtype=torch.long, device=device),
+        positions=torch.arange(n, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        context_lens=torch.zeros(1, dtype=torch.int32, device=device),
+        slots=torch.zeros(1, dtype=torch.int32, device=device),
+        block_tables=torch.arange(pages, dtype=torch.int32, device=device).unsqueeze(0),
+    )
+    hidden = model.forward(batch, scratch)
+    model.compute_logits(hidden[-min(n, config.max_num_seqs):])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del scratch, hidden, batch
+    torch.cuda.empty_cache()
+    return peak

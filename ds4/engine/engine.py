@@ -1,0 +1,259 @@
+"""LLMEngine: requests in, incremental outputs out; one `step()` = schedule -> run the model -> postprocess.
+
+    engine = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=8, kv_cache_memory=1 << 28)
+    engine.add_request("a", prompt_token_ids, SamplingParams(max_tokens=16))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ...  # out.new_token_ids, out.new_text, out.finished, out.finish_reason
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ds4.engine.cache_plan import plan_cache
+from ds4.engine.config import EngineConfig
+from ds4.engine.cuda_graphs import DecodeGraphs
+from ds4.engine.model_runner import ChunkResult, ModelRunner
+from ds4.engine.page_allocator import PageAllocator
+from ds4.engine.sampler import Sampler, TokenLogprobs
+from ds4.engine.sampling_params import SamplingParams
+from ds4.engine.scheduler import RequestRejected, Scheduler
+from ds4.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLMEngine", "RequestOutput", "EngineStats", "RequestRejected"]
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced in one step (deltas), and whether it is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    # "stop" (EOS, a stop token or stop string), "length" (max_tokens or max_model_len), "abort", "error".
+    finish_reason: str | None = None
+    # The stop token id or stop string that ended the request (None for EOS and other reasons).
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    # Sent once, with the request's first output: one entry per prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # since start
+    num_pages: int
+    num_free_pages: int
+    capacity_tokens: int
+    prompt_tokens: int  # prefill tokens run through the model since start (recomputation included)
+    generation_tokens: int  # tokens sampled since start
+    num_steps: int
+    num_finished: int
+
+    @property
+    def cache_usage(self) -> float:
+        return 1.0 - self.num_free_pages / self.num_pages
+
+
+class LLMEngine:
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, seed: int | None = None):
+        """`model` a loaded DeepseekV4Model; `tokenizer` (DSV4Tokenizer) for text outputs and stop strings."""
+        self.config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        use_graphs = self.device.type == "cuda" and not self.config.enforce_eager
+        if use_graphs and not getattr(model, "cuda_graph_safe", False):
+            logger.warning("the model's forward is not CUDA-graph safe; decode steps run eagerly")
+            use_graphs = False
+        # With graphs, one extra slot is the scratch slot that padding rows write to.
+        self.plan = plan_cache(model, self.config, self.device, self.config.max_num_seqs + use_graphs)
+        self.cache = model.new_cache(self.plan.num_slots, self.plan.num_pages, self.plan.page_size)
+        self.allocator = PageAllocator(self.plan.num_pages, self.config.max_num_seqs, self.plan.page_size)
+        self.scheduler = Scheduler(self.config, self.allocator, self.plan.max_model_len)
+        self.sampler = Sampler(eos_token_ids=(model.cfg.eos_token_id,), seed=seed)
+        graphs = None
+        if use_graphs:
+            batch_size = min(self.config.max_cuda_graph_batch_size, self.config.max_num_seqs)
+            graphs = DecodeGraphs(model, self.cache, batch_size, self.allocator.pages_for(self.plan.max_model_len),
+                                  padding_slot=self.config.max_num_seqs, device=self.device)
+        self.runner = ModelRunner(model, self.cache, self.sampler, self.device, graphs)
+        self.requests: dict[str, Sequence] = {}
+        self._aborted: list[RequestOutput] = []
+        self._prompt_tokens = self._generation_tokens = self._steps = self._finished = 0
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path | None = None, *, device: str | None = None, dtype: str = "auto",
+                        kv_cache_dtype: str = "auto", seed: int | None = None, **engine_flags) -> "LLMEngine":
+        """Load a checkpoint (default: the built-in tiny model) and its tokenizer; engine_flags are EngineConfig fields."""
+        from ds4.checkpoint.reader import load_checkpoint
+        from ds4.checkpoint.tiny import default_model_dir
+        from ds4.config import load_config
+        from ds4.model.deepseek_v4 import DeepseekV4Model
+        from ds4.tokenizer import load_tokenizer
+
+        config = EngineConfig.from_kwargs(**engine_flags)
+        model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch_dtype = _resolve_dtype(dtype, device)
+        cfg = load_config(model_dir)
+        model = DeepseekV4Model(cfg, dtype=torch_dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+        model.load_weights(load_checkpoint(model_dir, cfg, dtype=torch_dtype, device=device))
+        tokenizer_file = model_dir / "tokenizer.json"
+        tokenizer = load_tokenizer(tokenizer_file if tokenizer_file.exists() else None)
+        return cls(model, config, tokenizer, seed)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.plan.max_model_len
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; raises RequestRejected (a ValueError) if it can never run, ValueError on bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        vocab = self.model.cfg.vocab_size
+        params.validate(vocab)
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: prompt token ids outside the vocabulary of {vocab}: {bad[:8]}")
+        seq = Sequence(request_id, prompt_token_ids, params)
+        self.scheduler.check(seq)
+        seq.sampling = self.sampler.new_request(params, seq.prompt_token_ids)
+        seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        seq.arrival_time = time.monotonic()
+        self.scheduler.add(seq)
+        self.requests[request_id] = seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its pages go back now and the next step() reports it finished with "abort"."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.finish(seq, "abort")
+        self._finished += 1
+        self._aborted.append(self._output(seq, [], "", None))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return outputs
+        try:
+            results = self.runner.run(scheduled.chunks)
+        except Exception as e:  # a failed step fails its requests, not the engine
+            logger.exception("engine step failed")
+            for chunk in scheduled.chunks:
+                outputs.append(self._fail(chunk.seq, f"{type(e).__name__}: {e}"))
+            return outputs
+        self._steps += 1
+        for chunk, result in zip(scheduled.chunks, results):
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            if result.token_id is None:
+                self._prompt_tokens += chunk.num_tokens
+            else:
+                self._prompt_tokens += chunk.num_tokens - 1
+            out = self._postprocess(seq, result)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_pages=self.allocator.num_pages,
+            num_free_pages=self.allocator.num_free_pages,
+            capacity_tokens=self.allocator.capacity_tokens,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            num_steps=self._steps,
+            num_finished=self._finished,
+        )
+
+    def _postprocess(self, seq: Sequence, result: ChunkResult) -> RequestOutput | None:
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs.extend(result.prompt_logprobs)
+        token_id = result.token_id
+        if token_id is None:
+            return None
+        self._generation_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        seq.output_token_ids.append(token_id)
+        seq.sampling.append(token_id)
+        text, finish_reason, stop_reason = self._check_stop(seq, token_id)
+        out = self._output(seq, [token_id], text, result.logprobs)
+        if finish_reason is not None:
+            self._finish(seq, finish_reason)
+            out.finished, out.finish_reason, out.stop_reason = True, finish_reason, stop_reason
+        return out
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> tuple[str, str | None, int | str | None]:
+        """(new text, finish reason, stop reason) after seq's newest token."""
+        params: SamplingParams = seq.params
+        num_out = len(seq.output_token_ids)
+        if token_id in params.stop_token_ids:
+            return "", "stop", token_id
+        if token_id in self.sampler.eos_token_ids and not params.ignore_eos:
+            return "", "stop", None
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return "", "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "", "length", None
+        return "", None, None
+
+    def _output(self, seq: Sequence, token_ids: list[int], text: str, logprobs: TokenLogprobs | None) -> RequestOutput:
+        first = len(seq.output_token_ids) == len(token_ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if first and token_ids else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.requests.pop(seq.request_id, None)
+        self._finished += 1
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        self._finish(seq, "error")
+        out = self._output(seq, [], "", None)
+        out.error = error
+        return out
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype not in names:
+        raise ValueError(f"dtype must be auto or one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
