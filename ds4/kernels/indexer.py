@@ -193,23 +193,29 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
         return indexer_logits_reference(q, weights, cache, block_table, key_end, rows_per_request, max_keys, q_scale)
     if impl != "triton":
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    rows, n_heads, _ = q.shape
+    rows = q.shape[0]
     if out is None:
         out = torch.empty((rows, max_keys), dtype=torch.float32, device=q.device)
     if rows == 0 or max_keys == 0:
         return out
-    w = _fold_scale(weights, q_scale).contiguous()
+    _launch(q, _fold_scale(weights, q_scale).contiguous(), cache, block_table, key_end, rows_per_request, max_keys,
+            out, _tile(rows_per_request))
+    return out
+
+
+def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile, num_stages=3):
+    rows, n_heads, _ = q.shape
     vectors = cache.view(torch.float8_e4m3fn)
     scales = cache.view(torch.float32)
-    block_r, block_s, warps = _tile(rows_per_request)
+    block_r, block_s, warps = tile
+    table = block_table.to(torch.int32)
     tiles = triton.cdiv(rows_per_request, block_r)
     grid = (rows // rows_per_request * tiles, triton.cdiv(max_keys, block_s))
     _indexer_logits_kernel[grid](
-        q, q.stride(0), q.stride(1), w, w.stride(0), vectors, scales, block_table.to(torch.int32), block_table.stride(0),
+        q, q.stride(0), q.stride(1), w, w.stride(0), vectors, scales, table, table.stride(0),
         key_end.to(torch.int32), rows_per_request, tiles, n_heads, max_keys, out, out.stride(0),
         BLOCK_R=block_r, BLOCK_S=block_s, PAGE_=PAGE, D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps,
-        num_stages=3)
-    return out
+        num_stages=num_stages)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

@@ -1,0 +1,1 @@
+"""Benchmarks run on real hardware (`ds4 bench ...`)."""

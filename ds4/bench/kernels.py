@@ -1,0 +1,190 @@
+"""`ds4 bench kernels`: top-k and indexer kernels against torch and against the measured rooflines.
+
+Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read + written) and the
+fp8 e4m3 GEMM rate of torch._scaled_mm at 8192^3. A kernel's roofline time is its bytes read over the
+copy bandwidth (top-k, decode) or its useful FLOPs over the fp8 rate (prefill logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+import triton.testing
+
+from ds4.kernels import indexer as ix
+from ds4.kernels import topk as tk
+
+TOPK_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512), (64, 131072, 1024), (128, 32768, 512)]
+ROTATE_BYTES = 256 << 20  # inputs smaller than this are rotated so timings do not come from L2
+
+
+def _median_ms(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def _graph_ms(fn) -> float:
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _median_ms(graph.replay)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 1 GiB device-to-device copy."""
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def fp8_gemm_rate(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    sa = torch.ones(n, 1, device="cuda")
+    sb = torch.ones(1, n, device="cuda")
+    ms = _median_ms(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
+    sets = max(1, ROTATE_BYTES // (rows * cols * 4))
+    inputs = [torch.randn(rows, cols, device="cuda") for _ in range(sets)]
+    lengths = torch.full((rows,), cols, device="cuda", dtype=torch.int32)
+
+    def ours():
+        for x in inputs:
+            tk.topk_indices(x, lengths, k)
+
+    def theirs():
+        for x in inputs:
+            torch.topk(x, k, dim=1)
+
+    got = tk.topk_indices(inputs[0], lengths, k)
+    exact = bool(torch.equal(got, tk.topk_indices_reference(inputs[0], lengths, k)))
+    ds4_ms = _median_ms(ours) / sets
+    graph_ms = _graph_ms(ours) / sets
+    torch_ms = _median_ms(theirs) / sets
+    roof_ms = rows * cols * 4 / bandwidth * 1e3
+    return {"rows": rows, "cols": cols, "k": k, "exact": exact, "ds4_ms": ds4_ms, "ds4_graph_ms": graph_ms,
+            "torch_topk_ms": torch_ms, "speedup_vs_torch": torch_ms / ds4_ms,
+            "speedup_vs_torch_graph": torch_ms / graph_ms, "roofline_ms": roof_ms,
+            "roofline_fraction": roof_ms / ds4_ms, "roofline_fraction_graph": roof_ms / graph_ms}
+
+
+def _indexer_inputs(requests: int, rows_per_request: int, n_keys: int, context_end: int | None):
+    pages = triton.cdiv(n_keys, ix.PAGE)
+    cache = ix.new_indexer_cache(requests * pages, device="cuda")
+    vectors, scales = ix.cache_views(cache)
+    vectors.copy_(torch.randn(vectors.shape, device="cuda").to(torch.float8_e4m3fn))
+    scales.copy_(torch.rand(scales.shape, device="cuda") + 0.5)
+    table = torch.randperm(requests * pages, device="cuda").view(requests, pages).to(torch.int32)
+    rows = requests * rows_per_request
+    q = torch.randn(rows, 64, 128, device="cuda").to(torch.float8_e4m3fn)
+    w = torch.randn(rows, 64, device="cuda")
+    if context_end is None:
+        key_end = torch.full((rows,), n_keys, device="cuda", dtype=torch.int32)
+    else:  # causal prefill chunk ending at token context_end: key_end = (t + 1) // 4
+        t = torch.arange(context_end - rows, context_end, device="cuda")
+        key_end = ((t + 1) // 4).clamp(max=n_keys).to(torch.int32)
+    return q, w, cache, table, key_end, pages * ix.PAGE
+
+
+PREFILL_TILES = [(64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3), (128, 64, 4, 3), (64, 128, 4, 4)]
+
+
+def bench_indexer_prefill(queries: int, n_keys: int, gemm_rate: float, tiles) -> dict:
+    q, w, cache, table, key_end, max_keys = _indexer_inputs(1, queries, n_keys, 4 * n_keys)
+    flops = float(key_end.double().sum()) * 64 * 128 * 2
+    out = torch.empty(queries, max_keys, device="cuda")
+    runs = []
+    for block_r, block_s, warps, stages in tiles:
+        tile = (block_r, block_s, warps)
+        fn = lambda: ix._launch(q, w, cache, table, key_end, queries, max_keys, out, tile, stages)  # noqa: E731
+        try:
+            ms = _median_ms(fn)
+        except Exception as err:  # a tile that does not fit (shared memory) is reported, not fatal
+            runs.append({"tile": [block_r, block_s, warps, stages], "error": str(err)[:200]})
+            continue
+        runs.append({"tile": [block_r, block_s, warps, stages], "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
+                     "gemm_fraction": flops / (ms * 1e-3) / gemm_rate})
+    sample = slice(0, 256)
+    ref = ix.indexer_logits_reference(q[sample], w[sample], cache, table, key_end[sample], 256, max_keys)
+    got = ix.indexer_logits(q[sample], w[sample], cache, table, key_end[sample], 256, max_keys)
+    finite = torch.isfinite(ref)
+    err = float((got[finite] - ref[finite]).norm() / ref[finite].norm())
+    fused_ms = _median_ms(lambda: ix.indexer_topk(q, w, cache, table, key_end, queries, max_keys, 512))
+    return {"queries": queries, "keys": n_keys, "useful_flops": flops, "rel_err_vs_fp32": err, "tiles": runs,
+            "indexer_topk_ms_k512": fused_ms}
+
+
+def bench_indexer_decode(requests: int, rows_per_request: int, n_keys: int, bandwidth: float) -> dict:
+    q, w, cache, table, key_end, max_keys = _indexer_inputs(requests, rows_per_request, n_keys, None)
+    ms = _median_ms(lambda: ix.indexer_logits(q, w, cache, table, key_end, rows_per_request, max_keys))
+    rows = requests * rows_per_request
+    moved = requests * n_keys * ix.ENTRY_BYTES + rows * max_keys * 4 + q.numel()
+    return {"requests": requests, "rows_per_request": rows_per_request, "keys": n_keys, "ms": ms,
+            "bytes_moved": moved, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
+
+
+def _print_table(report: dict) -> None:
+    print(f"\n{report['device']}  copy {report['copy_bandwidth_tbps']:.2f} TB/s  "
+          f"fp8 gemm {report['fp8_gemm_tflops']:.0f} TFLOP/s")
+    print(f"{'top-k rows x cols, k':>26} {'ds4 ms':>8} {'graph':>8} {'torch':>8} {'x torch':>8} {'x(graph)':>8} "
+          f"{'roof%':>6} {'roof%g':>6} exact")
+    for r in report["topk"]:
+        print(f"{r['rows']:>10} x {r['cols']:>8}, {r['k']:>4} {r['ds4_ms']:8.4f} {r['ds4_graph_ms']:8.4f} "
+              f"{r['torch_topk_ms']:8.4f} {r['speedup_vs_torch']:8.2f} {r['speedup_vs_torch_graph']:8.2f} "
+              f"{100 * r['roofline_fraction']:6.1f} {100 * r['roofline_fraction_graph']:6.1f} {r['exact']}")
+    if "indexer_prefill" in report:
+        p = report["indexer_prefill"]
+        print(f"indexer prefill {p['queries']} x {p['keys']} (rel err {p['rel_err_vs_fp32']:.1e}), "
+              f"indexer_topk k=512 {p['indexer_topk_ms_k512']:.2f} ms")
+        for t in p["tiles"]:
+            if "ms" in t:
+                print(f"  tile {t['tile']}: {t['ms']:.3f} ms {t['tflops']:.0f} TFLOP/s "
+                      f"{100 * t['gemm_fraction']:.1f}% of fp8 gemm")
+            else:
+                print(f"  tile {t['tile']}: {t['error']}")
+    for d in report.get("indexer_decode", []):
+        print(f"indexer decode {d['requests']} x {d['rows_per_request']} rows, {d['keys']} keys: {d['ms']:.3f} ms "
+              f"{100 * d['bandwidth_fraction']:.1f}% of copy bandwidth")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ds4 bench kernels", description=__doc__)
+    parser.add_argument("--json", metavar="PATH", help="write the full report here")
+    parser.add_argument("--skip-indexer", action="store_true", help="time only the top-k kernels")
+    parser.add_argument("--all-tiles", action="store_true", help="sweep several indexer tile shapes")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ds4 bench kernels needs a CUDA device", file=sys.stderr)
+        return 2
+    bandwidth = copy_bandwidth()
+    gemm = fp8_gemm_rate()
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "copy_bandwidth_tbps": bandwidth / 1e12, "fp8_gemm_tflops": gemm / 1e12,
+              "topk": [bench_topk(r, c, k, bandwidth) for r, c, k in TOPK_CASES]}
+    if not args.skip_indexer:
+        tiles = PREFILL_TILES if args.all_tiles else PREFILL_TILES[:1]
+        report["indexer_prefill"] = bench_indexer_prefill(8192, 65536, gemm, tiles)
+        report["indexer_decode"] = [bench_indexer_decode(64, 2, 65536, bandwidth),
+                                    bench_indexer_decode(256, 1, 16384, bandwidth)]
+    _print_table(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,142 @@
+"""Top-k and indexer kernels on the GPU: exactness at real sizes, graph replay, bounded compilation."""
+
+import pytest
+import torch
+
+from ds4.kernels import indexer as ix
+from ds4.kernels import topk as tk
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [0, 1, 511, 512, 513, 8191, 8193, 32769, 262145, 1048577]
+
+
+def data(kind, rows, cols, g):
+    if kind == "randn":
+        return torch.randn(rows, cols, device="cuda", generator=g)
+    if kind == "equal":
+        return torch.full((rows, cols), 0.25, device="cuda")
+    if kind == "ten":
+        return torch.randint(0, 10, (rows, cols), device="cuda", generator=g).float()
+    if kind == "low_bits":
+        bits = torch.randint(0, 8, (rows, cols), device="cuda", generator=g, dtype=torch.int32) + 0x3F800000
+        return bits.view(torch.float32)
+    if kind == "inf":
+        x = torch.randn(rows, cols, device="cuda", generator=g)
+        u = torch.rand(rows, cols, device="cuda", generator=g)
+        x[u < 0.2] = float("inf")
+        x[u > 0.7] = float("-inf")
+        return x
+    raise ValueError(kind)
+
+
+def assert_exact(scores, lengths, k, got):
+    """Same values as torch.topk (multiset, row by row), indices valid, unique, and -1 exactly past the end."""
+    want_ref = tk.topk_indices_reference(scores, lengths, k)
+    assert torch.equal(got, want_ref)  # the canonical order of the module docstring
+    n = lengths.clamp(max=scores.shape[1])
+    for row in range(scores.shape[0]):
+        m = min(k, int(n[row]))
+        assert (got[row, m:] == -1).all()
+        idx = got[row, :m].long()
+        assert idx.unique().numel() == m
+        if m:
+            assert 0 <= int(idx.min()) and int(idx.max()) < int(n[row])
+            expect = torch.topk(scores[row, : int(n[row])], m).values.sort().values
+            assert torch.equal(scores[row, idx].sort().values, expect)
+
+
+@pytest.mark.parametrize("kind", ["randn", "equal", "ten", "low_bits", "inf"])
+@pytest.mark.parametrize("k", [512, 1024, 2048])
+def test_exact_over_lengths(kind, k):
+    g = torch.Generator(device="cuda").manual_seed(k)
+    cols = max(LENGTHS)
+    scores = data(kind, len(LENGTHS), cols, g)
+    lengths = torch.tensor(LENGTHS, device="cuda")
+    got = tk.topk_indices(scores, lengths, k)
+    assert_exact(scores, lengths, k, got)
+    assert torch.equal(tk.topk_indices(scores, lengths, k), got)  # deterministic
+
+
+def test_short_rows_batch_and_row_stride():
+    g = torch.Generator(device="cuda").manual_seed(7)
+    base = torch.randn(300, 20000, device="cuda", generator=g)
+    scores = base[:, 37:17000]
+    lengths = torch.randint(0, 17000, (300,), device="cuda", generator=g)
+    lengths[:5] = torch.tensor([0, 1, 1023, 1024, 1025])
+    assert_exact(scores, lengths, 1024, tk.topk_indices(scores, lengths, 1024))
+
+
+def test_cuda_graph_replay_tracks_new_inputs():
+    g = torch.Generator(device="cuda").manual_seed(11)
+    scores = torch.randn(8, 70000, device="cuda", generator=g)
+    lengths = torch.full((8,), 70000, device="cuda")
+    tk.topk_indices(scores, lengths, 512)  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tk.topk_indices(scores, lengths, 512)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tk.topk_indices(scores, lengths, 512)
+    for step in range(3):
+        scores.copy_(torch.randn(8, 70000, device="cuda", generator=g))
+        if step == 2:
+            scores[3] = 1.0  # a tie-dominated row takes the exact-row path inside the graph
+        lengths.copy_(torch.randint(1, 70000, (8,), device="cuda", generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_exact(scores, lengths, 512, out.clone())
+
+
+def compiled_variants(kernels):
+    total = 0
+    for kernel in kernels:
+        for cache in kernel.device_caches.values():
+            total += len(cache[0])
+    return total
+
+
+def test_two_hundred_shapes_compile_few_variants():
+    g = torch.Generator(device="cuda").manual_seed(13)
+    kernels = [tk._group_max_kernel, tk._group_hist_kernel, tk._collect_kernel, tk._finish_kernel]
+    for i in range(200):
+        rows = 1 + (i * 7) % 37
+        cols = 40000 + i * 131
+        stride = cols + (i % 5) * 3
+        base = torch.randn(rows, stride, device="cuda", generator=g)
+        scores = base[:, :cols]
+        lengths = torch.randint(0, cols + 1, (rows,), device="cuda", generator=g)
+        got = tk.topk_indices(scores, lengths, 512)
+        if i % 50 == 0:
+            assert_exact(scores, lengths, 512, got)
+    variants = compiled_variants(kernels)
+    assert variants <= 12, variants
+
+
+def test_indexer_logits_match_fp32_reference():
+    g = torch.Generator(device="cuda").manual_seed(17)
+    requests, n_keys, pages = 2, 3000, 48
+    cache = ix.new_indexer_cache(requests * pages + 5, device="cuda")
+    table = torch.randperm(requests * pages + 5, device="cuda", generator=g)[: requests * pages]
+    table = table.view(requests, pages).to(torch.int32)
+    for b in range(requests):
+        s = torch.arange(n_keys, device="cuda")
+        keys = torch.randn(n_keys, 128, device="cuda", generator=g)
+        ix.write_indexer_keys(cache, table[b, s // ix.PAGE].long() * ix.PAGE + s % ix.PAGE, keys)
+    for rows_per_request in (3, 700):
+        rows = requests * rows_per_request
+        q, q_scale = ix.quantize_rows(torch.randn(rows, 64, 128, device="cuda", generator=g))
+        w = torch.randn(rows, 64, device="cuda", generator=g)
+        key_end = torch.randint(0, n_keys + 1, (rows,), device="cuda", generator=g)
+        max_keys = pages * ix.PAGE
+        got = ix.indexer_logits(q, w, cache, table, key_end, rows_per_request, max_keys, q_scale=q_scale)
+        want = ix.indexer_logits_reference(q, w, cache, table, key_end, rows_per_request, max_keys, q_scale)
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), finite)
+        err = (got[finite].double() - want[finite].double()).norm() / want[finite].double().norm()
+        assert err < 1e-4, err
+        top = ix.indexer_topk(q, w, cache, table, key_end, rows_per_request, max_keys, 512, q_scale=q_scale,
+                              max_scratch_bytes=rows * max_keys)
+        assert_exact(got, key_end, 512, top)
