@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
   > "$OUT/gpu.txt" 2>&1
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
-timeout 300 python3 -m pytest -x -q -m gpu tests/kernels/test_gpu_kernels.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 300 python3 -m pytest -q --maxfail=6 -m gpu tests/kernels/test_gpu_kernels.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 timeout 240 python3 -c "import sys; from ds4.bench.kernels import main; sys.exit(main(sys.argv[1:]))" \
   --json "$OUT/bench_kernels.json" --all-tiles 2>&1 | tee "$OUT/bench.log"
