@@ -29,7 +29,8 @@ class TokenBytes:
 
     def __init__(self, tokenizer: Tokenizer):
         if not isinstance(tokenizer.decoder, decoders.ByteLevel):
-            raise ValueError(f"incremental detokenizing needs a byte-level BPE tokenizer, got decoder {tokenizer.decoder}")
+            raise ValueError("incremental detokenizing needs a byte-level BPE tokenizer, "
+                             f"got decoder {tokenizer.decoder}")
         alphabet = _byte_level_alphabet()
 
         def to_bytes(token: str) -> bytes:

@@ -101,7 +101,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[RequestSampling]) -> SamplerOutput:
         if logits.dim() != 2 or logits.dtype != torch.float32:
-            raise ValueError(f"logits must be a [batch, vocab] float32 tensor, got {logits.dtype} {tuple(logits.shape)}")
+            raise ValueError(f"logits must be a [batch, vocab] float32 tensor, "
+                             f"got {logits.dtype} {tuple(logits.shape)}")
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
         processed = apply_penalties(self._mask_early_stops(apply_logit_bias(logits, requests), requests), requests)
@@ -181,13 +182,22 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[RequestSampling]) -
 
 
 def sample_random(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
-    """Temperature, min_p, top_k, top_p, then one inverse-CDF draw per row from its request's generator."""
+    """One inverse-CDF draw per row of the warped distribution, from the row's own request generator."""
+    cdf = warp_logits(logits, [request.params for request in requests]).softmax(dim=-1).double().cumsum(dim=-1)
+    uniforms = torch.tensor([request.draw_uniform() for request in requests], dtype=torch.float64,
+                            device=logits.device)
+    # right=True picks the first token whose cdf exceeds the target, so never a zero-probability token.
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
+
+
+def warp_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then min_p, then top_k, then top_p (filtered tokens get -inf); random rows only."""
     device, vocab_size = logits.device, logits.shape[1]
 
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
 
-    params = [request.params for request in requests]
     x = logits / column([p.temperature for p in params], logits.dtype)
     if any(p.min_p > 0 for p in params):
         probs = x.softmax(dim=-1)
@@ -197,11 +207,7 @@ def sample_random(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> 
         top_k = column([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.long)
         top_p = column([p.top_p for p in params], torch.float64)
         x = x.masked_fill(top_k_top_p_drop(x, top_k, top_p), float("-inf"))
-    cdf = x.softmax(dim=-1).double().cumsum(dim=-1)
-    uniforms = torch.tensor([request.draw_uniform() for request in requests], dtype=torch.float64, device=device)
-    # right=True picks the first token whose cdf exceeds the target, so never a zero-probability token.
-    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=vocab_size - 1)
+    return x
 
 
 def top_k_top_p_drop(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -69,10 +69,11 @@ def test_random_ids_including_broken_bytes_add_up_to_the_full_decode(tokenizer, 
 
 
 def test_special_tokens_are_skipped_only_when_asked(tokenizer, token_bytes):
-    bos, eos, user = (tokenizer.token_to_id(t) for t in ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>"))
+    bos_text, eos_text = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    bos, eos, user = (tokenizer.token_to_id(t) for t in (bos_text, eos_text, "<｜User｜>"))
     ids = [bos, user] + tokenizer.encode("hi there", add_special_tokens=False).ids + [eos]
     assert "".join(deltas(token_bytes, ids, True)[0]) == "<｜User｜>hi there"
-    assert "".join(deltas(token_bytes, ids, False)[0]) == "<｜begin▁of▁sentence｜><｜User｜>hi there<｜end▁of▁sentence｜>"
+    assert "".join(deltas(token_bytes, ids, False)[0]) == f"{bos_text}<｜User｜>hi there{eos_text}"
 
 
 def test_flush_turns_an_unfinished_character_into_a_replacement(tokenizer, token_bytes):

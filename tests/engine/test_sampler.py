@@ -190,7 +190,8 @@ def test_penalties_match_a_token_by_token_reference():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(3, vocab, generator=gen) * 3
     sampler = Sampler([EOS])
-    cases = [(greedy(repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=0.25), [1, 2, 2, 30], [2, 5, 5, 5]),
+    cases = [(greedy(repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=0.25),
+              [1, 2, 2, 30], [2, 5, 5, 5]),
              (greedy(), [3, 4], [4]),
              (greedy(repetition_penalty=0.6, frequency_penalty=-0.7, presence_penalty=1.5), [7], [8, 8, 9, 7])]
     requests = []
@@ -270,7 +271,8 @@ def test_seeded_sampling_on_cuda_matches_cpu():
     params = SamplingParams(seed=7, temperature=0.8, top_k=50, top_p=0.95, min_p=0.01, max_tokens=50)
     on_cpu = _run_steps(Sampler([EOS]), Sampler([EOS]).new_request(params, [1]), [], 0, steps_logits)
     sampler = Sampler([EOS], seed=1)
-    companions = [sampler.new_request(SamplingParams(repetition_penalty=1.2), [2, 3]), sampler.new_request(greedy(), [4])]
+    companions = [sampler.new_request(SamplingParams(repetition_penalty=1.2), [2, 3]),
+                  sampler.new_request(greedy(), [4])]
     cuda_logits = [row.cuda() for row in steps_logits]
 
     def run_cuda(position):
