@@ -56,7 +56,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
-    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = args.prompt
+    if args.chat:
+        from ds4.serve.chat_encoding import encode_chat_request
+
+        prompt = encode_chat_request([{"role": "user", "content": args.prompt}]).text
     output = llm.generate([prompt], params)[0]
     print(output.text)
     return 0
