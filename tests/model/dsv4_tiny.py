@@ -70,11 +70,13 @@ def ds4_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], kv_cache_dtype
 def step_batch(requests: list[tuple[torch.Tensor, int, int, torch.Tensor]]) -> ForwardBatch:
     """requests: (token ids of this step, context length, slot, block table row)."""
     ids = torch.cat([r[0] for r in requests])
-    positions = torch.cat([torch.arange(ctx, ctx + len(t)) for t, ctx, _, _ in requests])
-    counts = torch.tensor([len(r[0]) for r in requests])
-    loc = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
-    batch = ForwardBatch(ids, positions, loc, torch.tensor([r[1] for r in requests]),
-                         torch.tensor([r[2] for r in requests]), torch.stack([r[3] for r in requests]))
+    dev = ids.device
+    positions = torch.cat([torch.arange(ctx, ctx + len(t), device=dev) for t, ctx, _, _ in requests])
+    counts = torch.tensor([len(r[0]) for r in requests], device=dev)
+    loc = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), counts.cumsum(0)])
+    batch = ForwardBatch(ids, positions, loc, torch.tensor([r[1] for r in requests], device=dev),
+                         torch.tensor([r[2] for r in requests], device=dev),
+                         torch.stack([r[3] for r in requests]).to(dev))
     batch.validate()
     return batch
 
