@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-# Rows per piece in the torch reference, so a long prefill never materialises all gathered keys at once.
-_TOKENS_PER_PIECE = 256
+# The torch reference gathers keys for a piece of tokens at a time, at most this many bytes of fp32 keys.
+_PIECE_BYTES = 1 << 28
 
 
 def sparse_attention(
@@ -23,8 +23,10 @@ def sparse_attention(
         if kv.dim() != 2 or kv.shape[1] != q.shape[2] or idx.shape[0] != q.shape[0]:
             raise ValueError(f"sparse_attention: kv {tuple(kv.shape)} / indices {tuple(idx.shape)} do not fit q {tuple(q.shape)}")
     out = torch.empty_like(q)
-    for start in range(0, q.shape[0], _TOKENS_PER_PIECE):
-        rows = slice(start, start + _TOKENS_PER_PIECE)
+    keys_per_token = sum(idx.shape[1] for _, idx in key_sets)
+    piece = max(1, _PIECE_BYTES // max(1, keys_per_token * q.shape[2] * 4))
+    for start in range(0, q.shape[0], piece):
+        rows = slice(start, start + piece)
         out[rows] = _attend(q[rows], [(kv, idx[rows]) for kv, idx in key_sets], sink, scale)
     return out
 

@@ -20,6 +20,10 @@ from ds4.model.linear import Linear
 from ds4.model.paging import entry_rows
 
 
+# Per-head scores are formed for a piece of tokens at a time, at most this many bytes.
+_PIECE_BYTES = 1 << 28
+
+
 def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores per row (the order among them does not matter)."""
     return torch.topk(scores, k, dim=-1).indices
@@ -64,7 +68,11 @@ class Indexer(nn.Module):
         return torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in per_request])
 
     def _select(self, q, weights, keys, rows, positions) -> torch.Tensor:
-        scores = (torch.einsum("thd,sd->ths", q, keys).relu() * weights[..., None]).sum(dim=1)
+        piece = max(1, _PIECE_BYTES // (4 * self.heads * keys.shape[0]))
+        scores = torch.cat([
+            (torch.einsum("thd,sd->ths", q[i : i + piece], keys).relu() * weights[i : i + piece, :, None]).sum(dim=1)
+            for i in range(0, q.shape[0], piece)
+        ])
         visible = (positions + 1) // self.ratio
         entry = torch.arange(keys.shape[0], device=q.device)
         scores = scores.masked_fill(entry[None, :] >= visible[:, None], float("-inf"))
