@@ -18,6 +18,7 @@ import torch
 
 from ds4.engine.cache_plan import plan_cache
 from ds4.engine.config import EngineConfig
+from ds4.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from ds4.engine.cuda_graphs import DecodeGraphs
 from ds4.engine.model_runner import ChunkResult, ModelRunner
 from ds4.engine.page_allocator import PageAllocator
@@ -25,6 +26,7 @@ from ds4.engine.sampler import Sampler, TokenLogprobs
 from ds4.engine.sampling_params import SamplingParams
 from ds4.engine.scheduler import RequestRejected, Scheduler
 from ds4.engine.sequence import Sequence
+from ds4.engine.stop import LENGTH, STOP, StopChecker, token_finish_reason
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +73,11 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, seed: int | None = None):
-        """`model` a loaded DeepseekV4Model; `tokenizer` (DSV4Tokenizer) for text outputs and stop strings."""
+        """`model` a loaded DeepseekV4Model; `tokenizer` (DSV4Tokenizer or tokenizers.Tokenizer) for text and stop strings."""
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
+        self._token_bytes = TokenBytes(getattr(tokenizer, "_tokenizer", tokenizer)) if tokenizer is not None else None
         self.device = next(model.parameters()).device
         use_graphs = self.device.type == "cuda" and not self.config.enforce_eager
         if use_graphs and not getattr(model, "cuda_graph_safe", False):
@@ -131,11 +134,16 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: prompt token ids outside the vocabulary of {vocab}: {bad[:8]}")
+        if params.stop and self._token_bytes is None:
+            raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
         seq = Sequence(request_id, prompt_token_ids, params)
         self.scheduler.check(seq)
         seq.sampling = self.sampler.new_request(params, seq.prompt_token_ids)
         seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         seq.arrival_time = time.monotonic()
+        if self._token_bytes is not None:
+            seq.detokenizer = (IncrementalDetokenizer(self._token_bytes, params.skip_special_tokens),
+                               StopChecker(params.stop, params.include_stop_str_in_output))
         self.scheduler.add(seq)
         self.requests[request_id] = seq
 
@@ -212,15 +220,24 @@ class LLMEngine:
         """(new text, finish reason, stop reason) after seq's newest token."""
         params: SamplingParams = seq.params
         num_out = len(seq.output_token_ids)
-        if token_id in params.stop_token_ids:
-            return "", "stop", token_id
-        if token_id in self.sampler.eos_token_ids and not params.ignore_eos:
-            return "", "stop", None
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            return "", "length", None
-        if seq.num_tokens >= self.max_model_len:
-            return "", "length", None
-        return "", None, None
+        reason = token_finish_reason(token_id, num_out, params, self.sampler.eos_token_ids)
+        stop_reason = token_id if reason == STOP and token_id in params.stop_token_ids else None
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = LENGTH
+        if seq.detokenizer is None:
+            return "", reason, stop_reason
+        detokenizer, checker = seq.detokenizer
+        ended_on_token = reason == STOP
+        delta = detokenizer.add_token(token_id) if not ended_on_token or params.include_stop_str_in_output else ""
+        text = checker.feed(delta, can_stop=num_out >= params.min_tokens)
+        if checker.stopped_by is not None:
+            return text, STOP, checker.stopped_by
+        if reason is not None:
+            text += checker.feed(detokenizer.flush(), can_stop=num_out >= params.min_tokens)
+            if checker.stopped_by is not None:
+                return text, STOP, checker.stopped_by
+            text += checker.flush()
+        return text, reason, stop_reason
 
     def _output(self, seq: Sequence, token_ids: list[int], text: str, logprobs: TokenLogprobs | None) -> RequestOutput:
         first = len(seq.output_token_ids) == len(token_ids)
