@@ -217,7 +217,7 @@ def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: 
     prefix = 0
     above = 0
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         hist = tl.zeros([256], dtype=tl.int32)
         for off in range(0, length, TILE):
             cols = off + lanes
