@@ -124,20 +124,31 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.plan.max_model_len
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; raises RequestRejected (a ValueError) if it can never run, ValueError on bad input."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        params = params or SamplingParams()
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (RequestRejected when it can never run) for a request add_request would refuse.
+
+        Reads only fixed settings, so another thread may call it while the engine steps."""
         vocab = self.model.cfg.vocab_size
         params.validate(vocab)
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt has no tokens")
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"request {request_id!r}: prompt token ids outside the vocabulary of {vocab}: {bad[:8]}")
         if params.stop and self._token_bytes is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
+                f"{self.max_model_len} (prompt plus at least one output token)")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request; raises RequestRejected (a ValueError) if it can never run, ValueError on bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        self.check_request(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params)
-        self.scheduler.check(seq)
         seq.sampling = self.sampler.new_request(params, seq.prompt_token_ids)
         seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         seq.arrival_time = time.monotonic()
