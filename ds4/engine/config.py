@@ -77,3 +77,20 @@ class EngineConfig:
         if unknown:
             raise EngineConfigError(f"unknown engine flag(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+def add_engine_args(parser) -> None:
+    """Add every engine flag to an argparse parser as --kebab-case options (defaults from EngineConfig)."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            group.add_argument(flag, action="store_true", help=f"(default: {f.default})")
+        else:
+            kind = float if f.name == "gpu_memory_utilization" else int
+            group.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
+
+
+def engine_flags_from_args(args) -> dict:
+    """The EngineConfig keyword arguments from parsed arguments (see add_engine_args)."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
