@@ -99,7 +99,7 @@ def _indexer_inputs(requests: int, rows_per_request: int, n_keys: int, context_e
     return q, w, cache, table, key_end, pages * ix.PAGE
 
 
-PREFILL_TILES = [(64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 8, 3), (128, 64, 4, 3), (64, 128, 4, 4)]
+PREFILL_TILES = [(64, 256, 8, 3), (128, 256, 16, 3), (64, 256, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3)]
 
 
 def bench_indexer_prefill(queries: int, n_keys: int, gemm_rate: float, tiles) -> dict:

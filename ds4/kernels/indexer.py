@@ -151,7 +151,7 @@ def _indexer_logits_kernel(q_ptr, stride_qr, stride_qh, w_ptr, stride_wr, vec_pt
 
 
 # Tile shapes per row count (measured on the H200, see BENCHMARKS.md): rows per tile, keys per tile, warps.
-_PREFILL_TILE = (64, 128, 4)
+_PREFILL_TILE = (64, 256, 8)
 _DECODE_TILE = (16, 64, 4)
 
 

@@ -7,22 +7,25 @@ Order (the spec, shared by the torch reference and the Triton kernels):
   * values compare as numbers; -0.0 and +0.0 are equal; NaN ranks above +inf and all NaNs are equal
     (torch.topk also treats NaN as the largest value);
   * equal values are taken lowest index first, so the chosen set never depends on timing;
-  * each row lists its indices by value descending, equal values by index ascending, then the -1s.
+  * each row lists its chosen indices in ascending order, then the -1s (a fixed order, so
+    consumers that sum over the selection get the same bits every run).
 `lengths` are clamped to [0, scores.shape[1]]; rows may have any stride (the last dim is contiguous).
 
-How the Triton path stays exact and fast (four launches over the whole batch, no host sync):
+How the Triton path stays exact and fast (five launches over the whole batch, no host sync):
   1. group maxima: every row is cut into groups of G entries; each group's maximum order key is
      written to a workspace and counted in a 256-bin histogram of its top byte (many CTAs per row).
   2. a second histogram, of the next byte, over the groups in the threshold bin. Together they give
      tau, a 16-bit-precise lower bound with at least min(k, groups) group maxima >= tau. Every group
      maximum >= tau is itself an entry >= tau, so at least k entries are >= tau and the top k are
      all among them.
-  3. collection: only groups whose maximum reaches tau are read again; entries >= tau are appended
-     to a per-row candidate buffer of CAP slots (slots reserved by one atomic per tile). G is chosen
-     so a row has >= 8k groups, which leaves about k + a few percent candidates on spread-out data.
-  4. one CTA per row sorts its candidates by (value, -index) when they fit in CAP; when they do not
-     (rows dominated by ties, for instance), the same CTA runs an exact radix select over the whole
-     row instead (4 byte passes, then an in-order gather that takes the lowest-index ties). Either
+  3. collection: only groups whose maximum reaches tau are read again; one pass counts the entries
+     >= tau per CTA, a second writes them to a per-row buffer of CAP slots at offsets summed from
+     the earlier CTAs' counts, so candidates sit in column order. G is chosen so a full-length row
+     has >= 8k groups, which leaves about k + a few percent candidates on spread-out data.
+  4. one CTA per row: when the candidates fit in CAP, an exact radix select over them in registers
+     (and a second one over column numbers when the k-th value has more ties than places); when they
+     do not (tie-dominated rows, for instance), the same CTA runs an exact radix select over the whole
+     row instead (4 byte passes, then an in-order gather that takes the lowest-column ties). Either
      way the answer is exact: an overflowing buffer only changes which path runs, never the result.
 No CTA ever waits on another; workspaces are sized from the shapes alone, so the call is safe to
 capture in a CUDA graph.
@@ -43,6 +46,7 @@ _BINS = 256
 _WS_COUNT = 2 * _BINS  # workspace columns: hist1[256], hist2[256], candidate count
 _GROUPS_PER_K = 8  # a row wants >= 8k groups so that tau lands close to the k-th value
 _MAX_GROUP = 16
+_SPLITS_PER_SM = 4  # programs per SM when a batch has few rows
 
 INT_MIN = tl.constexpr(_INT32_MIN)
 INT_MAX = tl.constexpr(2**31 - 1)
@@ -62,18 +66,20 @@ def order_keys(x: torch.Tensor) -> torch.Tensor:
 
 
 def topk_indices_reference(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """Plain torch: a stable descending sort of the order keys, first k kept, -1 past the row's length."""
+    """Plain torch: a stable descending sort of the order keys, first k kept and put in column order."""
     rows, cols = scores.shape
     lengths = lengths.to(device=scores.device, dtype=torch.int64).clamp(0, cols)
     positions = torch.arange(cols, device=scores.device)
     valid = positions[None, :] < lengths[:, None]
     keys = order_keys(scores).to(torch.int64)
     keys = torch.where(valid, keys, torch.full_like(keys, -(2**40)))
-    order = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, :k].to(torch.int32)
-    out = torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
+    order = torch.sort(keys, dim=1, descending=True, stable=True).indices[:, :k]
     kept = order.shape[1]
     rank = torch.arange(kept, device=scores.device)
-    out[:, :kept] = torch.where(rank[None, :] < lengths[:, None], order, torch.full_like(order, -1))
+    order = torch.where(rank[None, :] < lengths[:, None], order, torch.full_like(order, cols + 1))
+    order = order.sort(dim=1).values  # chosen columns ascending, the unused places last
+    out = torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
+    out[:, :kept] = torch.where(order > cols, torch.full_like(order, -1), order).to(torch.int32)
     return out
 
 
@@ -169,50 +175,99 @@ def _group_hist_kernel(lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, chunk, k,
     tl.atomic_add(ws_row + 256 + bins, hist, mask=hist > 0)
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "chunk", "k"])
-def _collect_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, cand_ptr, chunk, k,
-                    G: tl.constexpr, TILE: tl.constexpr, CAP: tl.constexpr):
+@triton.jit
+def _hot_tile(row_scores, row_gm, off, length, tau, G: tl.constexpr, TILE: tl.constexpr):
+    """Keys and columns of one tile, and which entries are >= tau (groups below tau are not read)."""
+    groups = tl.arange(0, TILE // G)
+    group = off // G + groups
+    hot = tl.load(row_gm + group, mask=group * G < length, other=INT_MIN) >= tau
+    cols = off + groups[:, None] * G + tl.arange(0, G)[None, :]
+    inside = hot[:, None] & (cols < length)
+    key = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0))
+    take = inside & (key >= tau)
+    return tl.reshape(key, [TILE]), tl.reshape(cols, [TILE]), tl.reshape(take, [TILE]).to(tl.int32), hot
+
+
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "chunk", "k", "n_splits"])
+def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, counts_ptr, chunk, k,
+                  n_splits, G: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
-    ws_row = ws_ptr + row * 513
-    tau = _tau(ws_row, length, k, G)
+    tau = _tau(ws_ptr + row * 513, length, k, G)
     start = tl.program_id(1) * chunk
     end = tl.minimum(start + chunk, length)
     row_scores = scores_ptr + row.to(tl.int64) * stride_row
     row_gm = gm_ptr + row.to(tl.int64) * stride_gm
-    cand_keys = cand_ptr + row.to(tl.int64) * (2 * CAP)
-    cand_cols = cand_keys + CAP
-    groups = tl.arange(0, TILE // G)
+    found = 0
     for off in range(start, end, TILE):
-        group = off // G + groups
-        hot = tl.load(row_gm + group, mask=group * G < length, other=INT_MIN) >= tau
-        if tl.max(hot.to(tl.int32), axis=0) > 0:
-            cols = off + groups[:, None] * G + tl.arange(0, G)[None, :]
-            inside = hot[:, None] & (cols < length)
-            key = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0))
-            take = tl.reshape(inside & (key >= tau), [TILE])
-            base = tl.atomic_add(ws_row + 512, tl.sum(take.to(tl.int32), axis=0))
-            slot = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            keep = take & (slot < CAP)
-            tl.store(cand_keys + slot, tl.reshape(key, [TILE]), mask=keep)
-            tl.store(cand_cols + slot, tl.reshape(cols, [TILE]), mask=keep)
+        _, _, take, hot = _hot_tile(row_scores, row_gm, off, length, tau, G, TILE)
+        found += tl.sum(take, axis=0)
+    tl.store(counts_ptr + row * n_splits + tl.program_id(1), found)
+    tl.atomic_add(ws_ptr + row * 513 + 512, found)
+
+
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "chunk", "k", "n_splits"])
+def _write_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, counts_ptr, cand_ptr, chunk,
+                  k, n_splits, G: tl.constexpr, TILE: tl.constexpr, CAP: tl.constexpr, SPLITS: tl.constexpr):
+    """Appends the entries >= tau to the row's candidates in column order (offsets from earlier splits' counts)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    if tl.load(ws_ptr + row * 513 + 512) <= CAP:
+        length = _row_length(lengths_ptr, row, n_cols)
+        tau = _tau(ws_ptr + row * 513, length, k, G)
+        earlier = tl.arange(0, SPLITS)
+        written = tl.sum(tl.load(counts_ptr + row * n_splits + earlier, mask=earlier < split, other=0), axis=0)
+        start = split * chunk
+        end = tl.minimum(start + chunk, length)
+        row_scores = scores_ptr + row.to(tl.int64) * stride_row
+        row_gm = gm_ptr + row.to(tl.int64) * stride_gm
+        cand_keys = cand_ptr + row.to(tl.int64) * (2 * CAP)
+        for off in range(start, end, TILE):
+            key, cols, take, hot = _hot_tile(row_scores, row_gm, off, length, tau, G, TILE)
+            if tl.max(hot.to(tl.int32), axis=0) > 0:
+                slot = written + tl.cumsum(take, axis=0) - 1
+                tl.store(cand_keys + slot, key, mask=take != 0)
+                tl.store(cand_keys + CAP + slot, cols, mask=take != 0)
+                written += tl.sum(take, axis=0)
 
 
 @triton.jit
-def _write_sorted(keys, cols, live, out_row, k, WIDTH: tl.constexpr):
-    """Writes the first k of (keys, cols) in the canonical order; entries not `live` become -1 at the end."""
-    composite = (keys.to(tl.int64) << 32) | (INT_MAX - cols.to(tl.int64))
-    composite = tl.where(live, composite, -(2**63))
-    composite = tl.sort(composite, descending=True)
-    idx = -composite.to(tl.int32) + INT_MAX  # from the low 32 bits
-    slots = tl.arange(0, WIDTH)
-    live_count = tl.sum(live.to(tl.int32), axis=0)
-    tl.store(out_row + slots, tl.where(slots < live_count, idx, -1), mask=slots < k)
+def _kth_largest(keys, live, rank):
+    """Exact rank-th largest of keys[live] (radix select over the 4 key bytes), and how many live keys exceed it."""
+    prefix = 0
+    above = 0
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        match = live
+        if p > 0:
+            match = live & (((keys ^ INT_MIN) >> (shift + 8)) == (prefix >> (shift + 8)))
+        b, more = _threshold_bin(tl.histogram(_byte(keys, shift), 256, mask=match), rank - above)
+        above += more
+        prefix = prefix | (b << shift)
+    return prefix ^ INT_MIN, above
+
+
+@triton.jit
+def _select_candidates(keys, cols, live, rank, out_row, k, WIDTH: tl.constexpr):
+    """Writes the top `rank` of the live candidates (held in column order) to out_row, then -1 up to k."""
+    threshold, above = _kth_largest(keys, live, rank)
+    tie = live & (keys == threshold)
+    ties_wanted = rank - above
+    lowest_first = INT_MAX - cols  # larger for lower columns, so ties resolve by the same select
+    cut = tl.sum(tie.to(tl.int32), axis=0) * 0 + INT_MIN
+    if tl.sum(tie.to(tl.int32), axis=0) > ties_wanted:
+        cut = _kth_largest(lowest_first, tie, ties_wanted)[0]
+    take = (live & (keys > threshold)) | (tie & (lowest_first >= cut))
+    take = take & (rank > 0)
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_row + slot, cols, mask=take)
+    pad = tl.arange(0, WIDTH)
+    tl.store(out_row + pad, tl.full([WIDTH], -1, tl.int32), mask=(pad >= rank) & (pad < k))
 
 
 @triton.jit
 def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: tl.constexpr):
-    """Exact top-`rank` of one whole row by radix select; used when the candidates did not fit."""
+    """Exact top-`rank` of one whole row by streaming radix select; used when the candidates did not fit."""
     lanes = tl.arange(0, TILE)
     prefix = 0
     above = 0
@@ -244,13 +299,8 @@ def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: 
         tl.store(out_row + slot, cols, mask=take)
         written += tl.sum(take.to(tl.int32), axis=0)
         ties_seen += tl.sum(tie.to(tl.int32), axis=0)
-    tl.debug_barrier()
-    slots = tl.arange(0, K_PAD)
-    live = slots < written
-    cols = tl.load(out_row + slots, mask=live, other=0)
-    keys = _order_key(tl.load(row_scores + cols, mask=live, other=0.0))
-    tl.debug_barrier()
-    _write_sorted(keys, cols, live, out_row, k, K_PAD)
+    pad = tl.arange(0, K_PAD)
+    tl.store(out_row + pad, tl.full([K_PAD], -1, tl.int32), mask=(pad >= rank) & (pad < k))
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_out", "k"])
@@ -258,6 +308,7 @@ def _finish_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, ws_ptr, cand_ptr
                    TILE: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr):
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
+    rank = tl.minimum(k, length)
     found = tl.load(ws_ptr + row * 513 + 512)
     out_row = out_ptr + row.to(tl.int64) * stride_out
     if found <= CAP:
@@ -266,10 +317,10 @@ def _finish_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, ws_ptr, cand_ptr
         cand_keys = cand_ptr + row.to(tl.int64) * (2 * CAP)
         keys = tl.load(cand_keys + slots, mask=live, other=INT_MIN)
         cols = tl.load(cand_keys + CAP + slots, mask=live, other=0)
-        _write_sorted(keys, cols, live, out_row, k, CAP)
+        _select_candidates(keys, cols, live, rank, out_row, k, CAP)
     else:
         row_scores = scores_ptr + row.to(tl.int64) * stride_row
-        _exact_row(row_scores, length, tl.minimum(k, length), out_row, k, TILE, K_PAD)
+        _exact_row(row_scores, length, rank, out_row, k, TILE, K_PAD)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,22 +347,26 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
     k_pad = triton.next_power_of_2(k)
     cap = max(4 * k_pad, 256)
     group = _group_size(n_cols, k)
-    splits = max(1, min(triton.cdiv(n_cols, _TILE), triton.cdiv(4 * num_sms(device), rows)))
+    splits = max(1, min(triton.cdiv(n_cols, _TILE), triton.cdiv(_SPLITS_PER_SM * num_sms(device), rows)))
     chunk = triton.cdiv(triton.cdiv(n_cols, splits), _TILE) * _TILE
-    grid = (rows, triton.cdiv(n_cols, chunk))
+    n_splits = triton.cdiv(n_cols, chunk)
+    grid = (rows, n_splits)
     n_groups = triton.cdiv(n_cols, group)
     lengths = lengths.to(device=device, dtype=torch.int32)
     ws = torch.zeros((rows, _WS_COUNT + 1), dtype=torch.int32, device=device)
     gm = torch.empty((rows, n_groups), dtype=torch.int32, device=device)
     cand = torch.empty((rows, 2 * cap), dtype=torch.int32, device=device)
+    counts = torch.empty((rows, n_splits), dtype=torch.int32, device=device)
     stride = scores.stride(0)
     _group_max_kernel[grid](scores, stride, lengths, n_cols, gm, n_groups, ws, chunk,
                             G=group, TILE=_TILE, num_warps=8)
     _group_hist_kernel[grid](lengths, n_cols, gm, n_groups, ws, chunk, k, G=group, TILE=_TILE, num_warps=8)
-    _collect_kernel[grid](scores, stride, lengths, n_cols, gm, n_groups, ws, cand, chunk, k,
-                          G=group, TILE=_TILE, CAP=cap, num_warps=8)
+    _count_kernel[grid](scores, stride, lengths, n_cols, gm, n_groups, ws, counts, chunk, k, n_splits,
+                        G=group, TILE=_TILE, num_warps=8)
+    _write_kernel[grid](scores, stride, lengths, n_cols, gm, n_groups, ws, counts, cand, chunk, k, n_splits,
+                        G=group, TILE=_TILE, CAP=cap, SPLITS=triton.next_power_of_2(_SPLITS_PER_SM * num_sms(device)), num_warps=8)
     _finish_kernel[(rows,)](scores, stride, lengths, n_cols, ws, cand, out, k, k,
-                            TILE=_TILE, CAP=cap, K_PAD=k_pad, num_warps=16 if cap >= 8192 else 8)
+                            TILE=_TILE, CAP=cap, K_PAD=k_pad, num_warps=8)
     return out
 
 

@@ -100,7 +100,8 @@ def compiled_variants(kernels):
 
 def test_two_hundred_shapes_compile_few_variants():
     g = torch.Generator(device="cuda").manual_seed(13)
-    kernels = [tk._group_max_kernel, tk._group_hist_kernel, tk._collect_kernel, tk._finish_kernel]
+    kernels = [tk._group_max_kernel, tk._group_hist_kernel, tk._count_kernel, tk._write_kernel, tk._finish_kernel]
+    before = compiled_variants(kernels)
     for i in range(200):
         rows = 1 + (i * 7) % 37
         cols = 40000 + i * 131
@@ -111,8 +112,8 @@ def test_two_hundred_shapes_compile_few_variants():
         got = tk.topk_indices(scores, lengths, 512)
         if i % 50 == 0:
             assert_exact(scores, lengths, 512, got)
-    variants = compiled_variants(kernels)
-    assert variants <= 12, variants
+    new_variants = compiled_variants(kernels) - before
+    assert new_variants <= 10, new_variants  # two group sizes per kernel at most, not one per shape
 
 
 def test_indexer_logits_match_fp32_reference():
@@ -136,7 +137,7 @@ def test_indexer_logits_match_fp32_reference():
         finite = torch.isfinite(want)
         assert torch.equal(torch.isfinite(got), finite)
         err = (got[finite].double() - want[finite].double()).norm() / want[finite].double().norm()
-        assert err < 1e-4, err
+        assert err < 5e-4, err  # fp8 tensor-core accumulation
         top = ix.indexer_topk(q, w, cache, table, key_end, rows_per_request, max_keys, 512, q_scale=q_scale,
                               max_scratch_bytes=rows * max_keys)
         assert_exact(got, key_end, 512, top)
