@@ -7,9 +7,10 @@ Three pieces:
 - `GrammarCache`: compiles a `GrammarSpec` in a thread pool the moment a request arrives and keeps
   the result (LRU), so the engine's step never waits on a compiler.
 - `StructuredOutput`: one request's matcher. With reasoning on it stays inactive until the model
-  ends its reasoning with `</think>`; in chat mode (or after that) it masks every step. A `</think>`
-  that arrives before the grammar has seen a token (the stray one DSv4 emits in chat mode) is skipped,
-  never fed to the grammar. A token the grammar rejects does not raise: the request is steered to EOS.
+  ends its reasoning with `</think>`, then masks every step. In chat mode it masks from the first token,
+  but lets through one `</think>` before the grammar's first token (DSv4 sometimes opens a chat-mode
+  answer with a stray one; the output parser drops it): that token is skipped, never fed to the grammar.
+  A token the grammar rejects does not raise: the request is steered to EOS.
 
 The engine's hook is `apply_structured_output(logits, requests)` in the sampler: it catches each
 matcher up with the tokens its request kept (`request.output_token_ids`) and masks the rows.
@@ -200,7 +201,7 @@ class StructuredOutput:
             else:
                 self._history.append(_REASONING)
             return True
-        if token_id == self._think_end and self._grammar_tokens == 0:
+        if token_id == self._think_end and self._stray_allowed():
             self._history.append(_STRAY)
             return True
         if not self._matcher.accept_token(token_id):
@@ -225,6 +226,9 @@ class StructuredOutput:
         # A rejected token was never accepted: rolling back drafts also forgets that it was proposed.
         self.rejected_token = None
 
+    def _stray_allowed(self) -> bool:
+        return not self._reasoning and not self._history
+
     def sync(self, output_token_ids: Sequence[int]) -> None:
         """Accept the output tokens this state has not seen yet."""
         for token_id in output_token_ids[self.num_tokens:]:
@@ -239,7 +243,11 @@ class StructuredOutput:
             return True
         if not self.active or self._matcher.is_terminated():
             return False
-        return self._matcher.fill_next_token_bitmask(bitmask, row)
+        if not self._matcher.fill_next_token_bitmask(bitmask, row):
+            return False
+        if self._stray_allowed():
+            bitmask[row, self._think_end // 32] |= _bit(self._think_end % 32)
+        return True
 
 
 def apply_structured_output(logits: torch.Tensor, requests: Sequence[Any]) -> torch.Tensor:

@@ -109,8 +109,8 @@ def test_official_tool_call_is_accepted_token_by_token(cache, tokenizer, tool_ch
 
 def test_required_tool_call_rejects_text_and_control_tokens(cache, tokenizer):
     state = new_state(cache, GrammarSpec.tool_calls(official_tools(), "required"))
-    first = allowed(state)
-    assert not {EOS, USER, THINK_START, THINK_END} & first
+    first = allowed(state) - {THINK_END}  # chat mode: the one stray </think> DSv4 may open with
+    assert not {EOS, USER, THINK_START} & first
     assert all("\n\n<｜DSML｜tool_calls>".startswith(decode(tokenizer, [t])) for t in first)
     assert not state.accept(tokenizer.token_to_id("Hello"))
     assert allowed(state) == {EOS}  # a rejected token steers the request to its end instead of failing it
@@ -182,12 +182,20 @@ def test_inactive_until_reasoning_ends(cache, tokenizer):
 
 def test_stray_think_end_in_chat_mode_is_tolerated_once_at_the_start(cache, tokenizer):
     state = new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA))
-    assert state.active and THINK_END not in allowed(state)
+    assert state.active and THINK_END in allowed(state)
     assert state.accept(THINK_END)  # skipped, not fed to the grammar
+    assert THINK_END not in allowed(state)
     answer = tokenizer.encode('{"color": "blue", "ok": false, "count": 0}', add_special_tokens=False).ids
     assert state.accept(answer[0])
     assert not state.accept(THINK_END)  # inside the JSON it is a real violation
     assert state.failed and allowed(state) == {EOS}
+
+
+def test_thinking_mode_allows_no_second_think_end(cache, tokenizer):
+    state = new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA), reasoning=True)
+    assert state.accept(THINK_END)
+    assert THINK_END not in allowed(state)
+    assert not state.accept(THINK_END)
 
 
 def test_rollback_over_think_end_in_one_speculative_window(cache, tokenizer):

@@ -1,0 +1,182 @@
+"""The FastAPI app: OpenAI routes over one engine. `create_app(engine, ...)` takes any AsyncEngine-like object."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from ds4.engine.structured_output import GrammarCache
+from ds4.serve import chat, completions
+from ds4.serve.chat_encoding import ChatFormatError, encode_chat_request
+from ds4.serve.errors import APIError, bad_request, from_validation_error
+from ds4.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ds4.serve.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+_OPEN_PATHS = ("/health", "/metrics")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+              "/detokenize")
+# How often a non-streaming request checks whether its client is still there.
+_DISCONNECT_POLL_S = 0.25
+
+
+def create_app(engine, *, served_model_names: list[str] | str = "ds4", api_key: str | None = None,
+               grammar_cache: GrammarCache | None = None, drain_timeout_s: float = 30.0) -> FastAPI:
+    """`engine`: an AsyncEngine. `grammar_cache`: share one across apps (tests); by default the app builds its own."""
+    names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
+    state = ServerState(engine, names, api_key, grammar_cache)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if not await state.drain(drain_timeout_s):
+            logger.warning("shutting down with %d requests still running", state.active_requests)
+        await engine.shutdown()
+        if grammar_cache is None:
+            state.grammars.close()
+
+    app = FastAPI(title="ds4", lifespan=lifespan)
+    app.state.ds4 = state
+
+    @app.middleware("http")
+    async def auth_and_count(request: Request, call_next):
+        path = request.url.path
+        if state.api_key and path not in _OPEN_PATHS and \
+                request.headers.get("authorization") != f"Bearer {state.api_key}":
+            response = APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                                code="invalid_api_key").response()
+        else:
+            response = await call_next(request)
+        state.metrics.requests.labels(path if path in _ENDPOINTS else "other", str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return error.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(error).__name__}: {error}").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        state.check_model(body.model)
+        turn = chat.ChatTurn(state, body)
+        await turn.attach_grammar(state)
+        request_id, outputs = await state.generate("chatcmpl", turn.prompt_ids, turn.params)
+        if body.stream:
+            return _stream(chat.stream_response(state, turn, request_id, outputs), outputs)
+        return JSONResponse(await _unless_disconnected(
+            request, chat.full_response(state, turn, request_id, outputs), outputs))
+
+    @app.post("/v1/completions")
+    async def text_completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        state.check_model(body.model)
+        turn = completions.CompletionTurn(state, body)
+        request_id, outputs = await state.generate("cmpl", turn.prompt_ids, turn.params)
+        if body.stream:
+            return _stream(completions.stream_response(state, turn, request_id, outputs), outputs)
+        return JSONResponse(await _unless_disconnected(
+            request, completions.full_response(state, turn, request_id, outputs), outputs))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "ds4",
+             "max_model_len": state.max_model_len} for name in state.served_model_names]}
+
+    @app.get("/health")
+    async def health():
+        if state.shutting_down:
+            raise APIError(503, "the server is shutting down")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _parse(request, TokenizeRequest)
+        state.check_model(body.model)
+        if body.messages is not None:
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []] or None
+            try:
+                text = encode_chat_request(body.messages, tools, body.chat_template_kwargs, body.reasoning_effort).text
+            except ChatFormatError as e:
+                raise bad_request(str(e), param="messages") from e
+            tokens = state.tokenizer.encode(text)
+        else:
+            tokens = completions.prompt_token_ids(state, body.prompt)
+        result = {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+        if body.return_token_strs:
+            result["token_strs"] = [state.tokenizer.id_to_token(t) for t in tokens]
+        return result
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _parse(request, DetokenizeRequest)
+        state.check_model(body.model)
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids outside the vocabulary of {vocab}: {bad[:8]}", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+async def _parse(request: Request, model):
+    raw = await request.body()
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(422, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(payload, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+def _stream(chunks: AsyncIterator[str], outputs) -> StreamingResponse:
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:  # also when the client went away: closing the outputs aborts the request
+            await outputs.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _unless_disconnected(request: Request, response, outputs) -> dict:
+    """Build a non-streaming response, abandoning (and aborting) it if the client disconnects first."""
+    task = asyncio.ensure_future(response)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await outputs.aclose()
