@@ -81,6 +81,19 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
             "roofline_fraction": roof_ms / ds4_ms, "roofline_fraction_graph": roof_ms / graph_ms}
 
 
+def topk_kernel_breakdown(rows: int, cols: int, k: int) -> dict:
+    """Device microseconds per kernel of one top-k call (torch profiler, mean of 5 calls)."""
+    x = torch.randn(rows, cols, device="cuda")
+    lengths = torch.full((rows,), cols, device="cuda", dtype=torch.int32)
+    tk.topk_indices(x, lengths, k)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            tk.topk_indices(x, lengths, k)
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / 5 for e in prof.key_averages() if e.device_time_total > 0}
+
+
 def _indexer_inputs(requests: int, rows_per_request: int, n_keys: int, context_end: int | None):
     pages = triton.cdiv(n_keys, ix.PAGE)
     cache = ix.new_indexer_cache(requests * pages, device="cuda")
@@ -145,6 +158,8 @@ def _print_table(report: dict) -> None:
         print(f"{r['rows']:>10} x {r['cols']:>8}, {r['k']:>4} {r['ds4_ms']:8.4f} {r['ds4_graph_ms']:8.4f} "
               f"{r['torch_topk_ms']:8.4f} {r['speedup_vs_torch']:8.2f} {r['speedup_vs_torch_graph']:8.2f} "
               f"{100 * r['roofline_fraction']:6.1f} {100 * r['roofline_fraction_graph']:6.1f} {r['exact']}")
+    for name in ("topk_kernel_us_2048x65536", "topk_kernel_us_64x131072"):
+        print(name, {key[:24]: round(us, 1) for key, us in report[name].items()})
     if "indexer_prefill" in report:
         p = report["indexer_prefill"]
         print(f"indexer prefill {p['queries']} x {p['keys']} (rel err {p['rel_err_vs_fp32']:.1e}), "
@@ -173,7 +188,9 @@ def main(argv: list[str]) -> int:
     gemm = fp8_gemm_rate()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "copy_bandwidth_tbps": bandwidth / 1e12, "fp8_gemm_tflops": gemm / 1e12,
-              "topk": [bench_topk(r, c, k, bandwidth) for r, c, k in TOPK_CASES]}
+              "topk": [bench_topk(r, c, k, bandwidth) for r, c, k in TOPK_CASES],
+              "topk_kernel_us_2048x65536": topk_kernel_breakdown(2048, 65536, 512),
+              "topk_kernel_us_64x131072": topk_kernel_breakdown(64, 131072, 512)}
     if not args.skip_indexer:
         tiles = PREFILL_TILES if args.all_tiles else PREFILL_TILES[:1]
         report["indexer_prefill"] = bench_indexer_prefill(8192, 65536, gemm, tiles)
