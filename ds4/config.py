@@ -177,6 +177,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError(f"o_groups: {o_groups} does not divide num_attention_heads {heads}")
     if r.int("num_key_value_heads", default=1) != 1:
         raise ConfigError("num_key_value_heads: DeepSeek-V4 attention has exactly one KV head")
+    index_head_dim = r.int("index_head_dim", default=128, minimum=2)
+    if index_head_dim <= rope_dim:
+        raise ConfigError(f"index_head_dim: {index_head_dim} must exceed qk_rope_head_dim {rope_dim} "
+                          "(the indexer rotates its last qk_rope_head_dim channels)")
     n_experts = r.int("n_routed_experts", minimum=1)
     top_k = r.int("num_experts_per_tok", minimum=1)
     if top_k > n_experts:
@@ -202,7 +206,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         o_groups=o_groups,
         o_lora_rank=r.int("o_lora_rank", minimum=1),
         index_n_heads=r.int("index_n_heads", default=64, minimum=1),
-        index_head_dim=r.int("index_head_dim", default=128, minimum=2),
+        index_head_dim=index_head_dim,
         index_topk=r.int("index_topk", default=512, minimum=1),
         n_routed_experts=n_experts,
         num_experts_per_tok=top_k,

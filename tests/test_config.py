@@ -105,6 +105,7 @@ BAD_FIELDS = [
     ("rope_scaling", _set("rope_scaling", {"type": "linear", "factor": 2})),
     ("eos_token_id", _set("eos_token_id", "</s>")),
     ("vocab_size", _set("vocab_size", 1.5)),
+    ("index_head_dim", _set("index_head_dim", 64)),
 ]
 
 

@@ -2,7 +2,7 @@
 
 Both layouts are read: the official hub format (FP8 block-scaled linears, FP8 or MXFP4 routed experts, `mtp.0.*`)
 and transformers' `save_pretrained` format (dequantised, `model.`-prefixed names). The expected tensor list
-comes from the config (`ds4.model.weights_spec`), so every problem is found from the index and the shard headers
+comes from the config (`ds4.checkpoint.weights_spec`), so every problem is found from the index and the shard headers
 before a single data byte is read, and reported together in one CheckpointError.
 
 Which tensors are read is decided from names alone: `mtp.*` only with `with_mtp=True`, and a shard holding nothing
@@ -26,7 +26,7 @@ from tqdm import tqdm
 from ds4.checkpoint import hf_names
 from ds4.checkpoint.quant import QuantFormatError, fp8_block_dequantize, mxfp4_dequantize
 from ds4.config import ModelConfig, load_config
-from ds4.model.weights_spec import EXPERT, FP8_LINEAR, FP32, INDEX, expected_parameter_shapes, stored_tensor_specs
+from ds4.checkpoint.weights_spec import EXPERT, FP8_LINEAR, FP32, INDEX, expected_parameter_shapes, stored_tensor_specs
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

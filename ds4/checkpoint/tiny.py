@@ -24,7 +24,7 @@ from ds4.checkpoint import hf_names
 from ds4.checkpoint.quant import fp8_block_dequantize, fp8_block_quantize, mxfp4_dequantize, mxfp4_quantize
 from ds4.checkpoint.reader import INDEX_FILE, MTP_PREFIX
 from ds4.config import ModelConfig, load_config
-from ds4.model.weights_spec import EXPERT, FP8_LINEAR, FP32, INDEX, TensorSpec, expected_parameter_shapes
+from ds4.checkpoint.weights_spec import EXPERT, FP8_LINEAR, FP32, INDEX, TensorSpec, expected_parameter_shapes
 
 # Bump whenever the generated weights or config change, so cached default models are rebuilt.
 TINY_VERSION = 2

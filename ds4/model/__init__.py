@@ -3,7 +3,5 @@
 from ds4.model.batch import ForwardBatch
 from ds4.model.cache import ModelCache, bytes_per_page, bytes_per_slot
 from ds4.model.deepseek_v4 import DeepseekV4Model
-from ds4.model.weights_spec import expected_parameter_shapes, stored_tensor_specs
 
-__all__ = ["DeepseekV4Model", "ForwardBatch", "ModelCache", "bytes_per_page", "bytes_per_slot",
-           "expected_parameter_shapes", "stored_tensor_specs"]
+__all__ = ["DeepseekV4Model", "ForwardBatch", "ModelCache", "bytes_per_page", "bytes_per_slot"]

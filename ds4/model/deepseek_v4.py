@@ -16,7 +16,7 @@ from ds4.model.cache import ModelCache, check_kv_cache_dtype
 from ds4.model.hyper_connection import hc_head
 from ds4.model.linear import Norm, fp32_param
 from ds4.model.mtp import MTPBlock
-from ds4.model.weights_spec import expected_parameter_shapes
+from ds4.checkpoint.weights_spec import expected_parameter_shapes
 
 _EXPERT_NAME = re.compile(r"^(.*\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
 

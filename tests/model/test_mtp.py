@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4.checkpoint.hf_names import memory_state_to_official
-from ds4.model.weights_spec import FP32, INDEX, expected_parameter_shapes
+from ds4.checkpoint.weights_spec import FP32, INDEX, expected_parameter_shapes
 from dsv4_tiny import ds4_model, max_rel_err, official_tensors, step_batch, tiny_config, transformers_model
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ds4.model.weights_spec import EXPERT, FP8_LINEAR, expected_parameter_shapes, stored_tensor_specs
+from ds4.checkpoint.weights_spec import EXPERT, FP8_LINEAR, expected_parameter_shapes, stored_tensor_specs
 from dsv4_tiny import ds4_model, official_tensors, tiny_config, transformers_model
 from ds4.config import load_config
 
