@@ -1,4 +1,4 @@
-"""The `ds4` command: serve, generate, make-tiny, bench."""
+"""The `ds4` command: serve, generate, make-tiny, bench (serve and bench parse their own flags)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    if argv[:1] == ["serve"]:
+        from ds4.serve.server import main as serve
+
+        return serve(argv[1:])
     parser = argparse.ArgumentParser(prog="ds4", description="Serve DeepSeek-V4-family models.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -30,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--format", choices=("official", "hf"), default="official")
     tiny.add_argument("--seed", type=int, default=0)
 
+    commands.add_parser("serve", help="the OpenAI-compatible server: `ds4 serve --help`")
     commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|throughput --help`")
 
     args = parser.parse_args(argv)
