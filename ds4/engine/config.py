@@ -28,7 +28,7 @@ class EngineConfig:
     max_long_partial_prefills: int = 1
     # CUDA: fraction of the device's memory ds4 may use in all (weights, activations, caches).
     gpu_memory_utilization: float = 0.9
-    # Bytes for the caches (any device); overrides gpu_memory_utilization. CPU default: 4 GiB.
+    # Bytes for the caches (any device); overrides gpu_memory_utilization. CPU default: 1 GiB.
     kv_cache_memory: int | None = None
     # Tokens per cache page; a multiple of every compression ratio of the model.
     page_size: int = 256

@@ -100,7 +100,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
-        for seq in list(self.running):
+        # Oldest first, so a request short of pages only ever preempts newer ones (or itself, the newest).
+        for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
                 if self._make_room(seq, 1, scheduled, out, newer_only=False):
                     self._take(seq, 1, scheduled, out)
