@@ -47,17 +47,7 @@ def create_app(engine, *, served_model_names: list[str] | str = "ds4", api_key: 
     app = FastAPI(title="ds4", lifespan=lifespan)
     app.state.ds4 = state
 
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        path = request.url.path
-        if state.api_key and path not in _OPEN_PATHS and \
-                request.headers.get("authorization") != f"Bearer {state.api_key}":
-            response = APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
-                                code="invalid_api_key").response()
-        else:
-            response = await call_next(request)
-        state.metrics.requests.labels(path if path in _ENDPOINTS else "other", str(response.status_code)).inc()
-        return response
+    app.add_middleware(_AuthAndCount, state=state)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -136,6 +126,40 @@ def create_app(engine, *, served_model_names: list[str] | str = "ds4", api_key: 
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     return app
+
+
+class _AuthAndCount:
+    """Plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide client disconnects from the handlers):
+    checks the API key and counts responses by endpoint and status."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        label = path if path in _ENDPOINTS else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.state.metrics.requests.labels(label, str(message["status"])).inc()
+            await send(message)
+
+        key = self.state.api_key
+        if key and path not in _OPEN_PATHS and _authorization(scope) != f"Bearer {key}":
+            response = APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                                code="invalid_api_key").response()
+            return await response(scope, receive, counting_send)
+        await self.app(scope, receive, counting_send)
+
+
+def _authorization(scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return value.decode("latin-1")
+    return None
 
 
 async def _parse(request: Request, model):

@@ -45,7 +45,7 @@ class ScriptedEngine:
         self.script: list[int] | None = None
         self._token_bytes = TokenBytes(tokenizer._tokenizer)
         self._num_pages = num_pages
-        self._delay = step_delay_s
+        self.step_delay_s = step_delay_s
         self._requests: dict[str, _Request] = {}
         self._scripts: dict[str, list[int] | None] = {}
         self._aborted: list[RequestOutput] = []
@@ -78,8 +78,8 @@ class ScriptedEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
-        if self._delay:
-            time.sleep(self._delay)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         for request in list(self._requests.values()):
             outputs.append(self._advance(request))
         self._counts["steps"] += 1

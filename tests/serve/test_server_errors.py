@@ -1,0 +1,167 @@
+"""Bad input gets OpenAI error JSON with the right status; auth; shutdown; disconnects free pages; 64 streams at once."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from ds4.engine.async_engine import AsyncEngine
+from ds4.serve.app import create_app
+from ds4.tokenizer import load_tokenizer
+from live_server import LiveServer
+from scripted_engine import ScriptedEngine
+
+USER = [{"role": "user", "content": "hi"}]
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return ScriptedEngine(load_tokenizer(), max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    live = LiveServer(create_app(AsyncEngine(engine), served_model_names="ds4-test", api_key=KEY))
+    yield live
+    live.stop()
+
+
+def post(server, path, body, key=KEY, **kwargs):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (bytes, str)):
+        return httpx.post(server.url + path, content=body, headers=headers, timeout=30, **kwargs)
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=30, **kwargs)
+
+
+def chat(**fields):
+    return {"model": "ds4-test", "messages": USER, "max_tokens": 4, **fields}
+
+
+def assert_error(response, status, *fragments):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for fragment in fragments:
+        assert fragment in error["message"]
+    return error
+
+
+def test_auth(server):
+    assert_error(post(server, "/v1/chat/completions", chat(), key=None), 401, "API key")
+    assert_error(post(server, "/v1/chat/completions", chat(), key="wrong"), 401)
+    assert_error(post(server, "/tokenize", {"prompt": "x"}, key=None), 401)
+    assert post(server, "/v1/chat/completions", chat()).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200  # open: load balancers probe it
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("body, status, param, fragment", [
+    (chat(n=2), 400, "n", "n=1"),
+    (chat(temperature=-1), 400, "temperature", "temperature"),
+    (chat(messages=[]), 400, "messages", "messages"),
+    (chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages", "wizard"),
+    (chat(tool_choice="required"), 400, None, "tool_choice needs tools"),
+    (chat(top_logprobs=2), 400, None, "logprobs"),
+    (chat(response_format={"type": "json_schema"}), 400, "response_format", "json_schema"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}),
+     400, "response_format", "grammar"),
+    (chat(max_tokens=0), 400, "max_tokens", "max_tokens"),
+    (chat(max_tokens=10_000), 400, "max_tokens", "context length"),
+    (chat(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages", "context length"),
+    (chat(model="gpt-4"), 404, "model", "gpt-4"),
+    ({"model": "ds4-test", "prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+])
+def test_bad_requests(server, body, status, param, fragment):
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    error = assert_error(post(server, path, body), status, fragment)
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_malformed_json_is_422(server):
+    assert_error(post(server, "/v1/chat/completions", b'{"model": "ds4-test", "messages": ['), 422, "not valid JSON")
+
+
+def test_shutting_down_is_503(server):
+    state = server.server.config.app.state.ds4
+    state.shutting_down = True
+    try:
+        assert_error(post(server, "/v1/chat/completions", chat()), 503, "shutting down")
+        assert httpx.get(server.url + "/health").status_code == 503
+    finally:
+        state.shutting_down = False
+    assert post(server, "/v1/chat/completions", chat()).status_code == 200
+
+
+async def _wait_until(condition, timeout_s=10.0):
+    for _ in range(int(timeout_s / 0.05)):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return condition()
+
+
+def test_disconnects_abort_and_free_pages(server, engine):
+    engine.script = None  # endless noise: only an abort ends these requests
+    total = engine.stats().num_pages
+
+    async def run():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30) as client:
+            async with client.stream("POST", "/v1/chat/completions", json=chat(max_tokens=200, stream=True)) as r:
+                lines = r.aiter_lines()
+                for _ in range(5):
+                    await lines.__anext__()
+                assert engine.stats().num_free_pages < total
+            assert await _wait_until(lambda: engine.stats().num_free_pages == total, timeout_s=1.0)
+            with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+                await client.post("/v1/chat/completions", json=chat(max_tokens=200), timeout=0.3)
+            assert await _wait_until(lambda: engine.stats().num_free_pages == total, timeout_s=1.0)
+
+    engine.step_delay_s = 0.01  # 200 tokens take 2 s: long enough to walk away from
+    try:
+        asyncio.run(run())
+    finally:
+        engine.step_delay_s = 0.0005
+    assert engine.stats().num_running == 0 and server.server.config.app.state.ds4.active_requests == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_64_concurrent_streams_complete_and_memory_stays_flat(server, engine):
+    engine.script = None
+
+    async def one(client, i):
+        body = chat(max_tokens=12, stream=True, seed=i, stream_options={"include_usage": True})
+        events = []
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not any("error" in c for c in chunks)
+        assert chunks[-1]["usage"]["completion_tokens"] == 12
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+    async def round_of_64():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                                     limits=limits) as client:
+            await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    asyncio.run(round_of_64())  # warm-up: first-use allocations
+    before = _rss_bytes()
+    engine.max_running = 0
+    for _ in range(2):
+        asyncio.run(round_of_64())
+    assert engine.max_running > 8  # the streams really ran side by side
+    assert engine.stats().num_free_pages == engine.stats().num_pages
+    assert server.server.config.app.state.ds4.active_requests == 0
+    assert _rss_bytes() - before < 64 << 20
