@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from ds4.engine.sampling_params import SamplingParams
 from ds4.engine.structured_output import GrammarError, GrammarSpec, StructuredOutput
 from ds4.serve.chat_encoding import ChatFormatError, encode_chat_request
 from ds4.serve.errors import APIError, bad_request
