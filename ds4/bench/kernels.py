@@ -81,6 +81,30 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
             "roofline_fraction": roof_ms / ds4_ms, "roofline_fraction_graph": roof_ms / graph_ms}
 
 
+TOPK_VARIANTS = [(4096, 8, 4), (4096, 4, 4), (8192, 8, 4), (4096, 8, 8), (2048, 4, 8)]  # tile, warps, programs/SM
+TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512)]
+
+
+def sweep_topk(rows: int, cols: int, k: int) -> list[dict]:
+    """Graph-replay time of each tuning variant of the Triton path (checked exact on the first input)."""
+    sets = max(1, ROTATE_BYTES // (rows * cols * 4))
+    inputs = [torch.randn(rows, cols, device="cuda") for _ in range(sets)]
+    lengths = torch.full((rows,), cols, device="cuda", dtype=torch.int32)
+    want = tk.topk_indices_reference(inputs[0], lengths, k)
+    runs = []
+    for tile, warps, per_sm in TOPK_VARIANTS:
+        knobs = dict(tile=tile, warps=warps, programs_per_sm=per_sm)
+
+        def ours():
+            for x in inputs:
+                tk._topk_triton(x, lengths, k, **knobs)
+
+        exact = bool(torch.equal(tk._topk_triton(inputs[0], lengths, k, **knobs), want))
+        runs.append({"tile": tile, "warps": warps, "programs_per_sm": per_sm, "exact": exact,
+                     "ms": _median_ms(ours) / sets, "graph_ms": _graph_ms(ours) / sets})
+    return runs
+
+
 def topk_kernel_breakdown(rows: int, cols: int, k: int) -> dict:
     """Device microseconds per kernel of one top-k call (torch profiler, mean of 5 calls)."""
     x = torch.randn(rows, cols, device="cuda")
@@ -112,7 +136,8 @@ def _indexer_inputs(requests: int, rows_per_request: int, n_keys: int, context_e
     return q, w, cache, table, key_end, pages * ix.PAGE
 
 
-PREFILL_TILES = [(64, 256, 8, 3), (128, 256, 16, 3), (64, 256, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3)]
+PREFILL_TILES = [(64, 256, 8, 3, True), (64, 256, 8, 3, False), (64, 256, 8, 4, True), (128, 128, 8, 3, True),
+                 (64, 128, 4, 3, True), (64, 256, 8, 2, True)]  # rows, keys, warps, stages, prefetch weights
 
 
 def bench_indexer_prefill(queries: int, n_keys: int, gemm_rate: float, tiles) -> dict:
@@ -120,15 +145,19 @@ def bench_indexer_prefill(queries: int, n_keys: int, gemm_rate: float, tiles) ->
     flops = float(key_end.double().sum()) * 64 * 128 * 2
     out = torch.empty(queries, max_keys, device="cuda")
     runs = []
-    for block_r, block_s, warps, stages in tiles:
+    for block_r, block_s, warps, stages, prefetch in tiles:
         tile = (block_r, block_s, warps)
-        fn = lambda: ix._launch(q, w, cache, table, key_end, queries, max_keys, out, tile, stages)  # noqa: E731
+
+        def fn():
+            ix._launch(q, w, cache, table, key_end, queries, max_keys, out, tile, stages, prefetch)
+
+        name = [block_r, block_s, warps, stages, prefetch]
         try:
             ms = _median_ms(fn)
         except Exception as err:  # a tile that does not fit (shared memory) is reported, not fatal
-            runs.append({"tile": [block_r, block_s, warps, stages], "error": str(err)[:200]})
+            runs.append({"tile": name, "error": str(err)[:200]})
             continue
-        runs.append({"tile": [block_r, block_s, warps, stages], "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
+        runs.append({"tile": name, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
                      "gemm_fraction": flops / (ms * 1e-3) / gemm_rate})
     sample = slice(0, 256)
     ref = ix.indexer_logits_reference(q[sample], w[sample], cache, table, key_end[sample], 256, max_keys)
@@ -158,8 +187,12 @@ def _print_table(report: dict) -> None:
         print(f"{r['rows']:>10} x {r['cols']:>8}, {r['k']:>4} {r['ds4_ms']:8.4f} {r['ds4_graph_ms']:8.4f} "
               f"{r['torch_topk_ms']:8.4f} {r['speedup_vs_torch']:8.2f} {r['speedup_vs_torch_graph']:8.2f} "
               f"{100 * r['roofline_fraction']:6.1f} {100 * r['roofline_fraction_graph']:6.1f} {r['exact']}")
-    for name in ("topk_kernel_us_2048x65536", "topk_kernel_us_64x131072"):
+    for name in ("topk_kernel_us_2048x65536", "topk_kernel_us_64x131072", "topk_kernel_us_1x1048576"):
         print(name, {key[:24]: round(us, 1) for key, us in report[name].items()})
+    for case in report.get("topk_sweep", []):
+        print(f"sweep {case['rows']} x {case['cols']}, {case['k']} (tile, warps, programs/SM: eager / graph ms):")
+        print("   " + "  ".join(f"{r['tile']},{r['warps']},{r['programs_per_sm']}: {r['ms']:.4f}/{r['graph_ms']:.4f}"
+                                f"{'' if r['exact'] else ' INEXACT'}" for r in case["runs"]))
     if "indexer_prefill" in report:
         p = report["indexer_prefill"]
         print(f"indexer prefill {p['queries']} x {p['keys']} (rel err {p['rel_err_vs_fp32']:.1e}), "
@@ -179,7 +212,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ds4 bench kernels", description=__doc__)
     parser.add_argument("--json", metavar="PATH", help="write the full report here")
     parser.add_argument("--skip-indexer", action="store_true", help="time only the top-k kernels")
-    parser.add_argument("--all-tiles", action="store_true", help="sweep several indexer tile shapes")
+    parser.add_argument("--all-tiles", action="store_true", help="sweep top-k variants and indexer tile shapes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("ds4 bench kernels needs a CUDA device", file=sys.stderr)
@@ -190,7 +223,11 @@ def main(argv: list[str]) -> int:
               "copy_bandwidth_tbps": bandwidth / 1e12, "fp8_gemm_tflops": gemm / 1e12,
               "topk": [bench_topk(r, c, k, bandwidth) for r, c, k in TOPK_CASES],
               "topk_kernel_us_2048x65536": topk_kernel_breakdown(2048, 65536, 512),
-              "topk_kernel_us_64x131072": topk_kernel_breakdown(64, 131072, 512)}
+              "topk_kernel_us_64x131072": topk_kernel_breakdown(64, 131072, 512),
+              "topk_kernel_us_1x1048576": topk_kernel_breakdown(1, 1048576, 512)}
+    if args.all_tiles:
+        report["topk_sweep"] = [{"rows": r, "cols": c, "k": k, "runs": sweep_topk(r, c, k)}
+                                for r, c, k in TOPK_SWEEP_CASES]
     if not args.skip_indexer:
         tiles = PREFILL_TILES if args.all_tiles else PREFILL_TILES[:1]
         report["indexer_prefill"] = bench_indexer_prefill(8192, 65536, gemm, tiles)

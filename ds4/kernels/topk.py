@@ -11,24 +11,27 @@ Order (the spec, shared by the torch reference and the Triton kernels):
     consumers that sum over the selection get the same bits every run).
 `lengths` are clamped to [0, scores.shape[1]]; rows may have any stride (the last dim is contiguous).
 
-How the Triton path stays exact and fast (five launches over the whole batch, no host sync):
-  1. group maxima: every row is cut into groups of G entries; each group's maximum order key is
-     written to a workspace and counted in a 256-bin histogram of its top byte (many CTAs per row).
-  2. a second histogram, of the next byte, over the groups in the threshold bin. Together they give
-     tau, a 16-bit-precise lower bound with at least min(k, groups) group maxima >= tau. Every group
-     maximum >= tau is itself an entry >= tau, so at least k entries are >= tau and the top k are
-     all among them.
-  3. collection: only groups whose maximum reaches tau are read again; one pass counts the entries
-     >= tau per CTA, a second writes them to a per-row buffer of CAP slots at offsets summed from
-     the earlier CTAs' counts, so candidates sit in column order. G is chosen so a full-length row
-     has >= 8k groups, which leaves about k + a few percent candidates on spread-out data.
-  4. one CTA per row: when the candidates fit in CAP, an exact radix select over them in registers
-     (and a second one over column numbers when the k-th value has more ties than places); when they
-     do not (tie-dominated rows, for instance), the same CTA runs an exact radix select over the whole
-     row instead (4 byte passes, then an in-order gather that takes the lowest-column ties). Either
-     way the answer is exact: an overflowing buffer only changes which path runs, never the result.
-No CTA ever waits on another; workspaces are sized from the shapes alone, so the call is safe to
-capture in a CUDA graph.
+How the Triton path stays exact and fast (one zeroed workspace and one or two launches, no host sync):
+  1. scan (many programs per row when rows are few): every row is cut into groups of G entries and
+     read once, in whole tiles of 16-byte loads; each group's maximum order key is kept in a
+     workspace and counted in a 256-bin histogram of its top byte.
+  2. the program that finishes a row last (an atomic arrival count; nobody waits) histograms the
+     next byte of the group maxima in the threshold bin. That gives tau, a 16-bit-precise lower bound
+     with at least min(k, groups) group maxima >= tau: every group maximum >= tau is itself an
+     entry >= tau, so the top k are all among the entries >= tau. G is chosen so a full-length row
+     has >= 8k groups, which leaves about k + a few percent such entries on spread-out data.
+  3. collection: the numbers of the groups whose maximum reaches tau are compacted, and only those
+     groups are read again; their entries >= tau go to a per-row buffer of CAP slots (an atomic
+     slot counter per row).
+  4. the last program of the row: when the candidates fit in CAP, an exact radix select over them in
+     registers (and a second one over column numbers when the k-th value has more ties than places),
+     then the chosen columns in ascending order; when they do not (tie-dominated rows, for
+     instance), an exact radix select over the whole row instead (4 byte passes, then an in-order
+     gather that takes the lowest-column ties). Either way the answer is exact: an overflowing buffer
+     only changes which path runs, never the result.
+With one program per row (many rows) all four steps run in one launch; with several per row, step 3
+and 4 run in a second launch, since tau needs the whole row. No program ever waits on another;
+workspaces are sized from the shapes alone, so the call is safe to capture in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -40,16 +43,21 @@ import triton.language as tl
 from ds4.kernels._device import num_sms
 
 MAX_K = 2048
-_INT32_MIN = -(2**31)
-_TILE = 4096  # entries per loop step in the streaming kernels
-_BINS = 256
-_WS_COUNT = 2 * _BINS  # workspace columns: hist1[256], hist2[256], candidate count
+_TILE = 4096  # entries per streaming step
+_GATHER = 2048  # entries per candidate-gather step
+_GM_BLOCK = 2048  # group maxima per step
 _GROUPS_PER_K = 8  # a row wants >= 8k groups so that tau lands close to the k-th value
-_MAX_GROUP = 16
-_SPLITS_PER_SM = 4  # programs per SM when a batch has few rows
+_MAX_GROUP = 64
+_PROGRAMS_PER_SM = 4  # programs per SM when a batch has few rows
+_WS_COLS = 260  # per row: histogram[256], candidate count, two arrival counts, tau
 
-INT_MIN = tl.constexpr(_INT32_MIN)
+INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
+WS_COLS = tl.constexpr(_WS_COLS)
+FOUND = tl.constexpr(256)
+ARRIVED_SCAN = tl.constexpr(257)
+ARRIVED_COLLECT = tl.constexpr(258)
+TAU = tl.constexpr(259)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,117 +126,74 @@ def _row_length(lengths_ptr, row, n_cols):
 
 
 @triton.jit
-def _tau(ws_row, length, k, G: tl.constexpr):
-    """The collection threshold of a row from its two group-maximum histograms."""
-    bins = tl.arange(0, 256)
+def _row_scores(scores_ptr, row, stride_row, VEC: tl.constexpr):
+    """The row's base pointer; VEC promises 16-byte aligned rows, so whole tiles load as 16-byte vectors."""
+    offset = row.to(tl.int64) * stride_row
+    if VEC:
+        offset = tl.multiple_of(offset, 4)
+    return scores_ptr + offset
+
+
+@triton.jit
+def _tile_maxima(row_scores, off, length, G: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr):
+    """Maximum order key of each of the TILE // G groups of the tile at column `off` (INT_MIN past the row)."""
+    cols = off + tl.arange(0, TILE // G)[:, None] * G + tl.arange(0, G)[None, :]
+    if MASKED:
+        inside = cols < length
+        key = tl.where(inside, _order_key(tl.load(row_scores + cols, mask=inside, other=0.0)), INT_MIN)
+    else:
+        key = _order_key(tl.load(row_scores + cols))
+    return tl.max(key, axis=1)
+
+
+@triton.jit
+def _row_tau(hist1, row_gm, length, k, G: tl.constexpr, GM_BLOCK: tl.constexpr):
+    """The collection threshold of a row from the top-byte histogram of its group maxima."""
     groups = (length + G - 1) // G
     rank = tl.minimum(k, groups)
-    b1, above1 = _threshold_bin(tl.load(ws_row + bins), rank)
-    b2, _ = _threshold_bin(tl.load(ws_row + 256 + bins), rank - above1)
+    b1, above1 = _threshold_bin(hist1, rank)
+    hist2 = tl.zeros([256], dtype=tl.int32)
+    for g0 in range(0, groups, GM_BLOCK):
+        g = g0 + tl.arange(0, GM_BLOCK)
+        real = g < groups
+        gmax = tl.load(row_gm + g, mask=real, other=INT_MIN, cache_modifier=".cg")
+        hist2 += tl.histogram(_byte(gmax, 16), 256, mask=real & (_byte(gmax, 24) == b1))
+    b2, _ = _threshold_bin(hist2, rank - above1)
     tau = ((b1 << 24) | (b2 << 16)) ^ INT_MIN
     # With k or fewer groups every entry may be needed: only the minimum over all entries is safe.
     return tl.where(groups <= k, INT_MIN, tau)
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "chunk"])
-def _group_max_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, chunk,
-                      G: tl.constexpr, TILE: tl.constexpr):
-    row = tl.program_id(0)
-    length = _row_length(lengths_ptr, row, n_cols)
-    start = tl.program_id(1) * chunk
-    end = tl.minimum(start + chunk, length)
-    row_scores = scores_ptr + row.to(tl.int64) * stride_row
-    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
-    groups = tl.arange(0, TILE // G)
-    hist = tl.zeros([256], dtype=tl.int32)
-    for off in range(start, end, TILE):
-        cols = off + groups[:, None] * G + tl.arange(0, G)[None, :]
-        inside = cols < length
-        key = tl.where(inside, _order_key(tl.load(row_scores + cols, mask=inside, other=0.0)), INT_MIN)
-        gmax = tl.max(key, axis=1)
-        group = off // G + groups
-        real = group * G < length
-        tl.store(row_gm + group, gmax, mask=real)
-        hist += tl.histogram(_byte(gmax, 24), 256, mask=real)
-    bins = tl.arange(0, 256)
-    tl.atomic_add(ws_ptr + row * 513 + bins, hist, mask=hist > 0)
-
-
-@triton.jit(do_not_specialize=["n_cols", "stride_gm", "chunk", "k"])
-def _group_hist_kernel(lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, chunk, k,
-                       G: tl.constexpr, TILE: tl.constexpr):
-    row = tl.program_id(0)
-    length = _row_length(lengths_ptr, row, n_cols)
-    ws_row = ws_ptr + row * 513
-    b1, _ = _threshold_bin(tl.load(ws_row + tl.arange(0, 256)), tl.minimum(k, (length + G - 1) // G))
-    start = tl.program_id(1) * chunk
-    end = tl.minimum(start + chunk, length)
-    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
-    groups = tl.arange(0, TILE // G)
-    hist = tl.zeros([256], dtype=tl.int32)
-    for off in range(start, end, TILE):
-        group = off // G + groups
-        real = group * G < length
-        gmax = tl.load(row_gm + group, mask=real, other=INT_MIN)
-        hist += tl.histogram(_byte(gmax, 16), 256, mask=real & (_byte(gmax, 24) == b1))
-    bins = tl.arange(0, 256)
-    tl.atomic_add(ws_row + 256 + bins, hist, mask=hist > 0)
-
-
 @triton.jit
-def _hot_tile(row_scores, row_gm, off, length, tau, G: tl.constexpr, TILE: tl.constexpr):
-    """Keys and columns of one tile, and which entries are >= tau (groups below tau are not read)."""
-    groups = tl.arange(0, TILE // G)
-    group = off // G + groups
-    hot = tl.load(row_gm + group, mask=group * G < length, other=INT_MIN) >= tau
-    cols = off + groups[:, None] * G + tl.arange(0, G)[None, :]
-    inside = hot[:, None] & (cols < length)
-    key = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0))
-    take = inside & (key >= tau)
-    return tl.reshape(key, [TILE]), tl.reshape(cols, [TILE]), tl.reshape(take, [TILE]).to(tl.int32), hot
+def _collect(row_scores, row_gm, ws_row, cand_row, g_first, g_end, length, tau,
+             G: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr):
+    """Appends the entries >= tau of groups [g_first, g_end) to the row's candidates.
 
-
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "chunk", "k", "n_splits"])
-def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, counts_ptr, chunk, k,
-                  n_splits, G: tl.constexpr, TILE: tl.constexpr):
-    row = tl.program_id(0)
-    length = _row_length(lengths_ptr, row, n_cols)
-    tau = _tau(ws_ptr + row * 513, length, k, G)
-    start = tl.program_id(1) * chunk
-    end = tl.minimum(start + chunk, length)
-    row_scores = scores_ptr + row.to(tl.int64) * stride_row
-    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
-    found = 0
-    for off in range(start, end, TILE):
-        _, _, take, hot = _hot_tile(row_scores, row_gm, off, length, tau, G, TILE)
-        found += tl.sum(take, axis=0)
-    tl.store(counts_ptr + row * n_splits + tl.program_id(1), found)
-    tl.atomic_add(ws_ptr + row * 513 + 512, found)
-
-
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "chunk", "k", "n_splits"])
-def _write_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, counts_ptr, cand_ptr, chunk,
-                  k, n_splits, G: tl.constexpr, TILE: tl.constexpr, CAP: tl.constexpr, SPLITS: tl.constexpr):
-    """Appends the entries >= tau to the row's candidates in column order (offsets from earlier splits' counts)."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    if tl.load(ws_ptr + row * 513 + 512) <= CAP:
-        length = _row_length(lengths_ptr, row, n_cols)
-        tau = _tau(ws_ptr + row * 513, length, k, G)
-        earlier = tl.arange(0, SPLITS)
-        written = tl.sum(tl.load(counts_ptr + row * n_splits + earlier, mask=earlier < split, other=0), axis=0)
-        start = split * chunk
-        end = tl.minimum(start + chunk, length)
-        row_scores = scores_ptr + row.to(tl.int64) * stride_row
-        row_gm = gm_ptr + row.to(tl.int64) * stride_gm
-        cand_keys = cand_ptr + row.to(tl.int64) * (2 * CAP)
-        for off in range(start, end, TILE):
-            key, cols, take, hot = _hot_tile(row_scores, row_gm, off, length, tau, G, TILE)
-            if tl.max(hot.to(tl.int32), axis=0) > 0:
-                slot = written + tl.cumsum(take, axis=0) - 1
-                tl.store(cand_keys + slot, key, mask=take != 0)
-                tl.store(cand_keys + CAP + slot, cols, mask=take != 0)
-                written += tl.sum(take, axis=0)
+    The hot groups' numbers are first compacted in place over their (already used) maxima: a slot
+    never passes the group being read, and a block is wholly loaded before any of it is overwritten.
+    """
+    hot_count = 0
+    for g0 in range(g_first, g_end, GM_BLOCK):
+        g = g0 + tl.arange(0, GM_BLOCK)
+        real = g < g_end
+        hot = real & (tl.load(row_gm + g, mask=real, other=INT_MIN, cache_modifier=".cg") >= tau)
+        slot = g_first + hot_count + tl.cumsum(hot.to(tl.int32), axis=0) - 1
+        tl.store(row_gm + slot, g, mask=hot)
+        hot_count += tl.sum(hot.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    for h0 in range(0, hot_count, GATHER // G):
+        j = h0 + tl.arange(0, GATHER // G)
+        listed = j < hot_count
+        group = tl.load(row_gm + g_first + j, mask=listed, other=0, cache_modifier=".cg")
+        cols = group[:, None] * G + tl.arange(0, G)[None, :]
+        inside = listed[:, None] & (cols < length)
+        key = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0))
+        take = tl.reshape(inside & (key >= tau), [GATHER]).to(tl.int32)
+        base = tl.atomic_add(ws_row + FOUND, tl.sum(take, axis=0), sem="relaxed")
+        slot = base + tl.cumsum(take, axis=0) - 1
+        keep = (take != 0) & (slot < CAP)
+        tl.store(cand_row + slot, tl.reshape(key, [GATHER]), mask=keep)
+        tl.store(cand_row + CAP + slot, tl.reshape(cols, [GATHER]), mask=keep)
 
 
 @triton.jit
@@ -248,8 +213,12 @@ def _kth_largest(keys, live, rank):
 
 
 @triton.jit
-def _select_candidates(keys, cols, live, rank, out_row, k, WIDTH: tl.constexpr):
-    """Writes the top `rank` of the live candidates (held in column order) to out_row, then -1 up to k."""
+def _select_candidates(keys, cols, live, rank, out_row, k, ORDERED: tl.constexpr, K_PAD: tl.constexpr):
+    """Writes the top `rank` live candidates' columns ascending to out_row, then -1 up to k.
+
+    ORDERED: the candidates already sit in column order (one program collected them); otherwise the
+    chosen columns are sorted after they are written.
+    """
     threshold, above = _kth_largest(keys, live, rank)
     tie = live & (keys == threshold)
     ties_wanted = rank - above
@@ -261,8 +230,12 @@ def _select_candidates(keys, cols, live, rank, out_row, k, WIDTH: tl.constexpr):
     take = take & (rank > 0)
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_row + slot, cols, mask=take)
-    pad = tl.arange(0, WIDTH)
-    tl.store(out_row + pad, tl.full([WIDTH], -1, tl.int32), mask=(pad >= rank) & (pad < k))
+    pad = tl.arange(0, K_PAD)
+    if not ORDERED:
+        tl.debug_barrier()
+        chosen = tl.load(out_row + pad, mask=pad < rank, other=INT_MAX, cache_modifier=".cg")
+        tl.store(out_row + pad, tl.sort(chosen), mask=pad < rank)
+    tl.store(out_row + pad, tl.full([K_PAD], -1, tl.int32), mask=(pad >= rank) & (pad < k))
 
 
 @triton.jit
@@ -303,24 +276,86 @@ def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: 
     tl.store(out_row + pad, tl.full([K_PAD], -1, tl.int32), mask=(pad >= rank) & (pad < k))
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_out", "k"])
-def _finish_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, ws_ptr, cand_ptr, out_ptr, stride_out, k,
-                   TILE: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr):
-    row = tl.program_id(0)
-    length = _row_length(lengths_ptr, row, n_cols)
+@triton.jit
+def _finish(row_scores, length, k, ws_row, cand_row, out_row, ORDERED: tl.constexpr, TILE: tl.constexpr,
+            CAP: tl.constexpr, K_PAD: tl.constexpr):
     rank = tl.minimum(k, length)
-    found = tl.load(ws_ptr + row * 513 + 512)
-    out_row = out_ptr + row.to(tl.int64) * stride_out
+    found = tl.load(ws_row + FOUND, cache_modifier=".cg")
     if found <= CAP:
         slots = tl.arange(0, CAP)
         live = slots < found
-        cand_keys = cand_ptr + row.to(tl.int64) * (2 * CAP)
-        keys = tl.load(cand_keys + slots, mask=live, other=INT_MIN)
-        cols = tl.load(cand_keys + CAP + slots, mask=live, other=0)
-        _select_candidates(keys, cols, live, rank, out_row, k, CAP)
+        keys = tl.load(cand_row + slots, mask=live, other=INT_MIN, cache_modifier=".cg")
+        cols = tl.load(cand_row + CAP + slots, mask=live, other=0, cache_modifier=".cg")
+        _select_candidates(keys, cols, live, rank, out_row, k, ORDERED, K_PAD)
     else:
-        row_scores = scores_ptr + row.to(tl.int64) * stride_row
         _exact_row(row_scores, length, rank, out_row, k, TILE, K_PAD)
+
+
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "k", "tiles_per_split", "n_splits"])
+def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, cand_ptr, out_ptr, k,
+                 tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr,
+                 GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr):
+    """Steps 1-2 over one split of a row; with a single split per row, steps 3-4 too."""
+    row = tl.program_id(0)
+    length = _row_length(lengths_ptr, row, n_cols)
+    row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
+    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
+    ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
+    first = tl.program_id(1) * tiles_per_split
+    end = tl.maximum(first, tl.minimum(first + tiles_per_split, (length + TILE - 1) // TILE))
+    full = tl.minimum(end, tl.maximum(first, length // TILE))
+    per_tile = tl.arange(0, TILE // G)
+    hist = tl.zeros([256], dtype=tl.int32)
+    for t in range(first, full):
+        gmax = _tile_maxima(row_scores, t * TILE, length, G, TILE, False)
+        tl.store(row_gm + t * (TILE // G) + per_tile, gmax)
+        hist += tl.histogram(_byte(gmax, 24), 256)
+    if full < end:
+        gmax = _tile_maxima(row_scores, full * TILE, length, G, TILE, True)
+        group = full * (TILE // G) + per_tile
+        real = group * G < length
+        tl.store(row_gm + group, gmax, mask=real)
+        hist += tl.histogram(_byte(gmax, 24), 256, mask=real)
+    bins = tl.arange(0, 256)
+    tl.debug_barrier()
+    arrived = n_splits - 1
+    if n_splits > 1:
+        tl.atomic_add(ws_row + bins, hist, mask=hist > 0, sem="relaxed")
+        tl.debug_barrier()
+        arrived = tl.atomic_add(ws_row + ARRIVED_SCAN, 1, sem="acq_rel")
+    if arrived == n_splits - 1:
+        if n_splits > 1:
+            hist = tl.load(ws_row + bins, cache_modifier=".cg")
+        tau = _row_tau(hist, row_gm, length, k, G, GM_BLOCK)
+        if n_splits > 1:
+            tl.store(ws_row + TAU, tau)
+        else:
+            cand_row = cand_ptr + row.to(tl.int64) * (2 * CAP)
+            _collect(row_scores, row_gm, ws_row, cand_row, 0, (length + G - 1) // G, length, tau,
+                     G, GM_BLOCK, GATHER, CAP)
+            tl.debug_barrier()
+            _finish(row_scores, length, k, ws_row, cand_row, out_ptr + row.to(tl.int64) * k, True, TILE, CAP,
+                    K_PAD)
+
+
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "k", "tiles_per_split", "n_splits"])
+def _collect_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, cand_ptr, out_ptr, k,
+                    tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr,
+                    GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr):
+    """Steps 3-4 when a row has several splits: each collects its own groups, the last one selects."""
+    row = tl.program_id(0)
+    length = _row_length(lengths_ptr, row, n_cols)
+    row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
+    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
+    ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
+    cand_row = cand_ptr + row.to(tl.int64) * (2 * CAP)
+    g_first = tl.program_id(1) * tiles_per_split * (TILE // G)
+    g_end = tl.minimum(g_first + tiles_per_split * (TILE // G), (length + G - 1) // G)
+    _collect(row_scores, row_gm, ws_row, cand_row, g_first, g_end, length, tl.load(ws_row + TAU),
+             G, GM_BLOCK, GATHER, CAP)
+    tl.debug_barrier()
+    if tl.atomic_add(ws_row + ARRIVED_COLLECT, 1, sem="acq_rel") == n_splits - 1:
+        _finish(row_scores, length, k, ws_row, cand_row, out_ptr + row.to(tl.int64) * k, False, TILE, CAP, K_PAD)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,14 +364,16 @@ def _finish_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, ws_ptr, cand_ptr
 
 
 def _group_size(n_cols: int, k: int) -> int:
-    """Largest power of two <= 16 that leaves a full-length row at least 8k groups."""
+    """Largest power of two <= 64 that leaves a full-length row at least 8k groups."""
     g = 1
     while g < _MAX_GROUP and n_cols // (2 * g) >= _GROUPS_PER_K * k:
         g *= 2
     return g
 
 
-def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE, warps: int | None = None,
+                 programs_per_sm: int = _PROGRAMS_PER_SM) -> torch.Tensor:
+    """The Triton path; tile, warps and programs_per_sm are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
     out = torch.empty((rows, k), dtype=torch.int32, device=device)
@@ -347,26 +384,25 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.T
     k_pad = triton.next_power_of_2(k)
     cap = max(4 * k_pad, 256)
     group = _group_size(n_cols, k)
-    splits = max(1, min(triton.cdiv(n_cols, _TILE), triton.cdiv(_SPLITS_PER_SM * num_sms(device), rows)))
-    chunk = triton.cdiv(triton.cdiv(n_cols, splits), _TILE) * _TILE
-    n_splits = triton.cdiv(n_cols, chunk)
-    grid = (rows, n_splits)
-    n_groups = triton.cdiv(n_cols, group)
-    lengths = lengths.to(device=device, dtype=torch.int32)
-    ws = torch.zeros((rows, _WS_COUNT + 1), dtype=torch.int32, device=device)
-    gm = torch.empty((rows, n_groups), dtype=torch.int32, device=device)
-    cand = torch.empty((rows, 2 * cap), dtype=torch.int32, device=device)
-    counts = torch.empty((rows, n_splits), dtype=torch.int32, device=device)
+    tiles = triton.cdiv(n_cols, tile)
+    splits = max(1, min(tiles, triton.cdiv(programs_per_sm * num_sms(device), rows)))
+    tiles_per_split = triton.cdiv(tiles, splits)
+    n_splits = triton.cdiv(tiles, tiles_per_split)
+    gm_stride = triton.cdiv(triton.cdiv(n_cols, group), 16) * 16
     stride = scores.stride(0)
-    _group_max_kernel[grid](scores, stride, lengths, n_cols, gm, n_groups, ws, chunk,
-                            G=group, TILE=_TILE, num_warps=8)
-    _group_hist_kernel[grid](lengths, n_cols, gm, n_groups, ws, chunk, k, G=group, TILE=_TILE, num_warps=8)
-    _count_kernel[grid](scores, stride, lengths, n_cols, gm, n_groups, ws, counts, chunk, k, n_splits,
-                        G=group, TILE=_TILE, num_warps=8)
-    _write_kernel[grid](scores, stride, lengths, n_cols, gm, n_groups, ws, counts, cand, chunk, k, n_splits,
-                        G=group, TILE=_TILE, CAP=cap, SPLITS=triton.next_power_of_2(_SPLITS_PER_SM * num_sms(device)), num_warps=8)
-    _finish_kernel[(rows,)](scores, stride, lengths, n_cols, ws, cand, out, k, k,
-                            TILE=_TILE, CAP=cap, K_PAD=k_pad, num_warps=8)
+    vec = scores.data_ptr() % 16 == 0 and stride % 4 == 0
+    lengths = lengths.to(device=device, dtype=torch.int32)
+    ws = torch.zeros((rows, _WS_COLS), dtype=torch.int32, device=device)
+    gm = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
+    cand = torch.empty((rows, 2 * cap), dtype=torch.int32, device=device)
+    args = (scores, stride, lengths, n_cols, gm, gm_stride, ws, cand, out, k, tiles_per_split, n_splits)
+    if warps is None:
+        warps = 8 if cap <= 2048 else 16
+    meta = dict(G=group, TILE=tile, GM_BLOCK=_GM_BLOCK, GATHER=_GATHER, CAP=cap, K_PAD=k_pad, VEC=vec,
+                num_warps=warps)
+    _scan_kernel[(rows, n_splits)](*args, **meta)
+    if n_splits > 1:
+        _collect_kernel[(rows, n_splits)](*args, **meta)
     return out
 
 

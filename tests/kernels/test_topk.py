@@ -18,7 +18,7 @@ import ds4.kernels.topk
 def topk():
     """The top-k module with its kernels interpreted, even if it was imported before the variable was set."""
     module = ds4.kernels.topk
-    if not isinstance(module._finish_kernel, InterpretedFunction):
+    if not isinstance(module._scan_kernel, InterpretedFunction):
         os.environ["TRITON_INTERPRET"] = "1"
         importlib.reload(ds4.kernels._device)
         module = importlib.reload(module)
@@ -103,9 +103,8 @@ def test_bad_arguments_fail_loudly(topk):
 
 
 def test_kernels_take_no_shape_as_constexpr(topk):
-    allowed = {"G", "TILE", "CAP", "K_PAD", "SPLITS"}
-    for kernel in (topk._group_max_kernel, topk._group_hist_kernel, topk._count_kernel, topk._write_kernel,
-                   topk._finish_kernel):
+    allowed = {"G", "TILE", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC"}
+    for kernel in (topk._scan_kernel, topk._collect_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
         assert constexprs and constexprs <= allowed, constexprs
