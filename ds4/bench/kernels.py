@@ -81,7 +81,7 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
             "roofline_fraction": roof_ms / ds4_ms, "roofline_fraction_graph": roof_ms / graph_ms}
 
 
-TOPK_VARIANTS = [(4096, 8, 4), (4096, 4, 4), (8192, 8, 4), (4096, 8, 8), (2048, 4, 8)]  # tile, warps, programs/SM
+TOPK_VARIANTS = [(4096, 8, 4), (4096, 4, 8), (8192, 16, 2)]  # tile, warps, programs per SM
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512)]
 
 
@@ -178,6 +178,19 @@ def bench_indexer_decode(requests: int, rows_per_request: int, n_keys: int, band
             "bytes_moved": moved, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth}
 
 
+def compiled_resources(kernels: dict) -> list[dict]:
+    """Registers, spills and shared memory of every compiled variant of the given Triton kernels."""
+    found = []
+    for name, kernel in kernels.items():
+        for cache in kernel.device_caches.values():
+            for compiled in cache[0].values():
+                meta = compiled.metadata
+                found.append({"kernel": name, "warps": meta.num_warps, "stages": meta.num_stages,
+                              "regs": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
+                              "shared": meta.shared})
+    return found
+
+
 def _print_table(report: dict) -> None:
     print(f"\n{report['device']}  copy {report['copy_bandwidth_tbps']:.2f} TB/s  "
           f"fp8 gemm {report['fp8_gemm_tflops']:.0f} TFLOP/s")
@@ -220,20 +233,29 @@ def main(argv: list[str]) -> int:
     bandwidth = copy_bandwidth()
     gemm = fp8_gemm_rate()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bandwidth_tbps": bandwidth / 1e12, "fp8_gemm_tflops": gemm / 1e12,
-              "topk": [bench_topk(r, c, k, bandwidth) for r, c, k in TOPK_CASES],
-              "topk_kernel_us_2048x65536": topk_kernel_breakdown(2048, 65536, 512),
-              "topk_kernel_us_64x131072": topk_kernel_breakdown(64, 131072, 512),
-              "topk_kernel_us_1x1048576": topk_kernel_breakdown(1, 1048576, 512)}
+              "copy_bandwidth_tbps": bandwidth / 1e12, "fp8_gemm_tflops": gemm / 1e12}
+    sections = [("topk", lambda: [bench_topk(r, c, k, bandwidth) for r, c, k in TOPK_CASES])]
+    sections += [(f"topk_kernel_us_{r}x{c}", lambda r=r, c=c: topk_kernel_breakdown(r, c, 512))
+                 for r, c in ((2048, 65536), (64, 131072), (1, 1048576))]
     if args.all_tiles:
-        report["topk_sweep"] = [{"rows": r, "cols": c, "k": k, "runs": sweep_topk(r, c, k)}
-                                for r, c, k in TOPK_SWEEP_CASES]
+        sections.append(("topk_sweep", lambda: [{"rows": r, "cols": c, "k": k, "runs": sweep_topk(r, c, k)}
+                                                for r, c, k in TOPK_SWEEP_CASES]))
     if not args.skip_indexer:
         tiles = PREFILL_TILES if args.all_tiles else PREFILL_TILES[:1]
-        report["indexer_prefill"] = bench_indexer_prefill(8192, 65536, gemm, tiles)
-        report["indexer_decode"] = [bench_indexer_decode(64, 2, 65536, bandwidth),
-                                    bench_indexer_decode(256, 1, 16384, bandwidth)]
+        sections.append(("indexer_prefill", lambda: bench_indexer_prefill(8192, 65536, gemm, tiles)))
+        sections.append(("indexer_decode", lambda: [bench_indexer_decode(64, 2, 65536, bandwidth),
+                                                    bench_indexer_decode(256, 1, 16384, bandwidth)]))
+    for name, run in sections:  # each section is printed and saved as it lands, so a timeout keeps the rest
+        report[name] = run()
+        print(name, json.dumps(report[name]), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+    report["compiled"] = compiled_resources({"scan": tk._scan_kernel, "collect": tk._collect_kernel,
+                                             "indexer": ix._indexer_logits_kernel})
     _print_table(report)
+    for entry in report["compiled"]:
+        print("compiled", entry)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
