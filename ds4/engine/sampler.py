@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ds4.engine.sampling_params import SamplingParams
+from ds4.engine.structured_output import apply_structured_output
 
 _SEED_RANGE = 2**62
 
@@ -105,7 +106,9 @@ class Sampler:
                              f"got {logits.dtype} {tuple(logits.shape)}")
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
-        processed = apply_penalties(self._mask_early_stops(apply_logit_bias(logits, requests), requests), requests)
+        # Grammar masks first; raw logprobs below still read the unmasked logits.
+        processed = apply_structured_output(logits, requests)
+        processed = apply_penalties(self._mask_early_stops(apply_logit_bias(processed, requests), requests), requests)
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [row for row, request in enumerate(requests) if request.params.is_greedy]
         if greedy:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are greedy: dividing logits by a near-zero value only amplifies noise.
 GREEDY_TEMPERATURE = 1e-5
@@ -37,6 +38,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # A per-request grammar state (ds4.engine.structured_output.StructuredOutput) the sampler masks logits
+    # with; it belongs to one request, so params carrying one must not be shared between requests.
+    structured_output: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:

@@ -12,7 +12,6 @@ import pytest
 
 from ds4.engine.async_engine import AsyncEngine
 from ds4.engine.engine import LLMEngine
-from ds4.engine.sampling_params import SamplingParams
 from ds4.serve.app import create_app
 from live_server import LiveServer
 
@@ -24,9 +23,6 @@ PING = {"type": "function", "function": {"name": "ping", "parameters": {
     "type": "object", "properties": {"loud": {"type": "boolean"}}, "required": ["loud"]}}}
 USER = [{"role": "user", "content": "Weather?"}]
 CHAT = {"chat_template_kwargs": {"thinking": False}}
-# The engine runs a request's grammar only if SamplingParams declares the hook (see ds4/engine/structured_output.py).
-needs_grammar_hook = pytest.mark.skipif(not hasattr(SamplingParams(), "structured_output"),
-                                        reason="the engine's sampler does not apply structured output yet")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +59,6 @@ def test_completions_seeded_sampling_is_reproducible(client):
     assert first == client.completions.create(**kwargs).choices[0].text
 
 
-@needs_grammar_hook
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "forecast"}}])
 def test_strict_tool_call_from_random_weights_validates(client, tool_choice):
     # One call (parallel_tool_calls=False) keeps the output short: random weights love the allowed blanks.
@@ -79,7 +74,6 @@ def test_strict_tool_call_from_random_weights_validates(client, tool_choice):
         assert {call.function.name for call in choice.message.tool_calls} == {"forecast"}
 
 
-@needs_grammar_hook
 def test_json_schema_from_random_weights_validates(client):
     response_format = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": BOUNDED}}
     reply = client.chat.completions.create(model="tiny", messages=USER, response_format=response_format,
