@@ -6,6 +6,8 @@ transform and rounds them through e2m1 (block 32); quantise then dequantise give
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ds4.kernels.fp8_kv import pow2_ceil
@@ -26,9 +28,15 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     return (x.float() @ h * n**-0.5).to(x.dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _e2m1_grid(device: torch.device) -> torch.Tensor:
+    # Made once per device, on the first (eager) call: a host-to-device copy cannot be captured in a CUDA graph.
+    return torch.tensor(_E2M1_GRID, device=device)
+
+
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 value (ties to the even code), for |x| <= 6."""
-    grid = torch.tensor(_E2M1_GRID, device=x.device)
+    grid = _e2m1_grid(x.device)
     mids = (grid[1:] + grid[:-1]) / 2
     mag = x.abs()
     below = torch.bucketize(mag, mids, right=False)

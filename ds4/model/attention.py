@@ -3,6 +3,9 @@
 Window layers see the last `sliding_window` raw tokens; HCA layers add every compressed entry the token
 may see; CSA layers add the indexer's top-k. A per-head sink joins the softmax denominator. The output's
 RoPE channels are rotated back to the query position before the grouped low-rank output projection.
+
+A decode_only batch (no StepLayout) takes the decode path: the same keys gathered with fixed shapes and
+no host syncs, so the step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ds4.model.cache import LayerCache
 from ds4.model.compressor import Compressor
 from ds4.model.indexer import Indexer
 from ds4.model.linear import Linear, Norm, fp32_param
+from ds4.model.paging import visible_entry_rows
 from ds4.model.rope import layer_inv_freq
 
 
@@ -56,14 +60,26 @@ class Attention(nn.Module):
         """fp8 mode keeps the reference's indexer simulation: Hadamard rotation, then MXFP4."""
         return fp4_quant_dequant(hadamard_rotate(x)) if self.fp8 else x
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, layout: StepLayout, cache: LayerCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, layout: StepLayout | None, cache: LayerCache
+    ) -> torch.Tensor:
+        """layout None: a decode_only batch (see ForwardBatch)."""
         t, pos = x.shape[0], batch.positions
         qr = rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
         q = rms_norm(self.wq_b(qr).view(t, self.heads, self.head_dim), None, self.eps)
         q = apply_rope(q, pos, self.inv_freq)
         kv = rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
         kv = self._round_kv(apply_rope(kv, pos, self.inv_freq))
+        if layout is None:
+            o = self._attend_decode(x, qr, q, kv, batch, cache)
+        else:
+            o = self._attend(x, qr, q, kv, batch, layout, cache)
+        o = apply_rope(o, pos, self.inv_freq, inverse=True).view(t, self.groups, -1)
+        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
+        o = torch.einsum("tgd,grd->tgr", o, wo_a)
+        return self.wo_b(o.flatten(1))
 
+    def _attend(self, x, qr, q, kv, batch: ForwardBatch, layout: StepLayout, cache: LayerCache) -> torch.Tensor:
         key_sets = [self._window_keys(kv, batch, layout, cache)]
         if self.kind != WINDOW:
             self.compressor(x, batch, layout, cache.compressor, cache.compressed, self.inv_freq, self._round_kv)
@@ -74,11 +90,23 @@ class Attention(nn.Module):
             key_sets.append((cache.compressed.view(-1, self.head_dim), rows))
         o = sparse_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5)
         self._store_window(kv, batch, layout, cache)
+        return o
 
-        o = apply_rope(o, pos, self.inv_freq, inverse=True).view(t, self.groups, -1)
-        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", o, wo_a)
-        return self.wo_b(o.flatten(1))
+    def _attend_decode(self, x, qr, q, kv, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        """One token per request: the ring takes the token first (it replaces the one leaving the window)."""
+        win, pos, slots = self.window, batch.positions, batch.slots.long()
+        cache.window[slots, pos % win] = kv.to(cache.window.dtype)
+        key_pos = pos[:, None] - (win - 1) + torch.arange(win, device=kv.device)[None, :]
+        window_rows = torch.where(key_pos >= 0, slots[:, None] * win + key_pos % win, -1)
+        key_sets = [(cache.window.view(-1, self.head_dim), window_rows)]
+        if self.kind != WINDOW:
+            self.compressor.decode(x, batch, cache.compressor, cache.compressed, self.inv_freq, self._round_kv)
+            if self.kind == CSA:
+                rows = self.indexer.decode(x, qr, batch, cache, self.inv_freq, self._round_index)
+            else:
+                rows = visible_entry_rows(batch.block_tables, pos, self.ratio, cache.compressed.shape[1])
+            key_sets.append((cache.compressed.view(-1, self.head_dim), rows))
+        return sparse_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5)
 
     def _window_keys(self, kv, batch: ForwardBatch, layout: StepLayout, cache: LayerCache):
         """Keys = this request's cached ring rows, then the step's fresh kv; [T, window] indices into them."""

@@ -14,6 +14,13 @@ class ForwardBatch:
     A request's tokens are consecutive positions starting at its context length (the tokens its caches
     already hold). `slots` index the fixed per-request state (sliding window, compressor state) and
     `block_tables` the pages of the paged pools (page_size tokens per page, -1 = unused).
+
+    `decode_only` promises one token per request (query_start_loc = 0, 1, ..., R). The model then takes
+    its decode path: no host syncs, every shape fixed by the tensors' shapes (block_tables' width sets
+    how many compressed entries a token may see), so the step can be captured in a CUDA graph. That path
+    trusts the batch: a page a token needs must be in its block table (`validate(page_size)` checks).
+    Padding rows (position 0, a scratch slot, block-table rows of -1) write only to the scratch slot
+    and the pools' scratch page.
     """
 
     input_ids: torch.Tensor  # [T] long
@@ -22,6 +29,7 @@ class ForwardBatch:
     context_lens: torch.Tensor  # [R] int, tokens cached before this step
     slots: torch.Tensor  # [R] int
     block_tables: torch.Tensor  # [R, max_pages] int
+    decode_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -36,8 +44,10 @@ class ForwardBatch:
         counts = (self.query_start_loc[1:] - self.query_start_loc[:-1]).long()
         return torch.repeat_interleave(torch.arange(self.num_requests, device=counts.device), counts)
 
-    def validate(self) -> None:
-        """Check the layout invariants (costs host syncs; for tests and debugging)."""
+    def validate(self, page_size: int | None = None) -> None:
+        """Check the layout invariants and, given page_size, that every token's page is assigned.
+
+        Costs host syncs; for tests and debugging."""
         t, r = self.num_tokens, self.num_requests
         if self.positions.shape != (t,) or self.query_start_loc.shape != (r + 1,):
             raise ValueError(f"ForwardBatch: positions {tuple(self.positions.shape)} / query_start_loc "
@@ -50,6 +60,13 @@ class ForwardBatch:
         offset = torch.arange(t, device=req.device) - self.query_start_loc.long()[req]
         if not torch.equal(self.positions.long(), self.context_lens.long()[req] + offset):
             raise ValueError("ForwardBatch: each request's positions must run context_len, context_len + 1, ...")
+        if self.decode_only and not torch.equal(self.query_start_loc.long().cpu(), torch.arange(r + 1)):
+            raise ValueError("ForwardBatch: decode_only needs exactly one token per request")
+        if page_size is not None and t:
+            page = (self.positions.long() // page_size)[:, None]
+            table = self.block_tables.long()[req]
+            if bool((page >= table.shape[1]).any()) or bool((table.gather(1, page.clamp(max=table.shape[1] - 1)) < 0).any()):
+                raise ValueError("ForwardBatch: a token's page is missing from its request's block table")
 
 
 @dataclass

@@ -7,6 +7,10 @@ Storage only; the engine hands out slots and pages. Per layer:
   - compressor / indexer state (fp32, per slot): the unfinished window's projected kv and gate scores and,
     for overlapping (CSA) compression, the previous full window.
 With kv_cache_dtype "fp8" the stores hold fp8-rounded values (kept dequantised in the compute dtype for now).
+
+Every paged pool has one page more than num_pages: the last page (index num_pages) is a scratch page
+that no block table names. The decode path writes there what must go nowhere (entries of windows that
+did not complete, padding rows of a CUDA-graph batch), so its writes need no data-dependent shapes.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from ds4.config import CSA, WINDOW, ModelConfig
 from ds4.kernels.fp8_kv import KV_QUANT_BLOCK
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+SCRATCH_PAGES = 1
 
 
 @dataclass
@@ -34,8 +39,8 @@ class LayerCache:
     kind: str
     ratio: int
     window: torch.Tensor  # [slots, sliding_window, head_dim]
-    compressed: torch.Tensor | None = None  # [pages, page_size // ratio, head_dim]
-    index_keys: torch.Tensor | None = None  # [pages, page_size // ratio, index_head_dim]
+    compressed: torch.Tensor | None = None  # [pages + 1, page_size // ratio, head_dim], the last page scratch
+    index_keys: torch.Tensor | None = None  # [pages + 1, page_size // ratio, index_head_dim], the last page scratch
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
 
@@ -124,11 +129,11 @@ class ModelCache:
         layer = LayerCache(kind, ratio, torch.zeros(self.num_slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device))
         if kind == WINDOW:
             return layer
-        entries = self.page_size // ratio
-        layer.compressed = torch.zeros(self.num_pages, entries, cfg.head_dim, dtype=dtype, device=device)
+        entries, pages = self.page_size // ratio, self.num_pages + SCRATCH_PAGES
+        layer.compressed = torch.zeros(pages, entries, cfg.head_dim, dtype=dtype, device=device)
         layer.compressor = self._state(kind, ratio, cfg.head_dim, device)
         if kind == CSA:
-            layer.index_keys = torch.zeros(self.num_pages, entries, cfg.index_head_dim, dtype=dtype, device=device)
+            layer.index_keys = torch.zeros(pages, entries, cfg.index_head_dim, dtype=dtype, device=device)
             layer.indexer = self._state(kind, ratio, cfg.index_head_dim, device)
         return layer
 

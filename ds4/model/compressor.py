@@ -3,6 +3,9 @@
 With overlap (CSA), entry i pools the first half of the channels of window i-1 and the second half of
 window i (2 * ratio tokens, stride ratio). Entries get RMSNorm and RoPE at position i * ratio. Unfinished
 windows wait in a per-slot fp32 state, so chunks may end anywhere.
+
+`decode` is the same update for one token per request with fixed shapes: every row pools its current
+window, and rows whose window did not complete write their entry to the pool's scratch page.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from ds4.kernels.rope import apply_rope
 from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.cache import CompressorState
 from ds4.model.linear import Linear, Norm, fp32_param
-from ds4.model.paging import entry_rows
+from ds4.model.paging import entry_rows, table_entry_rows
 
 
 class Compressor(nn.Module):
@@ -60,6 +63,49 @@ class Compressor(nn.Module):
             entries = finish(apply_rope(entries, index * self.ratio, inv_freq))
             rows = entry_rows(batch.block_tables[r], index, pool.shape[1])
             pool.view(-1, pool.shape[-1])[rows] = entries.to(pool.dtype)
+
+    def decode(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        state: CompressorState,
+        pool: torch.Tensor,
+        inv_freq: torch.Tensor,
+        finish: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """forward for a decode_only batch (token r belongs to request r), without host syncs."""
+        ratio, d = self.ratio, self.head_dim
+        pos, slots = batch.positions, batch.slots.long()
+        rows = torch.arange(pos.shape[0], device=x.device)
+        xf = x.float()
+        cur = ratio if self.overlap else 0
+        buf_kv, buf_score = state.kv[slots], state.score[slots]  # copies, written back whole
+        buf_kv[rows, cur + pos % ratio] = self.wkv(xf)
+        buf_score[rows, cur + pos % ratio] = self.wgate(xf) + self.ape[pos % ratio]
+        win_kv, win_score = buf_kv[:, cur:], buf_score[:, cur:]
+        index = pos // ratio
+        completes = pos % ratio == ratio - 1
+        if self.overlap:
+            first = (index == 0)[:, None, None]
+            prev_kv = buf_kv[:, :ratio].masked_fill(first, 0.0)
+            prev_score = buf_score[:, :ratio].masked_fill(first, float("-inf"))
+            pooled_kv = torch.cat((prev_kv[..., :d], win_kv[..., d:]), dim=1)
+            pooled_score = torch.cat((prev_score[..., :d], win_score[..., d:]), dim=1)
+            done = completes[:, None, None]
+            buf_kv[:, :ratio] = torch.where(done, win_kv, buf_kv[:, :ratio])
+            buf_score[:, :ratio] = torch.where(done, win_score, buf_score[:, :ratio])
+        else:
+            pooled_kv, pooled_score = win_kv, win_score
+        entries = (pooled_kv * pooled_score.softmax(dim=1)).sum(dim=1)
+        state.kv[slots] = buf_kv
+        state.score[slots] = buf_score
+        entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
+        entries = finish(apply_rope(entries, index * ratio, inv_freq))
+        per_page = pool.shape[1]
+        target = table_entry_rows(batch.block_tables, index[:, None], per_page)[:, 0]
+        scratch = (pool.shape[0] - 1) * per_page
+        target = torch.where(completes & (target >= 0), target, scratch)
+        pool.view(-1, pool.shape[-1])[target] = entries.to(pool.dtype)
 
     def _request(self, kv: torch.Tensor, score: torch.Tensor, start: int, slot: int, state: CompressorState):
         """Pool the windows one request completes; update its state. Returns (entries [m, head_dim] | None, first index)."""

@@ -22,6 +22,9 @@ _EXPERT_NAME = re.compile(r"^(.*\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
 
 
 class DeepseekV4Model(nn.Module):
+    # A decode_only batch runs without host syncs and with shapes fixed by its tensors' shapes.
+    cuda_graph_safe = True
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -53,8 +56,10 @@ class DeepseekV4Model(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
-        """The hc_mult residual streams [T, hc, D] of every token after the last block; updates the caches."""
-        layout = StepLayout.of(batch)
+        """The hc_mult residual streams [T, hc, D] of every token after the last block; updates the caches.
+
+        A decode_only batch takes the decode path, which is CUDA-graph capturable (see ForwardBatch)."""
+        layout = _layout(batch)
         h = self.embed(batch.input_ids).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
         for i, layer in enumerate(self.layers):
             h = layer(h, batch, layout, cache.layers[i])
@@ -73,7 +78,7 @@ class DeepseekV4Model(nn.Module):
             raise RuntimeError("mtp_forward: the model was built without the MTP layer (with_mtp=False)")
         mtp = self.mtp[0]
         h = mtp.embed_inputs(self.embed(batch.input_ids), hidden)
-        return mtp(h, batch, StepLayout.of(batch), cache.layers[self.cfg.num_hidden_layers])
+        return mtp(h, batch, _layout(batch), cache.layers[self.cfg.num_hidden_layers])
 
     @torch.inference_mode()
     def compute_mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -110,6 +115,11 @@ class DeepseekV4Model(nn.Module):
         if name not in targets:
             raise ValueError(f"load_weights: {name} has no place in the model")
         return targets[name]
+
+
+def _layout(batch: ForwardBatch) -> StepLayout | None:
+    """The host-side layout the general path loops over; None selects the decode path."""
+    return None if batch.decode_only else StepLayout.of(batch)
 
 
 def _few(names: list[str], limit: int = 8) -> str:

@@ -17,7 +17,7 @@ from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.cache import LayerCache
 from ds4.model.compressor import Compressor
 from ds4.model.linear import Linear
-from ds4.model.paging import entry_rows
+from ds4.model.paging import entry_rows, visible_entry_rows
 
 
 # Per-head scores are formed for a piece of tokens at a time, at most this many bytes.
@@ -66,6 +66,35 @@ class Indexer(nn.Module):
             per_request.append(self._select(q[tokens], weights[tokens], keys[rows].float(), rows, batch.positions[tokens]))
         width = max((p.shape[1] for p in per_request), default=0)
         return torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in per_request])
+
+    def decode(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        batch: ForwardBatch,
+        cache: LayerCache,
+        inv_freq: torch.Tensor,
+        finish: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """forward for a decode_only batch, without host syncs: scores over every entry the block table can
+        hold (unseen ones -inf), then the top min(index_topk, that width). [T, k] rows (-1 = none)."""
+        self.compressor.decode(x, batch, cache.indexer, cache.index_keys, inv_freq, finish)
+        q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
+        q = finish(apply_rope(q, batch.positions, inv_freq)).float()
+        weights = self.weights_proj(x).float() * self.weight_scale
+        rows = visible_entry_rows(batch.block_tables, batch.positions, self.ratio, cache.index_keys.shape[1])
+        keys = cache.index_keys.view(-1, self.head_dim)
+        piece = max(1, _PIECE_BYTES // (4 * max(1, rows.shape[1]) * (self.heads + self.head_dim)))
+        scores = torch.cat([
+            (torch.einsum("thd,tsd->ths", q[i : i + piece], keys[rows[i : i + piece].clamp_min(0)].float()).relu()
+             * weights[i : i + piece, :, None]).sum(dim=1)
+            for i in range(0, q.shape[0], piece)
+        ])
+        k = min(self.topk, rows.shape[1])
+        if k == 0:
+            return rows[:, :0]
+        picked = top_entries(scores.masked_fill(rows < 0, float("-inf")), k)
+        return torch.where(picked >= 0, rows.gather(1, picked.clamp_min(0)), -1)
 
     def _select(self, q, weights, keys, rows, positions) -> torch.Tensor:
         piece = max(1, _PIECE_BYTES // (4 * self.heads * keys.shape[0]))

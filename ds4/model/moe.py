@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4.config import ModelConfig
-from ds4.kernels.moe import routed_experts, swiglu
+from ds4.kernels.moe import routed_experts, routed_experts_dense, swiglu
 from ds4.model.linear import Linear
 
 
@@ -76,10 +76,12 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """static: fixed shapes and no host syncs (the decode path; see routed_experts_dense for the cost)."""
         weights, indices = self.gate(x, input_ids)
         e = self.experts
-        y = routed_experts(x, weights, indices, e.w1, e.w2, e.w3, self.limit)
+        experts = routed_experts_dense if static else routed_experts
+        y = experts(x, weights, indices, e.w1, e.w2, e.w3, self.limit)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)
