@@ -81,7 +81,8 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
             "roofline_fraction": roof_ms / ds4_ms, "roofline_fraction_graph": roof_ms / graph_ms}
 
 
-TOPK_VARIANTS = [(4096, 8, 4), (4096, 4, 8), (8192, 16, 2)]  # tile, warps, programs per SM
+TOPK_VARIANTS = [(4096, 8, 4, True), (4096, 8, 4, False), (4096, 4, 4, False), (8192, 8, 4, False)]
+# tile, warps, programs per SM, finish in the scan program
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512)]
 
 
@@ -92,15 +93,16 @@ def sweep_topk(rows: int, cols: int, k: int) -> list[dict]:
     lengths = torch.full((rows,), cols, device="cuda", dtype=torch.int32)
     want = tk.topk_indices_reference(inputs[0], lengths, k)
     runs = []
-    for tile, warps, per_sm in TOPK_VARIANTS:
-        knobs = dict(tile=tile, warps=warps, programs_per_sm=per_sm)
+    for tile, warps, per_sm, finish_in_scan in TOPK_VARIANTS:
+        knobs = dict(tile=tile, warps=warps, programs_per_sm=per_sm, finish_in_scan=finish_in_scan)
 
         def ours():
             for x in inputs:
                 tk._topk_triton(x, lengths, k, **knobs)
 
         exact = bool(torch.equal(tk._topk_triton(inputs[0], lengths, k, **knobs), want))
-        runs.append({"tile": tile, "warps": warps, "programs_per_sm": per_sm, "exact": exact,
+        runs.append({"tile": tile, "warps": warps, "programs_per_sm": per_sm, "finish_in_scan": finish_in_scan,
+                     "exact": exact,
                      "ms": _median_ms(ours) / sets, "graph_ms": _graph_ms(ours) / sets})
     return runs
 
@@ -136,8 +138,7 @@ def _indexer_inputs(requests: int, rows_per_request: int, n_keys: int, context_e
     return q, w, cache, table, key_end, pages * ix.PAGE
 
 
-PREFILL_TILES = [(64, 256, 8, 3, True), (64, 256, 8, 3, False), (64, 256, 8, 4, True), (128, 128, 8, 3, True),
-                 (64, 128, 4, 3, True), (64, 256, 8, 2, True)]  # rows, keys, warps, stages, prefetch weights
+PREFILL_TILES = [(64, 256, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3), (32, 256, 8, 3)]  # rows, keys, warps, stages
 
 
 def bench_indexer_prefill(queries: int, n_keys: int, gemm_rate: float, tiles) -> dict:
@@ -145,13 +146,13 @@ def bench_indexer_prefill(queries: int, n_keys: int, gemm_rate: float, tiles) ->
     flops = float(key_end.double().sum()) * 64 * 128 * 2
     out = torch.empty(queries, max_keys, device="cuda")
     runs = []
-    for block_r, block_s, warps, stages, prefetch in tiles:
+    for block_r, block_s, warps, stages in tiles:
         tile = (block_r, block_s, warps)
 
         def fn():
-            ix._launch(q, w, cache, table, key_end, queries, max_keys, out, tile, stages, prefetch)
+            ix._launch(q, w, cache, table, key_end, queries, max_keys, out, tile, stages)
 
-        name = [block_r, block_s, warps, stages, prefetch]
+        name = [block_r, block_s, warps, stages]
         try:
             ms = _median_ms(fn)
         except Exception as err:  # a tile that does not fit (shared memory) is reported, not fatal
@@ -203,9 +204,11 @@ def _print_table(report: dict) -> None:
     for name in ("topk_kernel_us_2048x65536", "topk_kernel_us_64x131072", "topk_kernel_us_1x1048576"):
         print(name, {key[:24]: round(us, 1) for key, us in report[name].items()})
     for case in report.get("topk_sweep", []):
-        print(f"sweep {case['rows']} x {case['cols']}, {case['k']} (tile, warps, programs/SM: eager / graph ms):")
-        print("   " + "  ".join(f"{r['tile']},{r['warps']},{r['programs_per_sm']}: {r['ms']:.4f}/{r['graph_ms']:.4f}"
-                                f"{'' if r['exact'] else ' INEXACT'}" for r in case["runs"]))
+        print(f"sweep {case['rows']} x {case['cols']}, {case['k']} (tile, warps, programs/SM, finish in scan: "
+              "eager / graph ms):")
+        print("   " + "  ".join(f"{r['tile']},{r['warps']},{r['programs_per_sm']},{int(r['finish_in_scan'])}: "
+                                f"{r['ms']:.4f}/{r['graph_ms']:.4f}{'' if r['exact'] else ' INEXACT'}"
+                                for r in case["runs"]))
     if "indexer_prefill" in report:
         p = report["indexer_prefill"]
         print(f"indexer prefill {p['queries']} x {p['keys']} (rel err {p['rel_err_vs_fp32']:.1e}), "
@@ -252,7 +255,7 @@ def main(argv: list[str]) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
     report["compiled"] = compiled_resources({"scan": tk._scan_kernel, "collect": tk._collect_kernel,
-                                             "indexer": ix._indexer_logits_kernel})
+                                             "finish": tk._finish_kernel, "indexer": ix._indexer_logits_kernel})
     _print_table(report)
     for entry in report["compiled"]:
         print("compiled", entry)

@@ -114,7 +114,7 @@ def indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, cache: torc
 def _indexer_logits_kernel(q_ptr, stride_qr, stride_qh, w_ptr, stride_wr, vec_ptr, scale_ptr, bt_ptr, stride_bt,
                            key_end_ptr, rows_per_request, tiles_per_request, n_heads, max_keys, out_ptr, stride_out,
                            BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PAGE_: tl.constexpr, D: tl.constexpr,
-                           DOT_F32: tl.constexpr, PREFETCH_W: tl.constexpr):
+                           DOT_F32: tl.constexpr):
     request = tl.program_id(0) // tiles_per_request
     local = (tl.program_id(0) % tiles_per_request) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_live = local < rows_per_request
@@ -137,21 +137,14 @@ def _indexer_logits_kernel(q_ptr, stride_qr, stride_qh, w_ptr, stride_wr, vec_pt
         if DOT_F32:
             kt = kt.to(tl.float32)
         q_ptrs = q_ptr + rows[:, None] * stride_qr + dims[None, :]
-        w_ptrs = w_ptr + rows * stride_wr
         acc = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
-        wh = tl.load(w_ptrs, mask=row_live, other=0.0)
         for h in range(0, n_heads):
             qh = tl.load(q_ptrs + h * stride_qh, mask=row_live[:, None], other=0.0)
             if DOT_F32:
                 qh = qh.to(tl.float32)
             dots = tl.dot(qh, kt)
-            if PREFETCH_W:  # the next head's weights load while this head's product runs
-                w_next = tl.load(w_ptrs + h + 1, mask=row_live & (h + 1 < n_heads), other=0.0)
-            else:
-                w_next = tl.load(w_ptrs + h, mask=row_live, other=0.0)
-                wh = w_next
+            wh = tl.load(w_ptr + rows * stride_wr + h, mask=row_live, other=0.0)
             acc += wh[:, None] * tl.maximum(dots, 0.0)
-            wh = w_next
         logits = acc * k_scale[None, :]
         visible = keys[None, :] < key_end[:, None]
         tl.store(out_ptrs, tl.where(visible, logits, float("-inf")), mask=out_mask)
@@ -210,8 +203,7 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     return out
 
 
-def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile, num_stages=3,
-            prefetch_w=True):
+def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile, num_stages=3):
     rows, n_heads, _ = q.shape
     vectors = cache.view(torch.float8_e4m3fn)
     scales = cache.view(torch.float32)
@@ -222,8 +214,8 @@ def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, 
     _indexer_logits_kernel[grid](
         q, q.stride(0), q.stride(1), w, w.stride(0), vectors, scales, table, table.stride(0),
         key_end.to(torch.int32), rows_per_request, tiles, n_heads, max_keys, out, out.stride(0),
-        BLOCK_R=block_r, BLOCK_S=block_s, PAGE_=PAGE, D=HEAD_DIM, DOT_F32=interpreting(), PREFETCH_W=prefetch_w,
-        num_warps=warps, num_stages=num_stages)
+        BLOCK_R=block_r, BLOCK_S=block_s, PAGE_=PAGE, D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps,
+        num_stages=num_stages)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

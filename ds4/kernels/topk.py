@@ -47,8 +47,10 @@ _TILE = 4096  # entries per streaming step
 _GATHER = 2048  # entries per candidate-gather step
 _GM_BLOCK = 2048  # group maxima per step
 _GROUPS_PER_K = 8  # a row wants >= 8k groups so that tau lands close to the k-th value
-_MAX_GROUP = 64
+_MAX_GROUP = 256
+_EXACT_TILE = 1024  # entries per step of the rare whole-row fallback (small, so it costs no registers elsewhere)
 _PROGRAMS_PER_SM = 4  # programs per SM when a batch has few rows
+_FINISH_IN_SCAN = True
 _WS_COLS = 260  # per row: histogram[256], candidate count, two arrival counts, tau
 
 INT_MIN = tl.constexpr(-(2**31))
@@ -166,11 +168,13 @@ def _row_tau(hist1, row_gm, length, k, G: tl.constexpr, GM_BLOCK: tl.constexpr):
 
 @triton.jit
 def _collect(row_scores, row_gm, ws_row, cand_row, g_first, g_end, length, tau,
-             G: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr):
+             G: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, SHARED: tl.constexpr):
     """Appends the entries >= tau of groups [g_first, g_end) to the row's candidates.
 
     The hot groups' numbers are first compacted in place over their (already used) maxima: a slot
     never passes the group being read, and a block is wholly loaded before any of it is overwritten.
+    SHARED: several programs fill the row's buffer (slots from an atomic counter); otherwise this
+    program alone does, in column order, and stores the count at the end.
     """
     hot_count = 0
     for g0 in range(g_first, g_end, GM_BLOCK):
@@ -181,6 +185,7 @@ def _collect(row_scores, row_gm, ws_row, cand_row, g_first, g_end, length, tau,
         tl.store(row_gm + slot, g, mask=hot)
         hot_count += tl.sum(hot.to(tl.int32), axis=0)
     tl.debug_barrier()
+    written = hot_count * 0
     for h0 in range(0, hot_count, GATHER // G):
         j = h0 + tl.arange(0, GATHER // G)
         listed = j < hot_count
@@ -189,11 +194,17 @@ def _collect(row_scores, row_gm, ws_row, cand_row, g_first, g_end, length, tau,
         inside = listed[:, None] & (cols < length)
         key = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0))
         take = tl.reshape(inside & (key >= tau), [GATHER]).to(tl.int32)
-        base = tl.atomic_add(ws_row + FOUND, tl.sum(take, axis=0), sem="relaxed")
+        if SHARED:
+            base = tl.atomic_add(ws_row + FOUND, tl.sum(take, axis=0), sem="relaxed")
+        else:
+            base = written
         slot = base + tl.cumsum(take, axis=0) - 1
         keep = (take != 0) & (slot < CAP)
         tl.store(cand_row + slot, tl.reshape(key, [GATHER]), mask=keep)
         tl.store(cand_row + CAP + slot, tl.reshape(cols, [GATHER]), mask=keep)
+        written += tl.sum(take, axis=0)
+    if not SHARED:
+        tl.store(ws_row + FOUND, written)
 
 
 @triton.jit
@@ -277,7 +288,7 @@ def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: 
 
 
 @triton.jit
-def _finish(row_scores, length, k, ws_row, cand_row, out_row, ORDERED: tl.constexpr, TILE: tl.constexpr,
+def _finish(row_scores, length, k, ws_row, cand_row, out_row, ORDERED: tl.constexpr, EXACT_TILE: tl.constexpr,
             CAP: tl.constexpr, K_PAD: tl.constexpr):
     rank = tl.minimum(k, length)
     found = tl.load(ws_row + FOUND, cache_modifier=".cg")
@@ -288,14 +299,15 @@ def _finish(row_scores, length, k, ws_row, cand_row, out_row, ORDERED: tl.conste
         cols = tl.load(cand_row + CAP + slots, mask=live, other=0, cache_modifier=".cg")
         _select_candidates(keys, cols, live, rank, out_row, k, ORDERED, K_PAD)
     else:
-        _exact_row(row_scores, length, rank, out_row, k, TILE, K_PAD)
+        _exact_row(row_scores, length, rank, out_row, k, EXACT_TILE, K_PAD)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "k", "tiles_per_split", "n_splits"])
 def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, cand_ptr, out_ptr, k,
                  tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr,
-                 GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr):
-    """Steps 1-2 over one split of a row; with a single split per row, steps 3-4 too."""
+                 GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr,
+                 EXACT_TILE: tl.constexpr, FINISH: tl.constexpr):
+    """Steps 1-2 over one split of a row; with a single split per row, step 3 and (FINISH) step 4 too."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
@@ -332,16 +344,18 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm,
         else:
             cand_row = cand_ptr + row.to(tl.int64) * (2 * CAP)
             _collect(row_scores, row_gm, ws_row, cand_row, 0, (length + G - 1) // G, length, tau,
-                     G, GM_BLOCK, GATHER, CAP)
-            tl.debug_barrier()
-            _finish(row_scores, length, k, ws_row, cand_row, out_ptr + row.to(tl.int64) * k, True, TILE, CAP,
-                    K_PAD)
+                     G, GM_BLOCK, GATHER, CAP, False)
+            if FINISH:
+                tl.debug_barrier()
+                _finish(row_scores, length, k, ws_row, cand_row, out_ptr + row.to(tl.int64) * k, True, EXACT_TILE,
+                        CAP, K_PAD)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "k", "tiles_per_split", "n_splits"])
 def _collect_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, cand_ptr, out_ptr, k,
                     tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr,
-                    GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr):
+                    GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr,
+                    EXACT_TILE: tl.constexpr, FINISH: tl.constexpr):
     """Steps 3-4 when a row has several splits: each collects its own groups, the last one selects."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
@@ -352,10 +366,21 @@ def _collect_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_
     g_first = tl.program_id(1) * tiles_per_split * (TILE // G)
     g_end = tl.minimum(g_first + tiles_per_split * (TILE // G), (length + G - 1) // G)
     _collect(row_scores, row_gm, ws_row, cand_row, g_first, g_end, length, tl.load(ws_row + TAU),
-             G, GM_BLOCK, GATHER, CAP)
+             G, GM_BLOCK, GATHER, CAP, True)
     tl.debug_barrier()
     if tl.atomic_add(ws_row + ARRIVED_COLLECT, 1, sem="acq_rel") == n_splits - 1:
-        _finish(row_scores, length, k, ws_row, cand_row, out_ptr + row.to(tl.int64) * k, False, TILE, CAP, K_PAD)
+        _finish(row_scores, length, k, ws_row, cand_row, out_ptr + row.to(tl.int64) * k, False, EXACT_TILE, CAP,
+                K_PAD)
+
+
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "k"])
+def _finish_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, ws_ptr, cand_ptr, out_ptr, k,
+                   CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr):
+    """Step 4 for rows that one scan program collected (when the scan leaves it out to stay lean)."""
+    row = tl.program_id(0)
+    _finish(_row_scores(scores_ptr, row, stride_row, VEC), _row_length(lengths_ptr, row, n_cols), k,
+            ws_ptr + row.to(tl.int64) * WS_COLS, cand_ptr + row.to(tl.int64) * (2 * CAP),
+            out_ptr + row.to(tl.int64) * k, True, EXACT_TILE, CAP, K_PAD)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,7 +389,7 @@ def _collect_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_
 
 
 def _group_size(n_cols: int, k: int) -> int:
-    """Largest power of two <= 64 that leaves a full-length row at least 8k groups."""
+    """Largest power of two <= 256 that leaves a full-length row at least 8k groups."""
     g = 1
     while g < _MAX_GROUP and n_cols // (2 * g) >= _GROUPS_PER_K * k:
         g *= 2
@@ -372,8 +397,11 @@ def _group_size(n_cols: int, k: int) -> int:
 
 
 def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE, warps: int | None = None,
-                 programs_per_sm: int = _PROGRAMS_PER_SM) -> torch.Tensor:
-    """The Triton path; tile, warps and programs_per_sm are tuning knobs (the benchmark sweeps them)."""
+                 programs_per_sm: int = _PROGRAMS_PER_SM, finish_in_scan: bool = _FINISH_IN_SCAN) -> torch.Tensor:
+    """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them).
+
+    finish_in_scan: with one program per row, select in the scan program itself (one launch) rather
+    than in a separate finishing launch (which keeps the scan program smaller)."""
     rows, n_cols = scores.shape
     device = scores.device
     out = torch.empty((rows, k), dtype=torch.int32, device=device)
@@ -398,11 +426,15 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     args = (scores, stride, lengths, n_cols, gm, gm_stride, ws, cand, out, k, tiles_per_split, n_splits)
     if warps is None:
         warps = 8 if cap <= 2048 else 16
+    finish = finish_in_scan or n_splits > 1
     meta = dict(G=group, TILE=tile, GM_BLOCK=_GM_BLOCK, GATHER=_GATHER, CAP=cap, K_PAD=k_pad, VEC=vec,
-                num_warps=warps)
+                EXACT_TILE=_EXACT_TILE, FINISH=finish, num_warps=warps)
     _scan_kernel[(rows, n_splits)](*args, **meta)
     if n_splits > 1:
         _collect_kernel[(rows, n_splits)](*args, **meta)
+    elif not finish:
+        _finish_kernel[(rows,)](scores, stride, lengths, n_cols, ws, cand, out, k, CAP=cap, K_PAD=k_pad, VEC=vec,
+                                EXACT_TILE=_EXACT_TILE, num_warps=warps)
     return out
 
 

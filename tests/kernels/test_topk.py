@@ -103,8 +103,15 @@ def test_bad_arguments_fail_loudly(topk):
 
 
 def test_kernels_take_no_shape_as_constexpr(topk):
-    allowed = {"G", "TILE", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC"}
-    for kernel in (topk._scan_kernel, topk._collect_kernel):
+    allowed = {"G", "TILE", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "FINISH"}
+    for kernel in (topk._scan_kernel, topk._collect_kernel, topk._finish_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
         assert constexprs and constexprs <= allowed, constexprs
+
+
+def test_separate_finish_launch_equals_reference(topk):
+    scores = hard_rows(2100)
+    lengths = torch.tensor([2100, 2099, 9000, 1, 17, 15])
+    got = topk._topk_triton(scores, lengths, 16, finish_in_scan=False)  # tie rows take the whole-row path there
+    assert torch.equal(got, topk.topk_indices_reference(scores, lengths, 16))
