@@ -44,27 +44,27 @@ class DSV4Tokenizer:
     """Wraps a `tokenizers.Tokenizer`. `encode` never adds BOS: the chat encoder writes BOS as text."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self._tokenizer = tokenizer
+        self.backend = tokenizer  # the `tokenizers.Tokenizer`, for byte-level work (detokenizer, grammars)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.special = SpecialTokenIds(**{name: self._required_id(text) for name, text in _SPECIAL_TEXTS.items()})
 
     def _required_id(self, text: str) -> int:
-        token_id = self._tokenizer.token_to_id(text)
+        token_id = self.backend.token_to_id(text)
         if token_id is None:
             raise ValueError(f"tokenizer has no single token for {text!r}; is this a DeepSeek-V4 tokenizer?")
         return token_id
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, text: str) -> int | None:
-        return self._tokenizer.token_to_id(text)
+        return self.backend.token_to_id(text)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._tokenizer.id_to_token(token_id)
+        return self.backend.id_to_token(token_id)
 
 
 def default_tokenizer_path() -> Path:

@@ -77,7 +77,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
-        self._token_bytes = TokenBytes(getattr(tokenizer, "_tokenizer", tokenizer)) if tokenizer is not None else None
+        self._token_bytes = TokenBytes(getattr(tokenizer, "backend", tokenizer)) if tokenizer is not None else None
         self.device = next(model.parameters()).device
         use_graphs = self.device.type == "cuda" and not self.config.enforce_eager
         if use_graphs and not getattr(model, "cuda_graph_safe", False):

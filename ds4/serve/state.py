@@ -135,4 +135,4 @@ class ServerState:
 
 def _backend(tokenizer):
     """The `tokenizers.Tokenizer` inside ds4's DSV4Tokenizer (xgrammar needs the raw vocabulary)."""
-    return getattr(tokenizer, "_tokenizer", tokenizer)
+    return getattr(tokenizer, "backend", tokenizer)

@@ -43,7 +43,7 @@ class ScriptedEngine:
         self.max_model_len = max_model_len
         self.model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=VOCAB, eos_token_id=EOS))
         self.script: list[int] | None = None
-        self._token_bytes = TokenBytes(tokenizer._tokenizer)
+        self._token_bytes = TokenBytes(tokenizer.backend)
         self._num_pages = num_pages
         self.step_delay_s = step_delay_s
         self._requests: dict[str, _Request] = {}
