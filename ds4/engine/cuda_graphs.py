@@ -2,11 +2,11 @@
 
 A decode step is launch-bound: replaying a captured graph replaces thousands of kernel launches with
 one. Graphs are captured for sizes 1, 2, 4, 8, then multiples of 16; a step of R requests replays the
-smallest size >= R, the extra rows being padding that writes only to a reserved scratch slot (position 0,
-no pages), so they never touch a real request's cache.
+smallest size >= R, the extra rows being padding (position 0, no pages) that writes only to a reserved
+scratch slot and the cache's scratch page, so they never touch a real request's cache.
 
-The model's forward must be capturable for such batches: no host syncs and no Python decisions on the
-batch's values. A model says so with `cuda_graph_safe = True`.
+The batches are marked decode_only, and the model's forward must be capturable for them: no host syncs
+and no Python decisions on the batch's values. A model says so with `cuda_graph_safe = True`.
 """
 
 from __future__ import annotations
@@ -21,57 +21,35 @@ def graph_sizes(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
-class DecodeGraphs:
-    def __init__(self, model, cache, max_batch_size: int, max_pages: int, padding_slot: int, device: torch.device):
-        self.sizes = graph_sizes(max_batch_size)
-        self.padding_slot = padding_slot
-        n = self.sizes[-1]
+class DecodeInputs:
+    """The static input buffers of padded decode batches: a step's rows first, then padding rows."""
+
+    def __init__(self, max_batch_size: int, max_pages: int, padding_slot: int, device: torch.device):
+        n, self.padding_slot = max_batch_size, padding_slot
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.slots = torch.full((n,), padding_slot, dtype=torch.int32, device=device)
         self.block_tables = torch.full((n, max_pages), -1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        pool = None
-        for size in reversed(self.sizes):
-            batch = self._view(size)
-            model.forward(batch, cache)  # warm-up outside the capture: allocator, autotuning, lazy init
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = model.forward(batch, cache)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[size] = graph
-        torch.cuda.synchronize(device)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return (batch.num_tokens == batch.num_requests <= self.sizes[-1]
-                and batch.block_tables.shape[1] <= self.block_tables.shape[1])
-
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        r = batch.num_requests
-        size = next(s for s in self.sizes if s >= r)
-        width = batch.block_tables.shape[1]
+    def load(self, batch: ForwardBatch, size: int) -> ForwardBatch:
+        """Copy a decode batch into the first rows, pad the rest up to `size`; the padded batch (a view)."""
+        r, width = batch.num_requests, batch.block_tables.shape[1]
         self.input_ids[:r] = batch.input_ids
         self.positions[:r] = batch.positions
         self.context_lens[:r] = batch.context_lens
         self.slots[:r] = batch.slots
         self.block_tables[:r, :width] = batch.block_tables
         self.block_tables[:r, width:] = -1
-        self._pad(r, size)
-        self.graphs[size].replay()
-        return self.outputs[size][:r]
+        self.input_ids[r:size] = 0
+        self.positions[r:size] = 0
+        self.context_lens[r:size] = 0
+        self.slots[r:size] = self.padding_slot
+        self.block_tables[r:size] = -1
+        return self.view(size)
 
-    def _pad(self, start: int, stop: int) -> None:
-        self.input_ids[start:stop] = 0
-        self.positions[start:stop] = 0
-        self.context_lens[start:stop] = 0
-        self.slots[start:stop] = self.padding_slot
-        self.block_tables[start:stop] = -1
-
-    def _view(self, size: int) -> ForwardBatch:
+    def view(self, size: int) -> ForwardBatch:
         return ForwardBatch(
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
@@ -79,4 +57,43 @@ class DecodeGraphs:
             context_lens=self.context_lens[:size],
             slots=self.slots[:size],
             block_tables=self.block_tables[:size],
+            decode_only=True,
         )
+
+
+class DecodeGraphs:
+    def __init__(self, model, cache, max_batch_size: int, max_pages: int, padding_slot: int, device: torch.device):
+        self.model, self.cache, self.device = model, cache, device
+        self.sizes = graph_sizes(max_batch_size)
+        self.padding_slot = padding_slot
+        self.inputs = DecodeInputs(self.sizes[-1], max_pages, padding_slot, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (batch.num_tokens == batch.num_requests <= self.sizes[-1]
+                and batch.block_tables.shape[1] <= self.inputs.block_tables.shape[1])
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        r = batch.num_requests
+        size = next(s for s in self.sizes if s >= r)
+        self.inputs.load(batch, size)
+        return self._replay(size)[:r]
+
+    def _capture(self) -> None:
+        pool = None
+        for size in reversed(self.sizes):
+            batch = self.inputs.view(size)
+            self.model.forward(batch, self.cache)  # warm-up outside the capture: allocator, autotuning, lazy init
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.model.forward(batch, self.cache)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
+    def _replay(self, size: int) -> torch.Tensor:
+        self.graphs[size].replay()
+        return self.outputs[size]

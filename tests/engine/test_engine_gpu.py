@@ -142,3 +142,48 @@ def test_greedy_under_continuous_batching_equals_each_request_alone(model, graph
     if graphs:
         assert calls["replays"] > 5
     assert eng.allocator.num_free_pages == eng.allocator.num_pages
+
+
+def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
+    """The decode path runs under sync debug mode "error", and a graph of it (2 real rows, 2 padding rows)
+    gives the eager steps' hidden states and caches, step after step."""
+    from ds4.engine.cuda_graphs import DecodeInputs
+
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (37, 20)]
+    tables = [[3, 0, 5, 1], [2, 6, 4, 7]]
+    caches = [model.new_cache(3, 8, PAGE) for _ in range(2)]  # slot 2: the scratch slot
+    for cache in caches:
+        for r, prompt in enumerate(prompts):  # all but the last token, which the first decode step runs
+            n, i32 = len(prompt) - 1, dict(dtype=torch.int32, device="cuda")
+            model.forward(ForwardBatch(torch.tensor(prompt[:-1], device="cuda"), torch.arange(n, device="cuda"),
+                                       torch.tensor([0, n], **i32), torch.zeros(1, **i32), torch.tensor([r], **i32),
+                                       torch.tensor([tables[r]], **i32)), cache)
+    eager_cache, graph_cache = caches
+    inputs = DecodeInputs(4, 4, padding_slot=2, device=torch.device("cuda"))
+    model.forward(inputs.view(4), graph_cache)  # warm-up: padding rows only
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model.forward(inputs.view(4), graph_cache)
+
+    tokens = [prompts[0][-1], prompts[1][-1]]
+    for step in range(20):
+        pos = [len(p) + step - 1 for p in prompts]
+        i32 = dict(dtype=torch.int32, device="cuda")
+        batch = ForwardBatch(torch.tensor(tokens, device="cuda"), torch.tensor(pos, device="cuda"),
+                             torch.arange(3, **i32), torch.tensor(pos, **i32), torch.tensor([0, 1], **i32),
+                             torch.tensor(tables, **i32), decode_only=True)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = model.forward(batch, eager_cache)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        inputs.load(batch, 4)
+        graph.replay()
+        assert torch.allclose(out[:2], eager, rtol=1e-5, atol=1e-5), f"step {step}"
+        tokens = model.compute_logits(eager).argmax(dim=-1).tolist()
+    for eager_layer, graph_layer in zip(eager_cache.layers, graph_cache.layers):
+        assert torch.allclose(eager_layer.window[:2], graph_layer.window[:2], rtol=1e-5, atol=1e-5)
+        if eager_layer.compressed is not None:
+            assert torch.allclose(eager_layer.compressed[:8], graph_layer.compressed[:8], rtol=1e-5, atol=1e-5)
