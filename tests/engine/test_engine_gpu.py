@@ -160,12 +160,12 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
                                        torch.tensor([0, n], **i32), torch.zeros(1, **i32), torch.tensor([r], **i32),
                                        torch.tensor([tables[r]], **i32)), cache)
     eager_cache, graph_cache = caches
-    inputs = DecodeInputs(4, 4, padding_slot=2, device=torch.device("cuda"))
-    model.forward(inputs.view(4), graph_cache)  # warm-up: padding rows only
+    inputs = DecodeInputs(4, 6, padding_slot=2, device=torch.device("cuda"))  # tables 4 of 6 columns wide
+    model.forward(inputs.view(4, 4), graph_cache)  # warm-up: padding rows only
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = model.forward(inputs.view(4), graph_cache)
+        out = model.forward(inputs.view(4, 4), graph_cache)
 
     tokens = [prompts[0][-1], prompts[1][-1]]
     for step in range(20):
@@ -179,7 +179,7 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
             eager = model.forward(batch, eager_cache)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        inputs.load(batch, 4)
+        inputs.load(batch, 4, 4)
         graph.replay()
         assert torch.allclose(out[:2], eager, rtol=1e-5, atol=1e-5), f"step {step}"
         tokens = model.compute_logits(eager).argmax(dim=-1).tolist()

@@ -25,9 +25,9 @@ class EagerDecodeGraphs(DecodeGraphs):
     def _capture(self) -> None:
         self.runs = []
 
-    def _replay(self, size: int) -> torch.Tensor:
-        self.runs.append(size)
-        return self.model.forward(self.inputs.view(size), self.cache)
+    def _replay(self, key: tuple[int, int]) -> torch.Tensor:
+        self.runs.append(key)
+        return self.model.forward(self.inputs.view(*key), self.cache)
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +62,11 @@ def test_padded_decode_batches_equal_each_request_alone(model):
     graphs = EagerDecodeGraphs(model, cache, 4, eng.allocator.pages_for(eng.plan.max_model_len),
                                padding_slot=eng.plan.num_slots, device=torch.device("cpu"))
     eng.runner.graphs = graphs
-    assert graphs.sizes == [1, 2, 4]
+    assert graphs.sizes == [1, 2, 4] and graphs.page_buckets == [1, 4, 8]
 
     rng = random.Random(3)
-    prompts = [[rng.randrange(2, model.cfg.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(7)]
+    # Short and long prompts, so that steps need block tables of 1, up to 4 and up to 8 pages.
+    prompts = [[rng.randrange(2, model.cfg.vocab_size) for _ in range(n)] for n in (3, 9, 70, 12, 30, 5, 40)]
     lens = [3 + 3 * i for i in range(7)]
     tokens, pending, step = {}, list(enumerate(prompts)), 0
     while pending or eng.has_unfinished_requests():
@@ -78,5 +79,7 @@ def test_padded_decode_batches_equal_each_request_alone(model):
         step += 1
     for i, prompt in enumerate(prompts):
         assert tokens[f"r{i}"] == alone(model, prompt, lens[i]), f"request r{i}"
-    # Decode steps of 5 requests do not fit the largest size (4) and ran unpadded; the others were padded.
-    assert len(graphs.runs) > 10 and {1, 2, 4} <= set(graphs.runs)
+    # Decode steps of 5 requests do not fit the largest size (4) and ran unpadded; the others were padded,
+    # with block tables widened to a page bucket.
+    sizes, buckets = {s for s, _ in graphs.runs}, {p for _, p in graphs.runs}
+    assert len(graphs.runs) > 10 and sizes == {1, 2, 4} and buckets == {1, 4, 8}
