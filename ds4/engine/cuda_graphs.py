@@ -8,7 +8,7 @@ scratch slot and the cache's scratch page, so they never touch a real request's 
 A captured graph also fixes the block-table width, and the model's decode path does work in proportion
 to it (every compressed entry the table could hold), not to the context. So graphs are captured per
 (batch size, page bucket), buckets growing 4x up to the pages of max_model_len: a step replays the
-narrowest table that holds its longest page table, doing at most 4x the work its contexts need.
+narrowest table that holds its longest page table, at most 4x as wide as that page table.
 
 The batches are marked decode_only, and the model's forward must be capturable for them: no host syncs
 and no Python decisions on the batch's values. A model says so with `cuda_graph_safe = True`.

@@ -178,3 +178,19 @@ def test_decode_forward_runs_on_meta_tensors(name, kv_cache_dtype):
                          decode_only=True)
     hidden = model(batch, cache)
     assert hidden.device.type == "meta" and hidden.shape == (3, model.cfg.hc_mult, model.cfg.hidden_size)
+
+
+def test_validate_checks_what_the_decode_path_trusts():
+    i32 = dict(dtype=torch.int32)
+    two_tokens = ForwardBatch(torch.tensor([1, 2]), torch.tensor([5, 6]), torch.tensor([0, 2], **i32),
+                              torch.tensor([5], **i32), torch.zeros(1, **i32), torch.tensor([[0, 1]], **i32),
+                              decode_only=True)
+    with pytest.raises(ValueError, match="one token per request"):
+        two_tokens.validate()
+    # Position 20 lives on page 1 of 16-token pages, which this table leaves unassigned. (Padding rows have
+    # no pages: the check is for the batch an engine builds, before padding.)
+    batch = _padded_decode_batch([3, 4], [20, 2], [0, 1], [torch.tensor([4, -1]), torch.tensor([0])], 0, 2)
+    batch.validate()
+    with pytest.raises(ValueError, match="page is missing"):
+        batch.validate(page_size=PAGE)
+    _padded_decode_batch([3, 4], [20, 2], [0, 1], [torch.tensor([4, 2]), torch.tensor([0])], 0, 2).validate(PAGE)
