@@ -15,7 +15,7 @@ import torch
 
 from ds4.engine.config import GiB, EngineConfig
 from ds4.model.batch import ForwardBatch
-from ds4.model.cache import bytes_per_page, bytes_per_slot
+from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int
     budget = config.kv_cache_memory
     if budget is None:
         budget = cuda_cache_budget(model, config, device) if device.type == "cuda" else CPU_DEFAULT_CACHE_BYTES
-    num_pages = (budget - num_slots * slot_bytes) // page_bytes
+    # The cache also holds scratch pages that absorb writes going nowhere (padding rows, unfinished windows).
+    num_pages = (budget - num_slots * slot_bytes) // page_bytes - SCRATCH_PAGES
     if num_pages < 1:
         raise ValueError(
             f"the cache budget of {budget} bytes does not cover {num_slots} request slots ({slot_bytes} bytes each) "

@@ -97,9 +97,9 @@ def greedy(max_tokens):
 def test_greedy_under_continuous_batching_equals_each_request_alone(model, flags):
     num_pages = flags.pop("num_pages", None)
     if num_pages is not None:
-        from ds4.model.cache import bytes_per_page, bytes_per_slot
+        from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot
         flags["kv_cache_memory"] = (flags["max_num_seqs"] * bytes_per_slot(model.cfg, model.dtype)
-                                    + num_pages * bytes_per_page(model.cfg, PAGE, model.dtype))
+                                    + (num_pages + SCRATCH_PAGES) * bytes_per_page(model.cfg, PAGE, model.dtype))
     eng = engine(model, **flags)
     prompts = random_prompts(7, seed=1)
     arrivals = {}
