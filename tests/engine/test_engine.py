@@ -213,12 +213,12 @@ def test_penalties_and_logprobs_match_plain_torch(model):
 
 
 def test_prompt_logprobs_survive_chunking_and_preemption(model):
-    from ds4.model.cache import bytes_per_page, bytes_per_slot
+    from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot
     prompt = random_prompts(1, seed=12, lo=40, hi=50)[0]
     cache = model.new_cache(1, 8, PAGE)
     full = model.compute_logits(model.forward(one_request_batch(prompt, 0, list(range(8))), cache))
     expected = torch.log_softmax(full[:-1], dim=-1)
-    memory = 3 * bytes_per_slot(model.cfg, model.dtype) + 6 * bytes_per_page(model.cfg, PAGE, model.dtype)
+    memory = 3 * bytes_per_slot(model.cfg, model.dtype) + (6 + SCRATCH_PAGES) * bytes_per_page(model.cfg, PAGE, model.dtype)
     eng = engine(model, max_num_seqs=3, max_num_batched_tokens=16, long_prefill_token_threshold=8,
                  kv_cache_memory=memory, max_model_len=96)
     others = [(f"o{i}", p, greedy(30)) for i, p in enumerate(random_prompts(2, seed=13, lo=10, hi=20))]
