@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The session's GPU check on the lent H200, in one call: the gpu-marked tests (pass pytest arguments, e.g.
-# --deselect, to narrow them), then the engine throughput benchmark on the built-in tiny model. Logs and JSON go to $OUT (default .out/). Needs the wheels from
-# scripts/fetch_device_wheels.sh carried in .whl/.
+# The session's GPU check on the lent H200, in one call: the gpu-marked tests (pytest arguments narrow them),
+# then the engine throughput benchmark on the built-in tiny model. Logs and JSON go to $OUT (default .out/).
+# Needs the wheels from scripts/fetch_device_wheels.sh carried in .whl/ (`carry: [".whl"]`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.out}
@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache
 . scripts/install_device_wheels.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
-timeout 270 python3 -m pytest -q -m gpu -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 270 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/model tests/kernels "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 timeout 100 python3 -m ds4.cli bench throughput --num-prompts 200 --input-len 128 --output-len 64 \
   --max-num-seqs 64 --max-model-len 4096 --json "$OUT/bench_throughput.json" 2>&1 | tail -n 30 | tee "$OUT/bench_throughput.log"
