@@ -13,13 +13,12 @@ PROMPT = [0, 9906, 11, 1917, 0, 128803, 3923, 374, 279, 6864, 315, 9822, 30, 128
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
+def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     official = make_tiny(root / "official", format="official", seed=3)
     hf = make_tiny(root / "hf", format="hf", seed=3)
     oracle = transformers.DeepseekV4ForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    llm = LLM(official, device="cpu", dtype="float32")
-    return llm, oracle
+    return LLM(official, device="cpu", dtype="float32"), LLM(hf, device="cpu", dtype="float32"), oracle
 
 
 def _oracle_log_probs(oracle, ids):
@@ -27,8 +26,8 @@ def _oracle_log_probs(oracle, ids):
         return torch.log_softmax(oracle(torch.tensor([ids])).logits[0].double(), dim=-1)
 
 
-def test_prompt_logprobs_equal_transformers(tiny_pair):
-    llm, oracle = tiny_pair
+def test_prompt_logprobs_equal_transformers(tiny_models):
+    llm, _, oracle = tiny_models
     out = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3), use_tqdm=False)[0]
     expected = _oracle_log_probs(oracle, PROMPT)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
@@ -41,8 +40,16 @@ def test_prompt_logprobs_equal_transformers(tiny_pair):
             assert abs(logprob - row[token_id].item()) < 1e-3, (pos, token_id)
 
 
-def test_greedy_generation_equals_transformers_argmax(tiny_pair):
-    llm, oracle = tiny_pair
+def test_official_and_hf_formats_give_the_same_logits(tiny_models):
+    official_llm, hf_llm, _ = tiny_models
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5)
+    official = official_llm.generate([PROMPT], params, use_tqdm=False)[0].prompt_logprobs
+    hf = hf_llm.generate([PROMPT], params, use_tqdm=False)[0].prompt_logprobs
+    assert official == hf
+
+
+def test_greedy_generation_equals_transformers_argmax(tiny_models):
+    llm, _, oracle = tiny_models
     out = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     ids = list(PROMPT)
     for _ in range(12):
@@ -52,8 +59,8 @@ def test_greedy_generation_equals_transformers_argmax(tiny_pair):
     assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
-def test_text_and_token_prompts_and_seeded_sampling(tiny_pair):
-    llm, _ = tiny_pair
+def test_text_and_token_prompts_and_seeded_sampling(tiny_models):
+    llm, _, _ = tiny_models
     text = "The capital of France is"
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, logprobs=2)
     by_text, by_ids, other = llm.generate([text, llm.tokenizer.encode(text), "Something else entirely"],
