@@ -13,6 +13,7 @@ from torch import nn
 
 from ds4.config import ModelConfig
 from ds4.kernels.rope import apply_rope
+from ds4.kernels.topk import topk_indices
 from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.cache import LayerCache
 from ds4.model.compressor import Compressor
@@ -25,7 +26,13 @@ _PIECE_BYTES = 1 << 28
 
 
 def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores per row (the order among them does not matter)."""
+    """Indices of the k largest scores per row (the order among them does not matter).
+
+    On CUDA the exact Triton top-k (ties to the lowest index, no host sync, graph-safe); torch.topk elsewhere.
+    """
+    if scores.is_cuda and k > 0 and scores.shape[0] > 0:
+        lengths = torch.full((scores.shape[0],), scores.shape[1], dtype=torch.int32, device=scores.device)
+        return topk_indices(scores, lengths, k).long()
     return torch.topk(scores, k, dim=-1).indices
 
 
