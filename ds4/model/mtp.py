@@ -7,7 +7,6 @@ then its own hc_head and norm before the shared output head.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ds4.config import ModelConfig
 from ds4.kernels.rmsnorm import rms_norm

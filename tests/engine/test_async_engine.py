@@ -4,25 +4,17 @@ import asyncio
 import threading
 
 import pytest
-import torch
 
-from ds4.checkpoint.reader import load_checkpoint
-from ds4.checkpoint.tiny import default_model_dir
-from ds4.config import load_config
 from ds4.engine.async_engine import AsyncEngine
 from ds4.engine.config import EngineConfig
 from ds4.engine.engine import LLMEngine, RequestRejected
 from ds4.engine.sampling_params import SamplingParams
-from ds4.model.deepseek_v4 import DeepseekV4Model
+from tiny_model import load_tiny_model
 
 
 @pytest.fixture(scope="module")
 def model():
-    model_dir = default_model_dir()
-    cfg = load_config(model_dir)
-    m = DeepseekV4Model(cfg, dtype=torch.float32)
-    m.load_weights(load_checkpoint(model_dir, cfg, dtype=torch.float32, progress=False))
-    return m
+    return load_tiny_model()
 
 
 def new_engine(model):

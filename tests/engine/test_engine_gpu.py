@@ -12,14 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from ds4.checkpoint.reader import load_checkpoint
 from ds4.checkpoint.tiny import default_model_dir
 from ds4.config import load_config
 from ds4.engine.config import EngineConfig
 from ds4.engine.engine import LLMEngine
 from ds4.engine.sampling_params import SamplingParams
 from ds4.model.batch import ForwardBatch
-from ds4.model.deepseek_v4 import DeepseekV4Model
+from tiny_model import load_tiny_model
 
 pytestmark = pytest.mark.gpu
 PAGE = 16
@@ -104,11 +103,7 @@ def test_decode_graphs_replay_equals_eager_on_a_toy_model():
 
 @pytest.fixture(scope="module")
 def model():
-    model_dir = default_model_dir()
-    cfg = load_config(model_dir)
-    m = DeepseekV4Model(cfg, dtype=torch.float32, device="cuda")
-    m.load_weights(load_checkpoint(model_dir, cfg, dtype=torch.float32, device="cuda", progress=False))
-    return m
+    return load_tiny_model("cuda")
 
 
 def reference_greedy(model, prompt, max_tokens):
@@ -129,8 +124,6 @@ def reference_greedy(model, prompt, max_tokens):
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
 def test_greedy_under_continuous_batching_equals_each_request_alone(model, graphs):
-    if graphs and not getattr(model, "cuda_graph_safe", False):
-        pytest.skip("DeepseekV4Model does not declare cuda_graph_safe: its forward syncs with the host")
     flags = dict(page_size=PAGE, max_model_len=128, max_num_seqs=6, max_num_batched_tokens=48,
                  long_prefill_token_threshold=16, kv_cache_memory=1 << 26, enforce_eager=not graphs)
     prompts, lens = random_prompts(9, seed=2), [4 + 2 * i for i in range(9)]

@@ -6,15 +6,12 @@ import random
 import pytest
 import torch
 
-from ds4.checkpoint.reader import load_checkpoint
-from ds4.checkpoint.tiny import default_model_dir
-from ds4.config import load_config
 from ds4.engine.config import EngineConfig
 from ds4.engine.cuda_graphs import DecodeGraphs
 from ds4.engine.engine import LLMEngine
 from ds4.engine.sampling_params import SamplingParams
 from ds4.model.batch import ForwardBatch
-from ds4.model.deepseek_v4 import DeepseekV4Model
+from tiny_model import load_tiny_model
 
 PAGE = 16
 
@@ -32,10 +29,7 @@ class EagerDecodeGraphs(DecodeGraphs):
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = load_config(default_model_dir())
-    m = DeepseekV4Model(cfg, dtype=torch.float32)
-    m.load_weights(load_checkpoint(default_model_dir(), cfg, dtype=torch.float32, progress=False))
-    return m
+    return load_tiny_model()
 
 
 def alone(model, prompt, max_tokens):
