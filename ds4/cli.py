@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args
+
 _BENCHMARKS = {"kernels": "ds4.bench.kernels", "throughput": "ds4.bench.throughput"}
 
 
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=None)
+    add_engine_args(generate)
 
     tiny = commands.add_parser("make-tiny", help="write a tiny random DeepSeek-V4 checkpoint")
     tiny.add_argument("out", help="output directory")
@@ -46,20 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """The flags that choose and place the model, shared by every command that loads one."""
-    parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
-    parser.add_argument("--speculative-mtp", action="store_true", help="load the MTP layer for speculative decoding")
-
-
 def _generate(args: argparse.Namespace) -> int:
     from ds4.engine.llm import LLM
     from ds4.engine.sampling_params import SamplingParams
 
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              **engine_flags_from_args(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     prompt = args.prompt
     if args.chat:

@@ -21,8 +21,7 @@ import torch
 
 
 def main(argv: list[str]) -> int:
-    from ds4.cli import add_model_args
-    from ds4.engine.config import add_engine_args, engine_flags_from_args
+    from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args
 
     parser = argparse.ArgumentParser(prog="ds4 bench throughput", description=__doc__.splitlines()[0])
     add_model_args(parser)

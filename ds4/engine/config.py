@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 GiB = 1 << 30
 
@@ -11,31 +11,31 @@ class EngineConfigError(ValueError):
     """An engine flag with a value the engine cannot run with."""
 
 
+def _flag(default, help: str):
+    """A field whose help text is also the CLI flag's help."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineConfig:
-    # Tokens run through the model in one step (decodes plus prefill chunks).
-    max_num_batched_tokens: int = 8192
-    # Requests holding a cache slot at once (decoding or prefilling).
-    max_num_seqs: int = 256
-    # Longest prompt + output; None: the model's limit, lowered to what the cache can hold.
-    max_model_len: int | None = None
-    # A prompt with more tokens than this left to prefill is "long" and prefills in chunks of at most this
-    # many tokens; 0 picks max_num_batched_tokens // 2.
-    long_prefill_token_threshold: int = 0
-    # Prompts that get prefill tokens in one step, and how many of those may be long; short prompts go first,
-    # so a short request never waits for a long prompt to finish prefilling.
-    max_num_partial_prefills: int = 4
-    max_long_partial_prefills: int = 1
-    # CUDA: fraction of the device's memory ds4 may use in all (weights, activations, caches).
-    gpu_memory_utilization: float = 0.9
-    # Bytes for the caches (any device); overrides gpu_memory_utilization. CPU default: 1 GiB.
-    kv_cache_memory: int | None = None
-    # Tokens per cache page; a multiple of every compression ratio of the model.
-    page_size: int = 256
-    # CUDA: run decode steps eagerly instead of replaying CUDA graphs.
-    enforce_eager: bool = False
-    # CUDA: the largest decode batch captured as a graph (larger decode batches run eagerly).
-    max_cuda_graph_batch_size: int = 256
+    max_num_batched_tokens: int = _flag(8192, "tokens run through the model in one step (decodes plus prefill chunks)")
+    max_num_seqs: int = _flag(256, "requests holding a cache slot at once (decoding or prefilling)")
+    max_model_len: int | None = _flag(
+        None, "longest prompt + output (default: the model's limit, lowered to what the cache holds)")
+    long_prefill_token_threshold: int = _flag(
+        0, "prompts with more tokens than this left to prefill are long and prefill in chunks of at most this "
+           "many (0: half of max_num_batched_tokens)")
+    max_num_partial_prefills: int = _flag(
+        4, "prompts that get prefill tokens in one step; short ones go first, so they never wait for a long one")
+    max_long_partial_prefills: int = _flag(1, "how many of those prompts may be long")
+    gpu_memory_utilization: float = _flag(
+        0.9, "CUDA: fraction of the device's memory ds4 may use in all (weights, activations, caches)")
+    kv_cache_memory: int | None = _flag(
+        None, "bytes for the caches on any device; overrides gpu_memory_utilization (CPU default: 1 GiB)")
+    page_size: int = _flag(256, "tokens per cache page; a multiple of every compression ratio of the model")
+    enforce_eager: bool = _flag(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    max_cuda_graph_batch_size: int = _flag(
+        256, "CUDA: the largest decode batch captured as a graph (larger decode batches run eagerly)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,16 +79,26 @@ class EngineConfig:
         return cls(**kwargs)
 
 
+def add_model_args(parser) -> None:
+    """The flags that choose and place the model, shared by every command that loads one."""
+    parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16 or float32")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="fp8: the reference's FP8 KV-cache semantics (default: the compute dtype)")
+
+
 def add_engine_args(parser) -> None:
     """Add every engine flag to an argparse parser as --kebab-case options (defaults from EngineConfig)."""
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
+        help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
         if f.type in (bool, "bool"):
-            group.add_argument(flag, action="store_true", help=f"(default: {f.default})")
+            group.add_argument(flag, action="store_true", help=help)
         else:
             kind = float if f.name == "gpu_memory_utilization" else int
-            group.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
+            group.add_argument(flag, type=kind, default=f.default, help=help)
 
 
 def engine_flags_from_args(args) -> dict:

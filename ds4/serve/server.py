@@ -9,7 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
-from ds4.engine.config import add_engine_args, engine_flags_from_args
+from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args
 from ds4.engine.structured_output import DEFAULT_MAX_WHITESPACE, GrammarCache, grammar_tokenizer_info
 from ds4.serve.state import _backend
 
@@ -18,16 +18,13 @@ logger = logging.getLogger("ds4.serve")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds4 serve", description="Serve a DeepSeek-V4 model over the OpenAI API.")
-    parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    add_model_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
                         help="require `Authorization: Bearer KEY` on the API (default: $DS4_API_KEY; none: open)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients send (default: the model directory's name)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     parser.add_argument("--seed", type=int, default=None, help="seed for requests that bring none")
     parser.add_argument("--max-grammar-whitespace", type=int, default=DEFAULT_MAX_WHITESPACE,
                         help="most consecutive blanks a JSON / tool-call grammar allows")
