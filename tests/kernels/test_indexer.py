@@ -1,28 +1,16 @@
 """Indexer logits over the paged fp8 key cache: the Triton kernel (interpreted) against an fp64 oracle."""
 
-import importlib
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
-from triton.runtime.interpreter import InterpretedFunction
 
-import ds4.kernels._device
 import ds4.kernels.indexer
 import ds4.kernels.topk
+from interpreted import interpreted
 
 
 @pytest.fixture(scope="module")
 def indexer():
-    module = ds4.kernels.indexer
-    if not isinstance(module._indexer_logits_kernel, InterpretedFunction):
-        os.environ["TRITON_INTERPRET"] = "1"
-        importlib.reload(ds4.kernels._device)
-        importlib.reload(ds4.kernels.topk)
-        module = importlib.reload(module)
-    return module
+    return interpreted(ds4.kernels.indexer, "_indexer_logits_kernel", ds4.kernels.topk)
 
 
 def paged_keys(indexer, requests, keys_per_request, pages_per_request, generator):

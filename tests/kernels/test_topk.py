@@ -1,28 +1,17 @@
 """Exact top-k: the Triton kernels (through the CPU interpreter) and the torch path against torch.topk."""
 
-import importlib
 import inspect
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from triton.runtime.interpreter import InterpretedFunction
 
-import ds4.kernels._device
 import ds4.kernels.topk
+from interpreted import interpreted
 
 
 @pytest.fixture(scope="module")
 def topk():
-    """The top-k module with its kernels interpreted, even if it was imported before the variable was set."""
-    module = ds4.kernels.topk
-    if not isinstance(module._scan_kernel, InterpretedFunction):
-        os.environ["TRITON_INTERPRET"] = "1"
-        importlib.reload(ds4.kernels._device)
-        module = importlib.reload(module)
-    return module
+    return interpreted(ds4.kernels.topk, "_scan_kernel")
 
 
 def check_against_torch(scores, lengths, k, got):
