@@ -74,15 +74,20 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
     ds4_ms = _median_ms(ours) / sets
     graph_ms = _graph_ms(ours) / sets
     torch_ms = _median_ms(theirs) / sets
+    torch_graph_ms = _graph_ms(theirs) / sets
     roof_ms = rows * cols * 4 / bandwidth * 1e3
     return {"rows": rows, "cols": cols, "k": k, "exact": exact, "ds4_ms": ds4_ms, "ds4_graph_ms": graph_ms,
-            "torch_topk_ms": torch_ms, "speedup_vs_torch": torch_ms / ds4_ms,
-            "speedup_vs_torch_graph": torch_ms / graph_ms, "roofline_ms": roof_ms,
+            "torch_topk_ms": torch_ms, "torch_topk_graph_ms": torch_graph_ms, "speedup_vs_torch": torch_ms / ds4_ms,
+            "speedup_vs_torch_graph": torch_graph_ms / graph_ms, "roofline_ms": roof_ms,
             "roofline_fraction": roof_ms / ds4_ms, "roofline_fraction_graph": roof_ms / graph_ms}
 
 
-TOPK_VARIANTS = [(4096, 8, 4, True), (4096, 8, 4, False), (4096, 4, 4, False), (8192, 8, 4, False)]
-# tile, warps, programs per SM, finish in the scan program
+TOPK_VARIANTS = [dict(tile=4096, programs_per_sm=4, scan_warps=4, count_warps=4),
+                 dict(tile=8192, programs_per_sm=4, scan_warps=8, count_warps=4),
+                 dict(tile=4096, programs_per_sm=8, scan_warps=4, count_warps=4),
+                 dict(tile=2048, programs_per_sm=8, scan_warps=4, count_warps=4),
+                 dict(tile=4096, programs_per_sm=4, scan_warps=8, count_warps=8),
+                 dict(tile=8192, programs_per_sm=2, scan_warps=8, count_warps=8)]
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512)]
 
 
@@ -93,17 +98,14 @@ def sweep_topk(rows: int, cols: int, k: int) -> list[dict]:
     lengths = torch.full((rows,), cols, device="cuda", dtype=torch.int32)
     want = tk.topk_indices_reference(inputs[0], lengths, k)
     runs = []
-    for tile, warps, per_sm, finish_in_scan in TOPK_VARIANTS:
-        knobs = dict(tile=tile, warps=warps, programs_per_sm=per_sm, finish_in_scan=finish_in_scan)
+    for knobs in TOPK_VARIANTS:
 
         def ours():
             for x in inputs:
                 tk._topk_triton(x, lengths, k, **knobs)
 
         exact = bool(torch.equal(tk._topk_triton(inputs[0], lengths, k, **knobs), want))
-        runs.append({"tile": tile, "warps": warps, "programs_per_sm": per_sm, "finish_in_scan": finish_in_scan,
-                     "exact": exact,
-                     "ms": _median_ms(ours) / sets, "graph_ms": _graph_ms(ours) / sets})
+        runs.append({**knobs, "exact": exact, "ms": _median_ms(ours) / sets, "graph_ms": _graph_ms(ours) / sets})
     return runs
 
 
@@ -195,18 +197,18 @@ def compiled_resources(kernels: dict) -> list[dict]:
 def _print_table(report: dict) -> None:
     print(f"\n{report['device']}  copy {report['copy_bandwidth_tbps']:.2f} TB/s  "
           f"fp8 gemm {report['fp8_gemm_tflops']:.0f} TFLOP/s")
-    print(f"{'top-k rows x cols, k':>26} {'ds4 ms':>8} {'graph':>8} {'torch':>8} {'x torch':>8} {'x(graph)':>8} "
-          f"{'roof%':>6} {'roof%g':>6} exact")
+    print(f"{'top-k rows x cols, k':>26} {'ds4 ms':>8} {'graph':>8} {'torch':>8} {'t.graph':>8} {'x torch':>8} "
+          f"{'x(graph)':>8} {'roof%':>6} {'roof%g':>6} exact")
     for r in report["topk"]:
         print(f"{r['rows']:>10} x {r['cols']:>8}, {r['k']:>4} {r['ds4_ms']:8.4f} {r['ds4_graph_ms']:8.4f} "
-              f"{r['torch_topk_ms']:8.4f} {r['speedup_vs_torch']:8.2f} {r['speedup_vs_torch_graph']:8.2f} "
+              f"{r['torch_topk_ms']:8.4f} {r['torch_topk_graph_ms']:8.4f} {r['speedup_vs_torch']:8.2f} {r['speedup_vs_torch_graph']:8.2f} "
               f"{100 * r['roofline_fraction']:6.1f} {100 * r['roofline_fraction_graph']:6.1f} {r['exact']}")
     for name in ("topk_kernel_us_2048x65536", "topk_kernel_us_64x131072", "topk_kernel_us_1x1048576"):
         print(name, {key[:24]: round(us, 1) for key, us in report[name].items()})
     for case in report.get("topk_sweep", []):
-        print(f"sweep {case['rows']} x {case['cols']}, {case['k']} (tile, warps, programs/SM, finish in scan: "
+        print(f"sweep {case['rows']} x {case['cols']}, {case['k']} (tile, programs/SM, scan warps, count warps: "
               "eager / graph ms):")
-        print("   " + "  ".join(f"{r['tile']},{r['warps']},{r['programs_per_sm']},{int(r['finish_in_scan'])}: "
+        print("   " + "  ".join(f"{r['tile']},{r['programs_per_sm']},{r['scan_warps']},{r['count_warps']}: "
                                 f"{r['ms']:.4f}/{r['graph_ms']:.4f}{'' if r['exact'] else ' INEXACT'}"
                                 for r in case["runs"]))
     if "indexer_prefill" in report:
@@ -254,8 +256,8 @@ def main(argv: list[str]) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
-    report["compiled"] = compiled_resources({"scan": tk._scan_kernel, "collect": tk._collect_kernel,
-                                             "finish": tk._finish_kernel, "indexer": ix._indexer_logits_kernel})
+    report["compiled"] = compiled_resources({"scan": tk._scan_kernel, "count": tk._count_kernel,
+                                             "write": tk._write_kernel, "finish": tk._finish_kernel, "indexer": ix._indexer_logits_kernel})
     _print_table(report)
     for entry in report["compiled"]:
         print("compiled", entry)

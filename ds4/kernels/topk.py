@@ -11,27 +11,26 @@ Order (the spec, shared by the torch reference and the Triton kernels):
     consumers that sum over the selection get the same bits every run).
 `lengths` are clamped to [0, scores.shape[1]]; rows may have any stride (the last dim is contiguous).
 
-How the Triton path stays exact and fast (one zeroed workspace and one or two launches, no host sync):
-  1. scan (many programs per row when rows are few): every row is cut into groups of G entries and
-     read once, in whole tiles of 16-byte loads; each group's maximum order key is kept in a
-     workspace and counted in a 256-bin histogram of its top byte.
-  2. the program that finishes a row last (an atomic arrival count; nobody waits) histograms the
-     next byte of the group maxima in the threshold bin. That gives tau, a 16-bit-precise lower bound
-     with at least min(k, groups) group maxima >= tau: every group maximum >= tau is itself an
-     entry >= tau, so the top k are all among the entries >= tau. G is chosen so a full-length row
-     has >= 8k groups, which leaves about k + a few percent such entries on spread-out data.
-  3. collection: the numbers of the groups whose maximum reaches tau are compacted, and only those
-     groups are read again; their entries >= tau go to a per-row buffer of CAP slots (an atomic
-     slot counter per row).
-  4. the last program of the row: when the candidates fit in CAP, an exact radix select over them in
-     registers (and a second one over column numbers when the k-th value has more ties than places),
-     then the chosen columns in ascending order; when they do not (tie-dominated rows, for
-     instance), an exact radix select over the whole row instead (4 byte passes, then an in-order
-     gather that takes the lowest-column ties). Either way the answer is exact: an overflowing buffer
-     only changes which path runs, never the result.
-With one program per row (many rows) all four steps run in one launch; with several per row, step 3
-and 4 run in a second launch, since tau needs the whole row. No program ever waits on another;
-workspaces are sized from the shapes alone, so the call is safe to capture in a CUDA graph.
+How the Triton path stays exact and fast. A row is cut into groups of G entries (G chosen so a
+full-length row has >= 8k groups) and, when rows are few, into splits that separate programs work on.
+Each launch is short and lean, so many programs share an SM and hide each other's latency; no program
+ever waits on another, and nothing but the shapes sizes the workspaces (no host sync, graph-safe).
+  1. scan (rows x splits): one read of the row in 16-byte loads; each group's maximum order key goes
+     to a workspace and into a 256-bin histogram of its top byte (summed over the splits by atomics).
+  2. count (rows x splits): every program derives the row's threshold tau from that histogram and a
+     second-byte histogram of the group maxima in the threshold bin: a 16-bit-precise lower bound
+     with at least min(k, groups) group maxima >= tau. Each such maximum is an entry >= tau, so the
+     top k are among the entries >= tau, and those can only sit in groups whose maximum reaches tau.
+     The program lists its split's hot groups and counts their entries >= tau (with one split per
+     row it writes them straight away, in column order).
+  3. write (rows x splits, only with several splits): each split writes its entries >= tau, in
+     column order, after those of the splits before it (a prefix over the counts), so the candidate
+     buffer of CAP slots is in column order without sorting.
+  4. finish (rows): with all candidates in the buffer, an exact radix select over them in registers
+     (and a second one over column numbers when the k-th value has more ties than places), written
+     out in column order by a prefix sum. When they did not fit (tie-dominated rows, for instance),
+     an exact radix select over the whole row instead (4 byte passes, then an in-order gather that
+     takes the lowest-column ties). An overflowing buffer only changes which path runs, never the result.
 """
 
 from __future__ import annotations
@@ -43,23 +42,24 @@ import triton.language as tl
 from ds4.kernels._device import num_sms
 
 MAX_K = 2048
-_TILE = 4096  # entries per streaming step
-_GATHER = 2048  # entries per candidate-gather step
+_TILE = 4096  # entries per streaming step of the scan
+_GATHER = 1024  # entries per candidate-gather step
 _GM_BLOCK = 2048  # group maxima per step
+_SPLIT_BLOCK = 1024  # split counts per step
 _GROUPS_PER_K = 8  # a row wants >= 8k groups so that tau lands close to the k-th value
 _MAX_GROUP = 256
+_CAP_PER_K = 2  # candidate slots per wanted entry (spread-out data brings about 1.1 k candidates)
+_MIN_CAP = 256
 _EXACT_TILE = 1024  # entries per step of the rare whole-row fallback (small, so it costs no registers elsewhere)
-_PROGRAMS_PER_SM = 4  # programs per SM when a batch has few rows
-_FINISH_IN_SCAN = True
-_WS_COLS = 260  # per row: histogram[256], candidate count, two arrival counts, tau
+_PROGRAMS_PER_SM = 4  # scan programs per SM when a batch has few rows
+_SCAN_WARPS = 4
+_COUNT_WARPS = 4
+_WS_COLS = 257  # per row: histogram[256], tau
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
 WS_COLS = tl.constexpr(_WS_COLS)
-FOUND = tl.constexpr(256)
-ARRIVED_SCAN = tl.constexpr(257)
-ARRIVED_COLLECT = tl.constexpr(258)
-TAU = tl.constexpr(259)
+TAU = tl.constexpr(256)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def _row_tau(hist1, row_gm, length, k, G: tl.constexpr, GM_BLOCK: tl.constexpr):
     for g0 in range(0, groups, GM_BLOCK):
         g = g0 + tl.arange(0, GM_BLOCK)
         real = g < groups
-        gmax = tl.load(row_gm + g, mask=real, other=INT_MIN, cache_modifier=".cg")
+        gmax = tl.load(row_gm + g, mask=real, other=INT_MIN)
         hist2 += tl.histogram(_byte(gmax, 16), 256, mask=real & (_byte(gmax, 24) == b1))
     b2, _ = _threshold_bin(hist2, rank - above1)
     tau = ((b1 << 24) | (b2 << 16)) ^ INT_MIN
@@ -167,44 +167,41 @@ def _row_tau(hist1, row_gm, length, k, G: tl.constexpr, GM_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _collect(row_scores, row_gm, ws_row, cand_row, g_first, g_end, length, tau,
-             G: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, SHARED: tl.constexpr):
-    """Appends the entries >= tau of groups [g_first, g_end) to the row's candidates.
-
-    The hot groups' numbers are first compacted in place over their (already used) maxima: a slot
-    never passes the group being read, and a block is wholly loaded before any of it is overwritten.
-    SHARED: several programs fill the row's buffer (slots from an atomic counter); otherwise this
-    program alone does, in column order, and stores the count at the end.
-    """
+def _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, GM_BLOCK: tl.constexpr):
+    """Writes the numbers of the groups in [g_first, g_end) whose maximum reaches tau, ascending, to
+    hot_list[0:]; returns how many there are."""
     hot_count = 0
     for g0 in range(g_first, g_end, GM_BLOCK):
         g = g0 + tl.arange(0, GM_BLOCK)
         real = g < g_end
-        hot = real & (tl.load(row_gm + g, mask=real, other=INT_MIN, cache_modifier=".cg") >= tau)
-        slot = g_first + hot_count + tl.cumsum(hot.to(tl.int32), axis=0) - 1
-        tl.store(row_gm + slot, g, mask=hot)
+        hot = real & (tl.load(row_gm + g, mask=real, other=INT_MIN) >= tau)
+        slot = hot_count + tl.cumsum(hot.to(tl.int32), axis=0) - 1
+        tl.store(hot_list + slot, g, mask=hot)
         hot_count += tl.sum(hot.to(tl.int32), axis=0)
-    tl.debug_barrier()
-    written = hot_count * 0
+    return hot_count
+
+
+@triton.jit
+def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, base,
+                       G: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, WRITE: tl.constexpr):
+    """Counts the entries >= tau of the listed groups; WRITE: also stores them (order key, column) in
+    column order at candidate slots base, base + 1, ... (those past CAP are only counted)."""
+    found = hot_count * 0
     for h0 in range(0, hot_count, GATHER // G):
         j = h0 + tl.arange(0, GATHER // G)
         listed = j < hot_count
-        group = tl.load(row_gm + g_first + j, mask=listed, other=0, cache_modifier=".cg")
+        group = tl.load(hot_list + j, mask=listed, other=0)
         cols = group[:, None] * G + tl.arange(0, G)[None, :]
         inside = listed[:, None] & (cols < length)
         key = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0))
         take = tl.reshape(inside & (key >= tau), [GATHER]).to(tl.int32)
-        if SHARED:
-            base = tl.atomic_add(ws_row + FOUND, tl.sum(take, axis=0), sem="relaxed")
-        else:
-            base = written
-        slot = base + tl.cumsum(take, axis=0) - 1
-        keep = (take != 0) & (slot < CAP)
-        tl.store(cand_row + slot, tl.reshape(key, [GATHER]), mask=keep)
-        tl.store(cand_row + CAP + slot, tl.reshape(cols, [GATHER]), mask=keep)
-        written += tl.sum(take, axis=0)
-    if not SHARED:
-        tl.store(ws_row + FOUND, written)
+        if WRITE:
+            slot = base + found + tl.cumsum(take, axis=0) - 1
+            keep = (take != 0) & (slot < CAP)
+            tl.store(cand_row + slot, tl.reshape(key, [GATHER]), mask=keep)
+            tl.store(cand_row + CAP + slot, tl.reshape(cols, [GATHER]), mask=keep)
+        found += tl.sum(take, axis=0)
+    return found
 
 
 @triton.jit
@@ -224,12 +221,8 @@ def _kth_largest(keys, live, rank):
 
 
 @triton.jit
-def _select_candidates(keys, cols, live, rank, out_row, k, ORDERED: tl.constexpr, K_PAD: tl.constexpr):
-    """Writes the top `rank` live candidates' columns ascending to out_row, then -1 up to k.
-
-    ORDERED: the candidates already sit in column order (one program collected them); otherwise the
-    chosen columns are sorted after they are written.
-    """
+def _select_candidates(keys, cols, live, rank, out_row, k, K_PAD: tl.constexpr):
+    """Writes the columns of the top `rank` live candidates (which sit in column order) to out_row, then -1 up to k."""
     threshold, above = _kth_largest(keys, live, rank)
     tie = live & (keys == threshold)
     ties_wanted = rank - above
@@ -242,10 +235,6 @@ def _select_candidates(keys, cols, live, rank, out_row, k, ORDERED: tl.constexpr
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_row + slot, cols, mask=take)
     pad = tl.arange(0, K_PAD)
-    if not ORDERED:
-        tl.debug_barrier()
-        chosen = tl.load(out_row + pad, mask=pad < rank, other=INT_MAX, cache_modifier=".cg")
-        tl.store(out_row + pad, tl.sort(chosen), mask=pad < rank)
     tl.store(out_row + pad, tl.full([K_PAD], -1, tl.int32), mask=(pad >= rank) & (pad < k))
 
 
@@ -288,31 +277,33 @@ def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: 
 
 
 @triton.jit
-def _finish(row_scores, length, k, ws_row, cand_row, out_row, ORDERED: tl.constexpr, EXACT_TILE: tl.constexpr,
-            CAP: tl.constexpr, K_PAD: tl.constexpr):
-    rank = tl.minimum(k, length)
-    found = tl.load(ws_row + FOUND, cache_modifier=".cg")
-    if found <= CAP:
-        slots = tl.arange(0, CAP)
-        live = slots < found
-        keys = tl.load(cand_row + slots, mask=live, other=INT_MIN, cache_modifier=".cg")
-        cols = tl.load(cand_row + CAP + slots, mask=live, other=0, cache_modifier=".cg")
-        _select_candidates(keys, cols, live, rank, out_row, k, ORDERED, K_PAD)
-    else:
-        _exact_row(row_scores, length, rank, out_row, k, EXACT_TILE, K_PAD)
+def _split_groups(split, tiles_per_split, length, G: tl.constexpr, TILE: tl.constexpr):
+    """The groups [first, end) of a split."""
+    first = split * tiles_per_split * (TILE // G)
+    return first, tl.maximum(first, tl.minimum(first + tiles_per_split * (TILE // G), (length + G - 1) // G))
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "k", "tiles_per_split", "n_splits"])
-def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, cand_ptr, out_ptr, k,
-                 tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr,
-                 GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr,
-                 EXACT_TILE: tl.constexpr, FINISH: tl.constexpr):
-    """Steps 1-2 over one split of a row; with a single split per row, step 3 and (FINISH) step 4 too."""
+@triton.jit
+def _row_candidates(counts_row, n_splits, split, SPLIT_BLOCK: tl.constexpr):
+    """(candidates of the splits before `split`, candidates of all splits) of a row."""
+    before = 0
+    total = 0
+    for s0 in range(0, n_splits, SPLIT_BLOCK):
+        s = s0 + tl.arange(0, SPLIT_BLOCK)
+        count = tl.load(counts_row + s, mask=s < n_splits, other=0)
+        before += tl.sum(tl.where(s < split, count, 0), axis=0)
+        total += tl.sum(count, axis=0)
+    return before, total
+
+
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "tiles_per_split"])
+def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, tiles_per_split,
+                 G: tl.constexpr, TILE: tl.constexpr, VEC: tl.constexpr, SINGLE: tl.constexpr):
+    """Step 1 over one split of a row. SINGLE: one split per row, whose histogram is stored, not added."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
     row_gm = gm_ptr + row.to(tl.int64) * stride_gm
-    ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
     first = tl.program_id(1) * tiles_per_split
     end = tl.maximum(first, tl.minimum(first + tiles_per_split, (length + TILE - 1) // TILE))
     full = tl.minimum(end, tl.maximum(first, length // TILE))
@@ -329,58 +320,75 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm,
         tl.store(row_gm + group, gmax, mask=real)
         hist += tl.histogram(_byte(gmax, 24), 256, mask=real)
     bins = tl.arange(0, 256)
-    tl.debug_barrier()
-    arrived = n_splits - 1
-    if n_splits > 1:
+    ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
+    if SINGLE:
+        tl.store(ws_row + bins, hist)
+    else:
         tl.atomic_add(ws_row + bins, hist, mask=hist > 0, sem="relaxed")
-        tl.debug_barrier()
-        arrived = tl.atomic_add(ws_row + ARRIVED_SCAN, 1, sem="acq_rel")
-    if arrived == n_splits - 1:
-        if n_splits > 1:
-            hist = tl.load(ws_row + bins, cache_modifier=".cg")
-        tau = _row_tau(hist, row_gm, length, k, G, GM_BLOCK)
-        if n_splits > 1:
-            tl.store(ws_row + TAU, tau)
-        else:
-            cand_row = cand_ptr + row.to(tl.int64) * (2 * CAP)
-            _collect(row_scores, row_gm, ws_row, cand_row, 0, (length + G - 1) // G, length, tau,
-                     G, GM_BLOCK, GATHER, CAP, False)
-            if FINISH:
-                tl.debug_barrier()
-                _finish(row_scores, length, k, ws_row, cand_row, out_ptr + row.to(tl.int64) * k, True, EXACT_TILE,
-                        CAP, K_PAD)
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "k", "tiles_per_split", "n_splits"])
-def _collect_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, cand_ptr, out_ptr, k,
-                    tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr,
-                    GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr,
-                    EXACT_TILE: tl.constexpr, FINISH: tl.constexpr):
-    """Steps 3-4 when a row has several splits: each collects its own groups, the last one selects."""
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
+def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, ws_ptr, counts_ptr,
+                  cand_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
+                  GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, VEC: tl.constexpr,
+                  SINGLE: tl.constexpr):
+    """Step 2: tau, the split's hot groups and its number of candidates (SINGLE: the candidates themselves)."""
     row = tl.program_id(0)
+    split = tl.program_id(1)
     length = _row_length(lengths_ptr, row, n_cols)
-    row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
     row_gm = gm_ptr + row.to(tl.int64) * stride_gm
     ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
-    cand_row = cand_ptr + row.to(tl.int64) * (2 * CAP)
-    g_first = tl.program_id(1) * tiles_per_split * (TILE // G)
-    g_end = tl.minimum(g_first + tiles_per_split * (TILE // G), (length + G - 1) // G)
-    _collect(row_scores, row_gm, ws_row, cand_row, g_first, g_end, length, tl.load(ws_row + TAU),
-             G, GM_BLOCK, GATHER, CAP, True)
+    counts_row = counts_ptr + row.to(tl.int64) * (2 * n_splits)
+    tau = _row_tau(tl.load(ws_row + tl.arange(0, 256)), row_gm, length, k, G, GM_BLOCK)
+    g_first, g_end = _split_groups(split, tiles_per_split, length, G, TILE)
+    hot_list = hot_ptr + row.to(tl.int64) * stride_gm + g_first
+    hot_count = _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, GM_BLOCK)
     tl.debug_barrier()
-    if tl.atomic_add(ws_row + ARRIVED_COLLECT, 1, sem="acq_rel") == n_splits - 1:
-        _finish(row_scores, length, k, ws_row, cand_row, out_ptr + row.to(tl.int64) * k, False, EXACT_TILE, CAP,
-                K_PAD)
+    found = _gather_candidates(_row_scores(scores_ptr, row, stride_row, VEC), hot_list, hot_count, length, tau,
+                               cand_ptr + row.to(tl.int64) * (2 * CAP), 0, G, GATHER, CAP, SINGLE)
+    tl.store(counts_row + split, found)
+    tl.store(counts_row + n_splits + split, hot_count)
+    if split == 0:
+        tl.store(ws_row + TAU, tau)
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "k"])
-def _finish_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, ws_ptr, cand_ptr, out_ptr, k,
-                   CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr):
-    """Step 4 for rows that one scan program collected (when the scan leaves it out to stay lean)."""
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "tiles_per_split", "n_splits"])
+def _write_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, hot_ptr, stride_gm, ws_ptr, counts_ptr, cand_ptr,
+                  tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GATHER: tl.constexpr,
+                  CAP: tl.constexpr, VEC: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Step 3: a split's candidates, in column order, after those of the splits before it."""
     row = tl.program_id(0)
-    _finish(_row_scores(scores_ptr, row, stride_row, VEC), _row_length(lengths_ptr, row, n_cols), k,
-            ws_ptr + row.to(tl.int64) * WS_COLS, cand_ptr + row.to(tl.int64) * (2 * CAP),
-            out_ptr + row.to(tl.int64) * k, True, EXACT_TILE, CAP, K_PAD)
+    split = tl.program_id(1)
+    length = _row_length(lengths_ptr, row, n_cols)
+    counts_row = counts_ptr + row.to(tl.int64) * (2 * n_splits)
+    before, _ = _row_candidates(counts_row, n_splits, split, SPLIT_BLOCK)
+    if before < CAP:
+        g_first, _ = _split_groups(split, tiles_per_split, length, G, TILE)
+        _gather_candidates(_row_scores(scores_ptr, row, stride_row, VEC),
+                           hot_ptr + row.to(tl.int64) * stride_gm + g_first, tl.load(counts_row + n_splits + split),
+                           length, tl.load(ws_ptr + row.to(tl.int64) * WS_COLS + TAU),
+                           cand_ptr + row.to(tl.int64) * (2 * CAP), before, G, GATHER, CAP, True)
+
+
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "k", "n_splits"])
+def _finish_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, counts_ptr, cand_ptr, out_ptr, k, n_splits,
+                   CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
+                   SPLIT_BLOCK: tl.constexpr):
+    """Step 4: the row's answer from its candidates, or from the whole row when they overflowed."""
+    row = tl.program_id(0)
+    length = _row_length(lengths_ptr, row, n_cols)
+    rank = tl.minimum(k, length)
+    out_row = out_ptr + row.to(tl.int64) * k
+    _, found = _row_candidates(counts_ptr + row.to(tl.int64) * (2 * n_splits), n_splits, n_splits, SPLIT_BLOCK)
+    if found <= CAP:
+        cand_row = cand_ptr + row.to(tl.int64) * (2 * CAP)
+        slots = tl.arange(0, CAP)
+        live = slots < found
+        keys = tl.load(cand_row + slots, mask=live, other=INT_MIN)
+        cols = tl.load(cand_row + CAP + slots, mask=live, other=0)
+        _select_candidates(keys, cols, live, rank, out_row, k, K_PAD)
+    else:
+        _exact_row(_row_scores(scores_ptr, row, stride_row, VEC), length, rank, out_row, k, EXACT_TILE, K_PAD)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,12 +404,10 @@ def _group_size(n_cols: int, k: int) -> int:
     return g
 
 
-def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE, warps: int | None = None,
-                 programs_per_sm: int = _PROGRAMS_PER_SM, finish_in_scan: bool = _FINISH_IN_SCAN) -> torch.Tensor:
-    """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them).
-
-    finish_in_scan: with one program per row, select in the scan program itself (one launch) rather
-    than in a separate finishing launch (which keeps the scan program smaller)."""
+def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE,
+                 programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
+                 count_warps: int = _COUNT_WARPS) -> torch.Tensor:
+    """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
     out = torch.empty((rows, k), dtype=torch.int32, device=device)
@@ -410,31 +416,35 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     if n_cols == 0:
         return out.fill_(-1)
     k_pad = triton.next_power_of_2(k)
-    cap = max(4 * k_pad, 256)
+    cap = max(_CAP_PER_K * k_pad, _MIN_CAP)
     group = _group_size(n_cols, k)
     tiles = triton.cdiv(n_cols, tile)
     splits = max(1, min(tiles, triton.cdiv(programs_per_sm * num_sms(device), rows)))
     tiles_per_split = triton.cdiv(tiles, splits)
     n_splits = triton.cdiv(tiles, tiles_per_split)
+    single = n_splits == 1
     gm_stride = triton.cdiv(triton.cdiv(n_cols, group), 16) * 16
     stride = scores.stride(0)
     vec = scores.data_ptr() % 16 == 0 and stride % 4 == 0
     lengths = lengths.to(device=device, dtype=torch.int32)
-    ws = torch.zeros((rows, _WS_COLS), dtype=torch.int32, device=device)
+    ws = (torch.empty if single else torch.zeros)((rows, _WS_COLS), dtype=torch.int32, device=device)
     gm = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
+    hot = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
+    counts = torch.empty((rows, 2 * n_splits), dtype=torch.int32, device=device)
     cand = torch.empty((rows, 2 * cap), dtype=torch.int32, device=device)
-    args = (scores, stride, lengths, n_cols, gm, gm_stride, ws, cand, out, k, tiles_per_split, n_splits)
-    if warps is None:
-        warps = 8 if cap <= 2048 else 16
-    finish = finish_in_scan or n_splits > 1
-    meta = dict(G=group, TILE=tile, GM_BLOCK=_GM_BLOCK, GATHER=_GATHER, CAP=cap, K_PAD=k_pad, VEC=vec,
-                EXACT_TILE=_EXACT_TILE, FINISH=finish, num_warps=warps)
-    _scan_kernel[(rows, n_splits)](*args, **meta)
-    if n_splits > 1:
-        _collect_kernel[(rows, n_splits)](*args, **meta)
-    elif not finish:
-        _finish_kernel[(rows,)](scores, stride, lengths, n_cols, ws, cand, out, k, CAP=cap, K_PAD=k_pad, VEC=vec,
-                                EXACT_TILE=_EXACT_TILE, num_warps=warps)
+    grid = (rows, n_splits)
+    _scan_kernel[grid](scores, stride, lengths, n_cols, gm, gm_stride, ws, tiles_per_split,
+                       G=group, TILE=tile, VEC=vec, SINGLE=single, num_warps=scan_warps)
+    _count_kernel[grid](scores, stride, lengths, n_cols, gm, hot, gm_stride, ws, counts, cand, k, tiles_per_split,
+                        n_splits, G=group, TILE=tile, GM_BLOCK=_GM_BLOCK, GATHER=_GATHER, CAP=cap, VEC=vec,
+                        SINGLE=single, num_warps=count_warps)
+    if not single:
+        _write_kernel[grid](scores, stride, lengths, n_cols, hot, gm_stride, ws, counts, cand, tiles_per_split,
+                            n_splits, G=group, TILE=tile, GATHER=_GATHER, CAP=cap, VEC=vec, SPLIT_BLOCK=_SPLIT_BLOCK,
+                            num_warps=count_warps)
+    _finish_kernel[(rows,)](scores, stride, lengths, n_cols, counts, cand, out, k, n_splits, CAP=cap, K_PAD=k_pad,
+                            VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK,
+                            num_warps=4 if cap <= 1024 else 8)
     return out
 
 
