@@ -110,53 +110,70 @@ def indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, cache: torc
 
 
 @triton.jit(do_not_specialize=["stride_qr", "stride_qh", "stride_wr", "stride_bt", "rows_per_request",
-                               "tiles_per_request", "n_heads", "max_keys", "stride_out"])
+                               "query_blocks", "key_tiles", "n_heads", "max_keys", "stride_out"])
 def _indexer_logits_kernel(q_ptr, stride_qr, stride_qh, w_ptr, stride_wr, vec_ptr, scale_ptr, bt_ptr, stride_bt,
-                           key_end_ptr, rows_per_request, tiles_per_request, n_heads, max_keys, out_ptr, stride_out,
-                           BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PAGE_: tl.constexpr, D: tl.constexpr,
-                           DOT_F32: tl.constexpr):
-    request = tl.program_id(0) // tiles_per_request
-    local = (tl.program_id(0) % tiles_per_request) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_live = local < rows_per_request
-    rows = (request * rows_per_request + local).to(tl.int64)
-    key_end = tl.load(key_end_ptr + rows, mask=row_live, other=0)
-    keys = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    out_ptrs = out_ptr + rows[:, None] * stride_out + keys[None, :]
-    out_mask = row_live[:, None] & (keys[None, :] < max_keys)
-    if tl.program_id(1) * BLOCK_S >= tl.max(key_end, axis=0):
-        tl.store(out_ptrs, tl.full([BLOCK_R, BLOCK_S], float("-inf"), tl.float32), mask=out_mask)
-    else:
-        key_live = keys < tl.max(key_end, axis=0)
-        page = tl.load(bt_ptr + request.to(tl.int64) * stride_bt + keys // PAGE_, mask=key_live, other=0).to(tl.int64)
-        slot = keys % PAGE_
-        dims = tl.arange(0, D)
-        k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + dims[None, :],
-                    mask=key_live[:, None], other=0.0)
-        k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live, other=0.0)
-        kt = tl.trans(k)
+                           key_end_ptr, rows_per_request, query_blocks, key_tiles, n_heads, max_keys, out_ptr,
+                           stride_out, H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
+                           PAGE_: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
+    # One program: BLOCK_S keys of one request (the MMA's M) against up to BLOCK_Q of its query rows, one row
+    # at a time with the row's heads as the MMA's N. The key tile is read once and reused for every row, and
+    # the head sum of a row stays inside each thread's accumulator slice (plus a few lane shuffles).
+    # Key tiles vary fastest, so the programs running together share one block of q rows (hot in L2).
+    tile = tl.program_id(0) % key_tiles
+    block = tl.program_id(0) // key_tiles
+    request = block // query_blocks
+    first = (block % query_blocks) * BLOCK_Q
+    last = tl.minimum(first + BLOCK_Q, rows_per_request)
+    row0 = request.to(tl.int64) * rows_per_request
+    key_start = tile * BLOCK_S
+    keys = key_start + tl.arange(0, BLOCK_S)
+    key_in = keys < max_keys
+    out_row = out_ptr + row0 * stride_out + keys
+
+    # Rows that see a key of this tile lie in [lo, hi) (a suffix of the block for causal ends); the others
+    # are all -inf here and get no dot product.
+    local = first + tl.arange(0, BLOCK_Q)
+    ends = tl.load(key_end_ptr + row0 + local, mask=local < last, other=0)
+    sees = (local < last) & (ends > key_start)
+    lo = tl.min(tl.where(sees, local, last), axis=0)
+    hi = tl.maximum(tl.max(tl.where(sees, local + 1, 0), axis=0), lo)
+    for i in range(first, lo):
+        tl.store(out_row + i * stride_out, tl.full([BLOCK_S], float("-inf"), tl.float32), mask=key_in)
+    for i in range(hi, last):
+        tl.store(out_row + i * stride_out, tl.full([BLOCK_S], float("-inf"), tl.float32), mask=key_in)
+
+    key_live = key_in & (keys < tl.max(ends, axis=0))
+    page = tl.load(bt_ptr + request.to(tl.int64) * stride_bt + keys // PAGE_, mask=key_live, other=0).to(tl.int64)
+    slot = keys % PAGE_
+    dims = tl.arange(0, D)
+    k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + dims[None, :],
+                mask=key_live[:, None], other=0.0)
+    k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+    heads = tl.arange(0, H)
+    head_live = heads < n_heads
+    for i in range(lo, hi):
+        row = row0 + i
+        q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + dims[None, :], mask=head_live[:, None],
+                    other=0.0)
+        w = tl.load(w_ptr + row * stride_wr + heads, mask=head_live, other=0.0)
+        end = tl.load(key_end_ptr + row)
         if DOT_F32:
-            kt = kt.to(tl.float32)
-        q_ptrs = q_ptr + rows[:, None] * stride_qr + dims[None, :]
-        acc = tl.zeros([BLOCK_R, BLOCK_S], dtype=tl.float32)
-        for h in range(0, n_heads):
-            qh = tl.load(q_ptrs + h * stride_qh, mask=row_live[:, None], other=0.0)
-            if DOT_F32:
-                qh = qh.to(tl.float32)
-            dots = tl.dot(qh, kt)
-            wh = tl.load(w_ptr + rows * stride_wr + h, mask=row_live, other=0.0)
-            acc += wh[:, None] * tl.maximum(dots, 0.0)
-        logits = acc * k_scale[None, :]
-        visible = keys[None, :] < key_end[:, None]
-        tl.store(out_ptrs, tl.where(visible, logits, float("-inf")), mask=out_mask)
+            q = q.to(tl.float32)
+        dots = tl.dot(k, tl.trans(q))  # [BLOCK_S, H] fp32, fp8 products accumulated in fp32
+        logits = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1) * k_scale
+        tl.store(out_row + i * stride_out, tl.where(keys < end, logits, float("-inf")), mask=key_in)
 
 
-# Tile shapes per row count (measured on the H200, see BENCHMARKS.md): rows per tile, keys per tile, warps.
-_PREFILL_TILE = (64, 256, 8)
-_DECODE_TILE = (16, 64, 4)
+# Launch shapes (measured on the H200, see BENCHMARKS.md): keys per program, query rows per program, warps,
+# pipeline stages. A request of few rows (decode: 1 + MTP drafts) takes all its rows in one program.
+_PREFILL_TILE = (256, 64, 8, 3)
+_DECODE_TILE = (256, 8, 8, 2)
 
 
-def _tile(rows_per_request: int) -> tuple[int, int, int]:
-    return _DECODE_TILE if rows_per_request <= _DECODE_TILE[0] else _PREFILL_TILE
+def _tile(rows_per_request: int) -> tuple[int, int, int, int]:
+    return _DECODE_TILE if rows_per_request <= _DECODE_TILE[1] else _PREFILL_TILE
 
 
 def _check_inputs(q, weights, cache, block_table, key_end, rows_per_request, max_keys):
@@ -203,19 +220,20 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
     return out
 
 
-def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile, num_stages=3):
+def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile):
+    """Runs the kernel with tile = (keys, query rows, warps, stages) per program; returns the compiled kernel."""
     rows, n_heads, _ = q.shape
-    vectors = cache.view(torch.float8_e4m3fn)
-    scales = cache.view(torch.float32)
-    block_r, block_s, warps = tile
+    block_s, block_q, warps, stages = tile
+    block_q = min(block_q, triton.next_power_of_2(rows_per_request))
+    query_blocks = triton.cdiv(rows_per_request, block_q)
+    key_tiles = triton.cdiv(max_keys, block_s)
     table = block_table.to(torch.int32)
-    tiles = triton.cdiv(rows_per_request, block_r)
-    grid = (rows // rows_per_request * tiles, triton.cdiv(max_keys, block_s))
-    _indexer_logits_kernel[grid](
-        q, q.stride(0), q.stride(1), w, w.stride(0), vectors, scales, table, table.stride(0),
-        key_end.to(torch.int32), rows_per_request, tiles, n_heads, max_keys, out, out.stride(0),
-        BLOCK_R=block_r, BLOCK_S=block_s, PAGE_=PAGE, D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps,
-        num_stages=num_stages)
+    grid = (rows // rows_per_request * query_blocks * key_tiles,)
+    return _indexer_logits_kernel[grid](
+        q, q.stride(0), q.stride(1), w, w.stride(0), cache.view(torch.float8_e4m3fn), cache.view(torch.float32),
+        table, table.stride(0), key_end.to(torch.int32), rows_per_request, query_blocks, key_tiles, n_heads, max_keys,
+        out, out.stride(0), H=max(16, triton.next_power_of_2(n_heads)), BLOCK_Q=block_q, BLOCK_S=block_s, PAGE_=PAGE,
+        D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

@@ -61,6 +61,40 @@ def test_logits_match_fp64_oracle(indexer, impl, rows_per_request):
         assert err < 1e-5, err
 
 
+def check_against_oracle(indexer, got, q, q_scale, w, cache, table, key_end, rows_per_request):
+    vectors, scales = indexer.cache_views(cache)
+    for b in range(q.shape[0] // rows_per_request):
+        r = slice(b * rows_per_request, (b + 1) * rows_per_request)
+        pages = table[b].long()
+        want = oracle(q[r], q_scale[r], w[r], vectors[pages].reshape(-1, 128), scales[pages].reshape(-1), key_end[r])
+        want = want[:, : got.shape[1]]
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got[r]), finite)
+        assert torch.all(got[r][~finite] == float("-inf"))  # no NaN poison left unwritten
+        if finite.any():
+            err = (got[r][finite].double() - want[finite]).norm() / want[finite].norm()
+            assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("tile", [(64, 16, 4, 2), (128, 4, 8, 3)])
+def test_tiles_skip_rows_that_see_no_key_of_the_tile(indexer, tile):
+    """Several key tiles and query blocks: causal ends (rows below a tile's keys take no dot product),
+    shuffled ends (live rows not contiguous in a block), and decode-like requests of 1 + 2 draft rows."""
+    g = torch.Generator().manual_seed(tile[0] + tile[1])
+    n_keys, max_keys, heads = 250, 4 * indexer.PAGE, 3
+    causal = torch.arange(40) * 5 + 7
+    cases = [(1, 40, causal), (1, 40, causal[torch.randperm(40, generator=g)]),
+             (4, 3, torch.tensor([[0, 0, 0], [63, 64, 65], [127, 128, 129], [248, 249, 250]]).flatten())]
+    for requests, rows_per_request, key_end in cases:
+        cache, table, _ = paged_keys(indexer, requests, n_keys, 4, g)
+        rows = requests * rows_per_request
+        q, q_scale = indexer.quantize_rows(torch.randn(rows, heads, 128, generator=g))
+        w = torch.randn(rows, heads, generator=g)
+        got = torch.full((rows, max_keys), float("nan"))
+        indexer._launch(q, w * q_scale, cache, table, key_end, rows_per_request, max_keys, got, tile)
+        check_against_oracle(indexer, got, q, q_scale, w, cache, table, key_end, rows_per_request)
+
+
 def test_quantised_keys_stay_close_to_the_originals(indexer):
     g = torch.Generator().manual_seed(3)
     cache, table, keys = paged_keys(indexer, 1, 100, 2, g)
