@@ -82,12 +82,15 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
             "roofline_fraction": roof_ms / ds4_ms, "roofline_fraction_graph": roof_ms / graph_ms}
 
 
-TOPK_VARIANTS = [dict(tile=4096, programs_per_sm=4, scan_warps=4, count_warps=4),
-                 dict(tile=8192, programs_per_sm=4, scan_warps=8, count_warps=4),
-                 dict(tile=4096, programs_per_sm=8, scan_warps=4, count_warps=4),
-                 dict(tile=2048, programs_per_sm=8, scan_warps=4, count_warps=4),
-                 dict(tile=4096, programs_per_sm=4, scan_warps=8, count_warps=8),
-                 dict(tile=8192, programs_per_sm=2, scan_warps=8, count_warps=8)]
+TOPK_VARIANTS = [{},  # the defaults
+                 dict(finish_warps=1),
+                 dict(finish_warps=2, count_warps=2),
+                 dict(count_warps=8, gm_block=8192, gather=4096),
+                 dict(fuse_count=True),
+                 dict(fuse_count=True, prefetch=True),
+                 dict(prefetch=True, tile=8192, scan_warps=8),
+                 dict(count_warps=8, gm_block=8192, gather=2048, finish_warps=1, prefetch=True),
+                 dict(fuse_count=True, prefetch=True, count_warps=2, finish_warps=1, gm_block=4096, gather=2048)]
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512)]
 
 
@@ -212,11 +215,10 @@ def _print_table(report: dict) -> None:
     for name in ("topk_kernel_us_2048x65536", "topk_kernel_us_64x131072", "topk_kernel_us_1x1048576"):
         print(name, {key[:24]: round(us, 1) for key, us in report[name].items()})
     for case in report.get("topk_sweep", []):
-        print(f"sweep {case['rows']} x {case['cols']}, {case['k']} (tile, programs/SM, scan warps, count warps: "
-              "eager / graph ms):")
-        print("   " + "  ".join(f"{r['tile']},{r['programs_per_sm']},{r['scan_warps']},{r['count_warps']}: "
-                                f"{r['ms']:.4f}/{r['graph_ms']:.4f}{'' if r['exact'] else ' INEXACT'}"
-                                for r in case["runs"]))
+        print(f"sweep {case['rows']} x {case['cols']}, {case['k']} (knobs: eager / graph ms):")
+        for r in case["runs"]:
+            knobs = {key: value for key, value in r.items() if key not in ("exact", "ms", "graph_ms")}
+            print(f"   {knobs}: {r['ms']:.4f} / {r['graph_ms']:.4f}{'' if r['exact'] else ' INEXACT'}")
     if "indexer_prefill" in report:
         p = report["indexer_prefill"]
         print(f"indexer prefill {p['queries']} x {p['keys']} (rel err {p['rel_err_vs_fp32']:.1e}), "

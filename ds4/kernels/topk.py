@@ -54,6 +54,9 @@ _EXACT_TILE = 1024  # entries per step of the rare whole-row fallback (small, so
 _PROGRAMS_PER_SM = 4  # scan programs per SM when a batch has few rows
 _SCAN_WARPS = 4
 _COUNT_WARPS = 4
+_FINISH_WARPS = 4
+_FUSE_COUNT = False  # with one split per row, count in the scan program (no second launch)
+_PREFETCH = False  # issue the next tile's load before the current one is reduced
 _WS_COLS = 257  # per row: histogram[256], tau
 
 INT_MIN = tl.constexpr(-(2**31))
@@ -296,32 +299,83 @@ def _row_candidates(counts_row, n_splits, split, SPLIT_BLOCK: tl.constexpr):
     return before, total
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "tiles_per_split"])
-def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, stride_gm, ws_ptr, tiles_per_split,
-                 G: tl.constexpr, TILE: tl.constexpr, VEC: tl.constexpr, SINGLE: tl.constexpr):
-    """Step 1 over one split of a row. SINGLE: one split per row, whose histogram is stored, not added."""
-    row = tl.program_id(0)
-    length = _row_length(lengths_ptr, row, n_cols)
-    row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
-    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
-    first = tl.program_id(1) * tiles_per_split
+@triton.jit
+def _tile_scores(row_scores, off, limit, G: tl.constexpr, TILE: tl.constexpr):
+    """The scores of the tile at column `off` as [TILE // G, G] (one group a row), zero from column `limit` on."""
+    cols = off + tl.arange(0, TILE // G)[:, None] * G + tl.arange(0, G)[None, :]
+    return tl.load(row_scores + cols, mask=cols < limit, other=0.0)
+
+
+@triton.jit
+def _scan_split(row_scores, row_gm, length, first, tiles_per_split, G: tl.constexpr, TILE: tl.constexpr,
+                PREFETCH: tl.constexpr):
+    """Step 1 over tiles [first, first + tiles_per_split) of a row: stores the group maxima, returns the
+    top-byte histogram of those maxima. PREFETCH: the next tile's load is issued before this one is used."""
     end = tl.maximum(first, tl.minimum(first + tiles_per_split, (length + TILE - 1) // TILE))
     full = tl.minimum(end, tl.maximum(first, length // TILE))
     per_tile = tl.arange(0, TILE // G)
     hist = tl.zeros([256], dtype=tl.int32)
-    for t in range(first, full):
-        gmax = _tile_maxima(row_scores, t * TILE, length, G, TILE, False)
-        tl.store(row_gm + t * (TILE // G) + per_tile, gmax)
-        hist += tl.histogram(_byte(gmax, 24), 256)
+    if PREFETCH:
+        ahead = _tile_scores(row_scores, first * TILE, full * TILE, G, TILE)
+        for t in range(first, full):
+            x = ahead
+            ahead = _tile_scores(row_scores, (t + 1) * TILE, full * TILE, G, TILE)
+            gmax = tl.max(_order_key(x), axis=1)
+            tl.store(row_gm + t * (TILE // G) + per_tile, gmax)
+            hist += tl.histogram(_byte(gmax, 24), 256)
+    else:
+        for t in range(first, full):
+            gmax = _tile_maxima(row_scores, t * TILE, length, G, TILE, False)
+            tl.store(row_gm + t * (TILE // G) + per_tile, gmax)
+            hist += tl.histogram(_byte(gmax, 24), 256)
     if full < end:
         gmax = _tile_maxima(row_scores, full * TILE, length, G, TILE, True)
         group = full * (TILE // G) + per_tile
         real = group * G < length
         tl.store(row_gm + group, gmax, mask=real)
         hist += tl.histogram(_byte(gmax, 24), 256, mask=real)
-    bins = tl.arange(0, 256)
+    return hist
+
+
+@triton.jit
+def _count_split(row_scores, row_gm, row_hot, ws_row, counts_row, cand_row, hist, length, k, split, tiles_per_split,
+                 n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
+                 CAP: tl.constexpr, WRITE: tl.constexpr):
+    """Step 2 for one split: tau, the split's hot groups and its number of candidates (WRITE: the row has
+    one split, whose candidates are stored right away)."""
+    tau = _row_tau(hist, row_gm, length, k, G, GM_BLOCK)
+    g_first, g_end = _split_groups(split, tiles_per_split, length, G, TILE)
+    hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, GM_BLOCK)
+    tl.debug_barrier()
+    found = _gather_candidates(row_scores, row_hot + g_first, hot_count, length, tau, cand_row, 0, G, GATHER, CAP,
+                               WRITE)
+    tl.store(counts_row + split, found)
+    tl.store(counts_row + n_splits + split, hot_count)
+    if split == 0:
+        tl.store(ws_row + TAU, tau)
+
+
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
+def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, ws_ptr, counts_ptr,
+                 cand_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr,
+                 GATHER: tl.constexpr, CAP: tl.constexpr, VEC: tl.constexpr, SINGLE: tl.constexpr,
+                 COUNT: tl.constexpr, PREFETCH: tl.constexpr):
+    """Step 1 over one split of a row. SINGLE: one split per row, whose histogram is stored, not added;
+    COUNT (only with SINGLE): step 2 follows in the same program, while the row's maxima are fresh."""
+    row = tl.program_id(0)
+    length = _row_length(lengths_ptr, row, n_cols)
+    row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
+    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
     ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
-    if SINGLE:
+    hist = _scan_split(row_scores, row_gm, length, tl.program_id(1) * tiles_per_split, tiles_per_split, G, TILE,
+                       PREFETCH)
+    bins = tl.arange(0, 256)
+    if COUNT:
+        tl.debug_barrier()
+        _count_split(row_scores, row_gm, hot_ptr + row.to(tl.int64) * stride_gm, ws_row, counts_ptr + row.to(tl.int64) * 2,
+                     cand_ptr + row.to(tl.int64) * (2 * CAP), hist, length, k, 0, tiles_per_split, 1, G, TILE,
+                     GM_BLOCK, GATHER, CAP, True)
+    elif SINGLE:
         tl.store(ws_row + bins, hist)
     else:
         tl.atomic_add(ws_row + bins, hist, mask=hist > 0, sem="relaxed")
@@ -332,24 +386,14 @@ def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, 
                   cand_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
                   GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, VEC: tl.constexpr,
                   SINGLE: tl.constexpr):
-    """Step 2: tau, the split's hot groups and its number of candidates (SINGLE: the candidates themselves)."""
+    """Step 2 for one split of a row."""
     row = tl.program_id(0)
-    split = tl.program_id(1)
-    length = _row_length(lengths_ptr, row, n_cols)
-    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
     ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
-    counts_row = counts_ptr + row.to(tl.int64) * (2 * n_splits)
-    tau = _row_tau(tl.load(ws_row + tl.arange(0, 256)), row_gm, length, k, G, GM_BLOCK)
-    g_first, g_end = _split_groups(split, tiles_per_split, length, G, TILE)
-    hot_list = hot_ptr + row.to(tl.int64) * stride_gm + g_first
-    hot_count = _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, GM_BLOCK)
-    tl.debug_barrier()
-    found = _gather_candidates(_row_scores(scores_ptr, row, stride_row, VEC), hot_list, hot_count, length, tau,
-                               cand_ptr + row.to(tl.int64) * (2 * CAP), 0, G, GATHER, CAP, SINGLE)
-    tl.store(counts_row + split, found)
-    tl.store(counts_row + n_splits + split, hot_count)
-    if split == 0:
-        tl.store(ws_row + TAU, tau)
+    _count_split(_row_scores(scores_ptr, row, stride_row, VEC), gm_ptr + row.to(tl.int64) * stride_gm,
+                 hot_ptr + row.to(tl.int64) * stride_gm, ws_row, counts_ptr + row.to(tl.int64) * (2 * n_splits),
+                 cand_ptr + row.to(tl.int64) * (2 * CAP), tl.load(ws_row + tl.arange(0, 256)),
+                 _row_length(lengths_ptr, row, n_cols), k, tl.program_id(1), tiles_per_split, n_splits, G, TILE,
+                 GM_BLOCK, GATHER, CAP, SINGLE)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "tiles_per_split", "n_splits"])
@@ -406,7 +450,8 @@ def _group_size(n_cols: int, k: int) -> int:
 
 def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE,
                  programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
-                 count_warps: int = _COUNT_WARPS) -> torch.Tensor:
+                 count_warps: int = _COUNT_WARPS, finish_warps: int = _FINISH_WARPS, gm_block: int = _GM_BLOCK,
+                 gather: int = _GATHER, fuse_count: bool = _FUSE_COUNT, prefetch: bool = _PREFETCH) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -433,18 +478,19 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     counts = torch.empty((rows, 2 * n_splits), dtype=torch.int32, device=device)
     cand = torch.empty((rows, 2 * cap), dtype=torch.int32, device=device)
     grid = (rows, n_splits)
-    _scan_kernel[grid](scores, stride, lengths, n_cols, gm, gm_stride, ws, tiles_per_split,
-                       G=group, TILE=tile, VEC=vec, SINGLE=single, num_warps=scan_warps)
-    _count_kernel[grid](scores, stride, lengths, n_cols, gm, hot, gm_stride, ws, counts, cand, k, tiles_per_split,
-                        n_splits, G=group, TILE=tile, GM_BLOCK=_GM_BLOCK, GATHER=_GATHER, CAP=cap, VEC=vec,
-                        SINGLE=single, num_warps=count_warps)
+    step2 = (scores, stride, lengths, n_cols, gm, hot, gm_stride, ws, counts, cand, k, tiles_per_split, n_splits)
+    blocks = dict(G=group, TILE=tile, GM_BLOCK=gm_block, GATHER=gather, CAP=cap, VEC=vec)
+    count_in_scan = single and fuse_count
+    _scan_kernel[grid](*step2, **blocks, SINGLE=single, COUNT=count_in_scan, PREFETCH=prefetch,
+                       num_warps=count_warps if count_in_scan else scan_warps)
+    if not count_in_scan:
+        _count_kernel[grid](*step2, **blocks, SINGLE=single, num_warps=count_warps)
     if not single:
         _write_kernel[grid](scores, stride, lengths, n_cols, hot, gm_stride, ws, counts, cand, tiles_per_split,
-                            n_splits, G=group, TILE=tile, GATHER=_GATHER, CAP=cap, VEC=vec, SPLIT_BLOCK=_SPLIT_BLOCK,
+                            n_splits, G=group, TILE=tile, GATHER=gather, CAP=cap, VEC=vec, SPLIT_BLOCK=_SPLIT_BLOCK,
                             num_warps=count_warps)
     _finish_kernel[(rows,)](scores, stride, lengths, n_cols, counts, cand, out, k, n_splits, CAP=cap, K_PAD=k_pad,
-                            VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK,
-                            num_warps=4 if cap <= 1024 else 8)
+                            VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, num_warps=finish_warps)
     return out
 
 
