@@ -92,7 +92,8 @@ def test_bad_arguments_fail_loudly(topk):
 
 
 def test_kernels_take_no_shape_as_constexpr(topk):
-    allowed = {"G", "TILE", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE", "SPLIT_BLOCK"}
+    allowed = {"G", "TILE", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE", "SPLIT_BLOCK",
+               "COUNT", "PREFETCH"}
     for kernel in (topk._scan_kernel, topk._count_kernel, topk._write_kernel, topk._finish_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
