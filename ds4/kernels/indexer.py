@@ -109,9 +109,9 @@ def indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, cache: torc
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["stride_qr", "stride_qh", "stride_wr", "stride_bt", "rows_per_request",
+@triton.jit(do_not_specialize=["q_row16", "q_head16", "w_row4", "stride_bt", "rows_per_request",
                                "query_blocks", "key_tiles", "n_heads", "max_keys", "stride_out"])
-def _indexer_logits_kernel(q_ptr, stride_qr, stride_qh, w_ptr, stride_wr, vec_ptr, scale_ptr, bt_ptr, stride_bt,
+def _indexer_logits_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, scale_ptr, bt_ptr, stride_bt,
                            key_end_ptr, rows_per_request, query_blocks, key_tiles, n_heads, max_keys, out_ptr,
                            stride_out, H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
                            PAGE_: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
@@ -119,6 +119,7 @@ def _indexer_logits_kernel(q_ptr, stride_qr, stride_qh, w_ptr, stride_wr, vec_pt
     # at a time with the row's heads as the MMA's N. The key tile is read once and reused for every row, and
     # the head sum of a row stays inside each thread's accumulator slice (plus a few lane shuffles).
     # Key tiles vary fastest, so the programs running together share one block of q rows (hot in L2).
+    # q and w strides come in 16-byte units so that their loads are 16 bytes wide (and pipelined).
     tile = tl.program_id(0) % key_tiles
     block = tl.program_id(0) // key_tiles
     request = block // query_blocks
@@ -142,8 +143,9 @@ def _indexer_logits_kernel(q_ptr, stride_qr, stride_qh, w_ptr, stride_wr, vec_pt
     for i in range(hi, last):
         tl.store(out_row + i * stride_out, tl.full([BLOCK_S], float("-inf"), tl.float32), mask=key_in)
 
+    # the table covers max_keys, so its read need not wait for the rows' ends
+    page = tl.load(bt_ptr + request.to(tl.int64) * stride_bt + keys // PAGE_, mask=key_in, other=0).to(tl.int64)
     key_live = key_in & (keys < tl.max(ends, axis=0))
-    page = tl.load(bt_ptr + request.to(tl.int64) * stride_bt + keys // PAGE_, mask=key_live, other=0).to(tl.int64)
     slot = keys % PAGE_
     dims = tl.arange(0, D)
     k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + dims[None, :],
@@ -155,9 +157,9 @@ def _indexer_logits_kernel(q_ptr, stride_qr, stride_qh, w_ptr, stride_wr, vec_pt
     head_live = heads < n_heads
     for i in range(lo, hi):
         row = row0 + i
-        q = tl.load(q_ptr + row * stride_qr + heads[:, None] * stride_qh + dims[None, :], mask=head_live[:, None],
-                    other=0.0)
-        w = tl.load(w_ptr + row * stride_wr + heads, mask=head_live, other=0.0)
+        q = tl.load(q_ptr + row * q_row16 * 16 + (heads * q_head16 * 16)[:, None] + dims[None, :],
+                    mask=head_live[:, None], other=0.0)
+        w = tl.load(w_ptr + row * w_row4 * 4 + heads, mask=head_live, other=0.0)
         end = tl.load(key_end_ptr + row)
         if DOT_F32:
             q = q.to(tl.float32)
@@ -168,8 +170,8 @@ def _indexer_logits_kernel(q_ptr, stride_qr, stride_qh, w_ptr, stride_wr, vec_pt
 
 # Launch shapes (measured on the H200, see BENCHMARKS.md): keys per program, query rows per program, warps,
 # pipeline stages. A request of few rows (decode: 1 + MTP drafts) takes all its rows in one program.
-_PREFILL_TILE = (256, 64, 8, 3)
-_DECODE_TILE = (256, 8, 8, 2)
+_PREFILL_TILE = (256, 64, 4, 3)
+_DECODE_TILE = (256, 8, 4, 2)
 
 
 def _tile(rows_per_request: int) -> tuple[int, int, int, int]:
@@ -223,6 +225,10 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
 def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile):
     """Runs the kernel with tile = (keys, query rows, warps, stages) per program; returns the compiled kernel."""
     rows, n_heads, _ = q.shape
+    if q.stride(0) % 16 or q.stride(1) % 16:
+        q = q.contiguous()
+    if w.stride(0) % 4:
+        w = torch.nn.functional.pad(w, (0, -n_heads % 4))
     block_s, block_q, warps, stages = tile
     block_q = min(block_q, triton.next_power_of_2(rows_per_request))
     query_blocks = triton.cdiv(rows_per_request, block_q)
@@ -230,7 +236,7 @@ def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, 
     table = block_table.to(torch.int32)
     grid = (rows // rows_per_request * query_blocks * key_tiles,)
     return _indexer_logits_kernel[grid](
-        q, q.stride(0), q.stride(1), w, w.stride(0), cache.view(torch.float8_e4m3fn), cache.view(torch.float32),
+        q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn), cache.view(torch.float32),
         table, table.stride(0), key_end.to(torch.int32), rows_per_request, query_blocks, key_tiles, n_heads, max_keys,
         out, out.stride(0), H=max(16, triton.next_power_of_2(n_heads)), BLOCK_Q=block_q, BLOCK_S=block_s, PAGE_=PAGE,
         D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
