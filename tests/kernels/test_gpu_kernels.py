@@ -126,11 +126,14 @@ def test_indexer_logits_match_fp32_reference():
         s = torch.arange(n_keys, device="cuda")
         keys = torch.randn(n_keys, 128, device="cuda", generator=g)
         ix.write_indexer_keys(cache, table[b, s // ix.PAGE].long() * ix.PAGE + s % ix.PAGE, keys)
-    for rows_per_request in (3, 700):
+    for rows_per_request, causal in ((3, False), (700, False), (1024, True)):
         rows = requests * rows_per_request
         q, q_scale = ix.quantize_rows(torch.randn(rows, 64, 128, device="cuda", generator=g))
         w = torch.randn(rows, 64, device="cuda", generator=g)
         key_end = torch.randint(0, n_keys + 1, (rows,), device="cuda", generator=g)
+        if causal:  # chunks ending at token 4 * n_keys: ends (t + 1) // 4, tiles past a row's end skipped
+            t = torch.arange(4 * n_keys - rows_per_request, 4 * n_keys, device="cuda")
+            key_end = ((t + 1) // 4).repeat(requests)
         max_keys = pages * ix.PAGE
         got = ix.indexer_logits(q, w, cache, table, key_end, rows_per_request, max_keys, q_scale=q_scale)
         want = ix.indexer_logits_reference(q, w, cache, table, key_end, rows_per_request, max_keys, q_scale)
