@@ -440,10 +440,10 @@ def _finish_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, counts_ptr, cand
 # ----------------------------------------------------------------------------------------------
 
 
-def _group_size(n_cols: int, k: int) -> int:
-    """Largest power of two <= 256 that leaves a full-length row at least 8k groups."""
+def _group_size(n_cols: int, k: int, groups_per_k: int = _GROUPS_PER_K) -> int:
+    """Largest power of two <= 256 that leaves a full-length row at least groups_per_k * k groups."""
     g = 1
-    while g < _MAX_GROUP and n_cols // (2 * g) >= _GROUPS_PER_K * k:
+    while g < _MAX_GROUP and n_cols // (2 * g) >= groups_per_k * k:
         g *= 2
     return g
 
@@ -451,7 +451,8 @@ def _group_size(n_cols: int, k: int) -> int:
 def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE,
                  programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
                  count_warps: int = _COUNT_WARPS, finish_warps: int = _FINISH_WARPS, gm_block: int = _GM_BLOCK,
-                 gather: int = _GATHER, fuse_count: bool = _FUSE_COUNT, prefetch: bool = _PREFETCH) -> torch.Tensor:
+                 gather: int = _GATHER, fuse_count: bool = _FUSE_COUNT, prefetch: bool = _PREFETCH,
+                 groups_per_k: int = _GROUPS_PER_K) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -462,7 +463,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
         return out.fill_(-1)
     k_pad = triton.next_power_of_2(k)
     cap = max(_CAP_PER_K * k_pad, _MIN_CAP)
-    group = _group_size(n_cols, k)
+    group = _group_size(n_cols, k, groups_per_k)
     tiles = triton.cdiv(n_cols, tile)
     splits = max(1, min(tiles, triton.cdiv(programs_per_sm * num_sms(device), rows)))
     tiles_per_split = triton.cdiv(tiles, splits)

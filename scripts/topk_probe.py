@@ -1,0 +1,73 @@
+"""Where the top-k time goes on the GPU: each step timed alone, and stripped-down scans against a plain read."""
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from ds4.kernels import topk as tk
+
+
+def ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+@triton.jit
+def _probe_scan(x_ptr, stride, gm_ptr, n_cols, G: tl.constexpr, TILE: tl.constexpr, HIST: tl.constexpr,
+                STORE: tl.constexpr):
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride
+    hist = tl.zeros([256], dtype=tl.int32)
+    acc = tl.full([TILE // G], -(2**31), tl.int32)
+    for t in range(0, n_cols // TILE):
+        cols = t * TILE + tl.arange(0, TILE // G)[:, None] * G + tl.arange(0, G)[None, :]
+        x = tl.load(base + cols)
+        bits = x.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        gmax = tl.max(key, axis=1)
+        if STORE:
+            tl.store(gm_ptr + row.to(tl.int64) * (n_cols // G) + t * (TILE // G) + tl.arange(0, TILE // G), gmax)
+        if HIST:
+            hist += tl.histogram(((gmax ^ (-(2**31))) >> 24) & 0xFF, 256)
+        acc = tl.maximum(acc, gmax)
+    tl.store(gm_ptr + row.to(tl.int64) * (n_cols // G) + tl.arange(0, 256), hist + tl.max(acc, axis=0))
+
+
+def main():
+    rows, cols, k = 2048, 65536, 512
+    x = torch.randn(rows, cols, device="cuda")
+    gm = torch.empty(rows, cols // 16, dtype=torch.int32, device="cuda")
+    gb = rows * cols * 4
+    print(f"amax read: {gb / ms(lambda: x.amax(1)) / 1e9:.2f} TB/s")
+    for warps in (4, 8):
+        for tile in (4096, 8192):
+            for hist, store in ((False, False), (False, True), (True, True)):
+                t = ms(lambda: _probe_scan[(rows,)](x, cols, gm, cols, G=16, TILE=tile, HIST=hist, STORE=store,
+                                                   num_warps=warps))
+                print(f"probe scan warps {warps} tile {tile} hist {hist} store {store}: {t * 1e3:.1f} us "
+                      f"{gb / t / 1e9:.2f} TB/s")
+    # each step of the real pipeline alone (one split per row: scan, count, finish are idempotent)
+    for shape in ((2048, 65536), (64, 131072), (1, 1048576)):
+        r, c = shape
+        x = torch.randn(r, c, device="cuda")
+        lengths = torch.full((r,), c, device="cuda", dtype=torch.int32)
+        launches = []
+        real_launch = triton.runtime.jit.JITFunction.run
+
+        def spy(self, *args, grid, warmup, **kwargs):
+            launches.append((self, args, grid, kwargs))
+            return real_launch(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        triton.runtime.jit.JITFunction.run = spy
+        tk._topk_triton(x, lengths, k)
+        triton.runtime.jit.JITFunction.run = real_launch
+        parts = []
+        for fn, args, grid, kwargs in launches:
+            if fn.fn.__name__ == "_scan_kernel" and not kwargs.get("SINGLE"):
+                continue  # adds into the histogram: not idempotent
+            t = ms(lambda: fn.run(*args, grid=grid, warmup=False, **kwargs))
+            parts.append(f"{fn.fn.__name__} {t * 1e3:.1f}")
+        print(shape, "alone (us):", ", ".join(parts))
+
+
+main()
