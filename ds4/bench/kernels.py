@@ -83,14 +83,11 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
 
 
 TOPK_VARIANTS = [{},  # the defaults
-                 dict(finish_warps=1),
-                 dict(finish_warps=2, count_warps=2),
-                 dict(count_warps=8, gm_block=8192, gather=4096),
-                 dict(fuse_count=True),
-                 dict(fuse_count=True, prefetch=True),
-                 dict(prefetch=True, tile=8192, scan_warps=8),
-                 dict(count_warps=8, gm_block=8192, gather=2048, finish_warps=1, prefetch=True),
-                 dict(fuse_count=True, prefetch=True, count_warps=2, finish_warps=1, gm_block=4096, gather=2048)]
+                 dict(groups_per_k=4),
+                 dict(groups_per_k=2),
+                 dict(groups_per_k=4, fuse_count=True, prefetch=True),
+                 dict(groups_per_k=4, gm_block=4096, gather=2048),
+                 dict(groups_per_k=4, count_warps=8)]
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512)]
 
 
@@ -266,7 +263,7 @@ def main(argv: list[str]) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
     report["compiled"] = compiled_resources({"scan": tk._scan_kernel, "count": tk._count_kernel,
-                                             "write": tk._write_kernel, "finish": tk._finish_kernel, "indexer": ix._indexer_logits_kernel})
+                                             "indexer": ix._indexer_logits_kernel})
     _print_table(report)
     for entry in report["compiled"]:
         print("compiled", entry)

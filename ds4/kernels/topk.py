@@ -13,24 +13,24 @@ Order (the spec, shared by the torch reference and the Triton kernels):
 
 How the Triton path stays exact and fast. A row is cut into groups of G entries (G chosen so a
 full-length row has >= 8k groups) and, when rows are few, into splits that separate programs work on.
-Each launch is short and lean, so many programs share an SM and hide each other's latency; no program
-ever waits on another, and nothing but the shapes sizes the workspaces (no host sync, graph-safe).
+Two launches (after zeroing a small workspace when rows are split); no program ever waits on another,
+and nothing but the shapes sizes the workspaces (no host sync, graph-safe).
   1. scan (rows x splits): one read of the row in 16-byte loads; each group's maximum order key goes
      to a workspace and into a 256-bin histogram of its top byte (summed over the splits by atomics).
   2. count (rows x splits): every program derives the row's threshold tau from that histogram and a
      second-byte histogram of the group maxima in the threshold bin: a 16-bit-precise lower bound
      with at least min(k, groups) group maxima >= tau. Each such maximum is an entry >= tau, so the
      top k are among the entries >= tau, and those can only sit in groups whose maximum reaches tau.
-     The program lists its split's hot groups and counts their entries >= tau (with one split per
-     row it writes them straight away, in column order).
-  3. write (rows x splits, only with several splits): each split writes its entries >= tau, in
-     column order, after those of the splits before it (a prefix over the counts), so the candidate
-     buffer of CAP slots is in column order without sorting.
-  4. finish (rows): with all candidates in the buffer, an exact radix select over them in registers
-     (and a second one over column numbers when the k-th value has more ties than places), written
-     out in column order by a prefix sum. When they did not fit (tie-dominated rows, for instance),
-     an exact radix select over the whole row instead (4 byte passes, then an in-order gather that
-     takes the lowest-column ties). An overflowing buffer only changes which path runs, never the result.
+     The program lists its split's hot groups, re-reads only those, and writes their entries >= tau
+     in column order to its split's own candidate area (CAP slots; more are only counted).
+  3. finish, by the row's last split to arrive (an atomic count): the splits' areas are joined into
+     one column-ordered block (each slot's split found by a running maximum over the splits' first
+     slots), then an exact radix select over it in registers (and a second one over column numbers
+     when the k-th value has more ties than places), written out in column order by a prefix sum.
+     When the candidates did not fit in CAP (tie-dominated rows, for instance), an exact radix select
+     over the whole row instead (4 byte passes, then an in-order gather that takes the lowest-column
+     ties). An overflowing buffer only changes which path runs, never the result.
+With one split per row, steps 2-3 may also run in the scan program itself (one launch in all).
 """
 
 from __future__ import annotations
@@ -54,15 +54,14 @@ _EXACT_TILE = 1024  # entries per step of the rare whole-row fallback (small, so
 _PROGRAMS_PER_SM = 4  # scan programs per SM when a batch has few rows
 _SCAN_WARPS = 4
 _COUNT_WARPS = 4
-_FINISH_WARPS = 4
 _FUSE_COUNT = False  # with one split per row, count in the scan program (no second launch)
 _PREFETCH = False  # issue the next tile's load before the current one is reduced
-_WS_COLS = 257  # per row: histogram[256], tau
+_WS_COLS = 257  # per row: histogram[256], arrivals
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
 WS_COLS = tl.constexpr(_WS_COLS)
-TAU = tl.constexpr(256)
+ARRIVED = tl.constexpr(256)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,10 +184,10 @@ def _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, GM_BLOCK: tl.constex
 
 
 @triton.jit
-def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, base,
-                       G: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, WRITE: tl.constexpr):
-    """Counts the entries >= tau of the listed groups; WRITE: also stores them (order key, column) in
-    column order at candidate slots base, base + 1, ... (those past CAP are only counted)."""
+def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G: tl.constexpr,
+                       GATHER: tl.constexpr, CAP: tl.constexpr):
+    """Stores the entries >= tau of the listed groups as (order keys, columns) in column order at
+    cand_row[0:CAP] and cand_row[CAP:2 CAP]; returns how many there are (those past CAP are only counted)."""
     found = hot_count * 0
     for h0 in range(0, hot_count, GATHER // G):
         j = h0 + tl.arange(0, GATHER // G)
@@ -198,11 +197,10 @@ def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, b
         inside = listed[:, None] & (cols < length)
         key = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0))
         take = tl.reshape(inside & (key >= tau), [GATHER]).to(tl.int32)
-        if WRITE:
-            slot = base + found + tl.cumsum(take, axis=0) - 1
-            keep = (take != 0) & (slot < CAP)
-            tl.store(cand_row + slot, tl.reshape(key, [GATHER]), mask=keep)
-            tl.store(cand_row + CAP + slot, tl.reshape(cols, [GATHER]), mask=keep)
+        slot = found + tl.cumsum(take, axis=0) - 1
+        keep = (take != 0) & (slot < CAP)
+        tl.store(cand_row + slot, tl.reshape(key, [GATHER]), mask=keep)
+        tl.store(cand_row + CAP + slot, tl.reshape(cols, [GATHER]), mask=keep)
         found += tl.sum(take, axis=0)
     return found
 
@@ -287,19 +285,6 @@ def _split_groups(split, tiles_per_split, length, G: tl.constexpr, TILE: tl.cons
 
 
 @triton.jit
-def _row_candidates(counts_row, n_splits, split, SPLIT_BLOCK: tl.constexpr):
-    """(candidates of the splits before `split`, candidates of all splits) of a row."""
-    before = 0
-    total = 0
-    for s0 in range(0, n_splits, SPLIT_BLOCK):
-        s = s0 + tl.arange(0, SPLIT_BLOCK)
-        count = tl.load(counts_row + s, mask=s < n_splits, other=0)
-        before += tl.sum(tl.where(s < split, count, 0), axis=0)
-        total += tl.sum(count, axis=0)
-    return before, total
-
-
-@triton.jit
 def _tile_scores(row_scores, off, limit, G: tl.constexpr, TILE: tl.constexpr):
     """The scores of the tile at column `off` as [TILE // G, G] (one group a row), zero from column `limit` on."""
     cols = off + tl.arange(0, TILE // G)[:, None] * G + tl.arange(0, G)[None, :]
@@ -338,30 +323,87 @@ def _scan_split(row_scores, row_gm, length, first, tiles_per_split, G: tl.conste
 
 
 @triton.jit
-def _count_split(row_scores, row_gm, row_hot, ws_row, counts_row, cand_row, hist, length, k, split, tiles_per_split,
-                 n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
-                 CAP: tl.constexpr, WRITE: tl.constexpr):
-    """Step 2 for one split: tau, the split's hot groups and its number of candidates (WRITE: the row has
-    one split, whose candidates are stored right away)."""
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _gathered_candidates(counts_row, cand_row, place_row, n_splits, CAP: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """The candidates of all splits of a row as one column-ordered [CAP] block (keys, columns, live), and
+    their number. Split s wrote its counts_row[s] candidates, in column order, to its own area of
+    cand_row; slot j of the block belongs to the last split whose prefix (candidates before it) is <= j,
+    found by marking each non-empty split's first slot and taking a running maximum."""
+    slots = tl.arange(0, CAP)
+    tl.store(place_row + slots, tl.full([CAP], -1, tl.int32))
+    tl.debug_barrier()
+    total = 0
+    for s0 in range(0, n_splits, SPLIT_BLOCK):
+        s = s0 + tl.arange(0, SPLIT_BLOCK)
+        count = tl.load(counts_row + s, mask=s < n_splits, other=0, cache_modifier=".cg")
+        prefix = total + tl.cumsum(count, axis=0) - count
+        tl.store(place_row + CAP + s, prefix, mask=s < n_splits)
+        tl.store(place_row + prefix, s, mask=(count > 0) & (prefix < CAP))
+        total += tl.sum(count, axis=0)
+    tl.debug_barrier()
+    owner = tl.associative_scan(tl.load(place_row + slots), 0, _max_combine)
+    live = slots < total
+    owner = tl.where(live, owner, 0)
+    at = owner.to(tl.int64) * (2 * CAP) + slots - tl.load(place_row + CAP + owner, mask=live, other=0)
+    keys = tl.load(cand_row + at, mask=live, other=INT_MIN, cache_modifier=".cg")
+    cols = tl.load(cand_row + CAP + at, mask=live, other=0, cache_modifier=".cg")
+    return keys, cols, live, total
+
+
+@triton.jit
+def _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_splits, CAP: tl.constexpr,
+            K_PAD: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+    """Step 4: the row's answer from its candidates, or from the whole row when they overflowed."""
+    rank = tl.minimum(k, length)
+    if SINGLE:
+        total = tl.load(counts_row)
+        slots = tl.arange(0, CAP)
+        live = slots < total
+        keys = tl.load(cand_row + slots, mask=live, other=INT_MIN)
+        cols = tl.load(cand_row + CAP + slots, mask=live, other=0)
+    else:
+        keys, cols, live, total = _gathered_candidates(counts_row, cand_row, place_row, n_splits, CAP, SPLIT_BLOCK)
+    if total <= CAP:
+        _select_candidates(keys, cols, live, rank, out_row, k, K_PAD)
+    else:
+        _exact_row(row_scores, length, rank, out_row, k, EXACT_TILE, K_PAD)
+
+
+@triton.jit
+def _count_split(row_scores, row_gm, row_hot, ws_row, counts_row, cand_row, place_row, out_row, hist, length, k,
+                 split, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr,
+                 GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr, EXACT_TILE: tl.constexpr,
+                 SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+    """Steps 2-4 for one split: tau, the split's hot groups, its candidates (in column order, in its own
+    area); the row's last split to get there then finishes the row (no program waits on another)."""
     tau = _row_tau(hist, row_gm, length, k, G, GM_BLOCK)
     g_first, g_end = _split_groups(split, tiles_per_split, length, G, TILE)
     hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, GM_BLOCK)
     tl.debug_barrier()
-    found = _gather_candidates(row_scores, row_hot + g_first, hot_count, length, tau, cand_row, 0, G, GATHER, CAP,
-                               WRITE)
+    split_cand = cand_row + split.to(tl.int64) * (2 * CAP)
+    found = _gather_candidates(row_scores, row_hot + g_first, hot_count, length, tau, split_cand, G, GATHER, CAP)
     tl.store(counts_row + split, found)
-    tl.store(counts_row + n_splits + split, hot_count)
-    if split == 0:
-        tl.store(ws_row + TAU, tau)
+    tl.debug_barrier()
+    last = True
+    if not SINGLE:
+        last = tl.atomic_add(ws_row + ARRIVED, 1, sem="acq_rel") == n_splits - 1
+    if last:
+        _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_splits, CAP, K_PAD, EXACT_TILE,
+                SPLIT_BLOCK, SINGLE)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
 def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, ws_ptr, counts_ptr,
-                 cand_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr,
-                 GATHER: tl.constexpr, CAP: tl.constexpr, VEC: tl.constexpr, SINGLE: tl.constexpr,
+                 cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
+                 GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
+                 VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr,
                  COUNT: tl.constexpr, PREFETCH: tl.constexpr):
     """Step 1 over one split of a row. SINGLE: one split per row, whose histogram is stored, not added;
-    COUNT (only with SINGLE): step 2 follows in the same program, while the row's maxima are fresh."""
+    COUNT (only with SINGLE): steps 2-4 follow in the same program, while the row's maxima are fresh."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
@@ -372,9 +414,11 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
     bins = tl.arange(0, 256)
     if COUNT:
         tl.debug_barrier()
-        _count_split(row_scores, row_gm, hot_ptr + row.to(tl.int64) * stride_gm, ws_row, counts_ptr + row.to(tl.int64) * 2,
-                     cand_ptr + row.to(tl.int64) * (2 * CAP), hist, length, k, 0, tiles_per_split, 1, G, TILE,
-                     GM_BLOCK, GATHER, CAP, True)
+        _count_split(row_scores, row_gm, hot_ptr + row.to(tl.int64) * stride_gm, ws_row,
+                     counts_ptr + row.to(tl.int64) * n_splits, cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits),
+                     place_ptr + row.to(tl.int64) * (CAP + n_splits), out_ptr + row.to(tl.int64) * k, hist, length,
+                     k, tl.program_id(1), tiles_per_split,
+                     n_splits, G, TILE, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True)
     elif SINGLE:
         tl.store(ws_row + bins, hist)
     else:
@@ -383,56 +427,18 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
 def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, ws_ptr, counts_ptr,
-                  cand_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
-                  GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, VEC: tl.constexpr,
-                  SINGLE: tl.constexpr):
-    """Step 2 for one split of a row."""
+                  cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
+                  GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
+                  VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+    """Steps 2-4 for one split of a row."""
     row = tl.program_id(0)
     ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
     _count_split(_row_scores(scores_ptr, row, stride_row, VEC), gm_ptr + row.to(tl.int64) * stride_gm,
-                 hot_ptr + row.to(tl.int64) * stride_gm, ws_row, counts_ptr + row.to(tl.int64) * (2 * n_splits),
-                 cand_ptr + row.to(tl.int64) * (2 * CAP), tl.load(ws_row + tl.arange(0, 256)),
-                 _row_length(lengths_ptr, row, n_cols), k, tl.program_id(1), tiles_per_split, n_splits, G, TILE,
-                 GM_BLOCK, GATHER, CAP, SINGLE)
-
-
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "tiles_per_split", "n_splits"])
-def _write_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, hot_ptr, stride_gm, ws_ptr, counts_ptr, cand_ptr,
-                  tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GATHER: tl.constexpr,
-                  CAP: tl.constexpr, VEC: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """Step 3: a split's candidates, in column order, after those of the splits before it."""
-    row = tl.program_id(0)
-    split = tl.program_id(1)
-    length = _row_length(lengths_ptr, row, n_cols)
-    counts_row = counts_ptr + row.to(tl.int64) * (2 * n_splits)
-    before, _ = _row_candidates(counts_row, n_splits, split, SPLIT_BLOCK)
-    if before < CAP:
-        g_first, _ = _split_groups(split, tiles_per_split, length, G, TILE)
-        _gather_candidates(_row_scores(scores_ptr, row, stride_row, VEC),
-                           hot_ptr + row.to(tl.int64) * stride_gm + g_first, tl.load(counts_row + n_splits + split),
-                           length, tl.load(ws_ptr + row.to(tl.int64) * WS_COLS + TAU),
-                           cand_ptr + row.to(tl.int64) * (2 * CAP), before, G, GATHER, CAP, True)
-
-
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "k", "n_splits"])
-def _finish_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, counts_ptr, cand_ptr, out_ptr, k, n_splits,
-                   CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
-                   SPLIT_BLOCK: tl.constexpr):
-    """Step 4: the row's answer from its candidates, or from the whole row when they overflowed."""
-    row = tl.program_id(0)
-    length = _row_length(lengths_ptr, row, n_cols)
-    rank = tl.minimum(k, length)
-    out_row = out_ptr + row.to(tl.int64) * k
-    _, found = _row_candidates(counts_ptr + row.to(tl.int64) * (2 * n_splits), n_splits, n_splits, SPLIT_BLOCK)
-    if found <= CAP:
-        cand_row = cand_ptr + row.to(tl.int64) * (2 * CAP)
-        slots = tl.arange(0, CAP)
-        live = slots < found
-        keys = tl.load(cand_row + slots, mask=live, other=INT_MIN)
-        cols = tl.load(cand_row + CAP + slots, mask=live, other=0)
-        _select_candidates(keys, cols, live, rank, out_row, k, K_PAD)
-    else:
-        _exact_row(_row_scores(scores_ptr, row, stride_row, VEC), length, rank, out_row, k, EXACT_TILE, K_PAD)
+                 hot_ptr + row.to(tl.int64) * stride_gm, ws_row, counts_ptr + row.to(tl.int64) * n_splits,
+                 cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits),
+                 place_ptr + row.to(tl.int64) * (CAP + n_splits), out_ptr + row.to(tl.int64) * k,
+                 tl.load(ws_row + tl.arange(0, 256)), _row_length(lengths_ptr, row, n_cols), k, tl.program_id(1),
+                 tiles_per_split, n_splits, G, TILE, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, SINGLE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -450,8 +456,8 @@ def _group_size(n_cols: int, k: int, groups_per_k: int = _GROUPS_PER_K) -> int:
 
 def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE,
                  programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
-                 count_warps: int = _COUNT_WARPS, finish_warps: int = _FINISH_WARPS, gm_block: int = _GM_BLOCK,
-                 gather: int = _GATHER, fuse_count: bool = _FUSE_COUNT, prefetch: bool = _PREFETCH,
+                 count_warps: int = _COUNT_WARPS, gm_block: int = _GM_BLOCK, gather: int = _GATHER,
+                 fuse_count: bool = _FUSE_COUNT, prefetch: bool = _PREFETCH,
                  groups_per_k: int = _GROUPS_PER_K) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
@@ -476,22 +482,19 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     ws = (torch.empty if single else torch.zeros)((rows, _WS_COLS), dtype=torch.int32, device=device)
     gm = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
     hot = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
-    counts = torch.empty((rows, 2 * n_splits), dtype=torch.int32, device=device)
-    cand = torch.empty((rows, 2 * cap), dtype=torch.int32, device=device)
+    counts = torch.empty((rows, n_splits), dtype=torch.int32, device=device)
+    cand = torch.empty((rows, n_splits, 2, cap), dtype=torch.int32, device=device)
+    place = torch.empty((rows, 0 if single else cap + n_splits), dtype=torch.int32, device=device)
     grid = (rows, n_splits)
-    step2 = (scores, stride, lengths, n_cols, gm, hot, gm_stride, ws, counts, cand, k, tiles_per_split, n_splits)
-    blocks = dict(G=group, TILE=tile, GM_BLOCK=gm_block, GATHER=gather, CAP=cap, VEC=vec)
+    args = (scores, stride, lengths, n_cols, gm, hot, gm_stride, ws, counts, cand, place, out, k, tiles_per_split,
+            n_splits)
+    blocks = dict(G=group, TILE=tile, GM_BLOCK=gm_block, GATHER=gather, CAP=cap, K_PAD=k_pad, VEC=vec,
+                  EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, SINGLE=single)
     count_in_scan = single and fuse_count
-    _scan_kernel[grid](*step2, **blocks, SINGLE=single, COUNT=count_in_scan, PREFETCH=prefetch,
+    _scan_kernel[grid](*args, **blocks, COUNT=count_in_scan, PREFETCH=prefetch,
                        num_warps=count_warps if count_in_scan else scan_warps)
     if not count_in_scan:
-        _count_kernel[grid](*step2, **blocks, SINGLE=single, num_warps=count_warps)
-    if not single:
-        _write_kernel[grid](scores, stride, lengths, n_cols, hot, gm_stride, ws, counts, cand, tiles_per_split,
-                            n_splits, G=group, TILE=tile, GATHER=gather, CAP=cap, VEC=vec, SPLIT_BLOCK=_SPLIT_BLOCK,
-                            num_warps=count_warps)
-    _finish_kernel[(rows,)](scores, stride, lengths, n_cols, counts, cand, out, k, n_splits, CAP=cap, K_PAD=k_pad,
-                            VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, num_warps=finish_warps)
+        _count_kernel[grid](*args, **blocks, num_warps=count_warps)
     return out
 
 
