@@ -14,7 +14,7 @@ def ms(fn):
 
 @triton.jit
 def _probe_scan(x_ptr, stride, gm_ptr, n_cols, G: tl.constexpr, TILE: tl.constexpr, HIST: tl.constexpr,
-                STORE: tl.constexpr):
+                STORE: tl.constexpr, ARG: tl.constexpr):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride
     hist = tl.zeros([256], dtype=tl.int32)
@@ -25,6 +25,12 @@ def _probe_scan(x_ptr, stride, gm_ptr, n_cols, G: tl.constexpr, TILE: tl.constex
         bits = x.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         gmax = tl.max(key, axis=1)
+        if ARG:
+            lane = tl.arange(0, G)[None, :]
+            first = tl.min(tl.where(key == gmax[:, None], lane, G), axis=1)
+            second = tl.max(tl.where(lane == first[:, None], -(2**31), key), axis=1)
+            tl.store(gm_ptr + row.to(tl.int64) * (n_cols // G) + t * (TILE // G) + tl.arange(0, TILE // G) + 7,
+                     (second & -65536) | first)
         if STORE:
             tl.store(gm_ptr + row.to(tl.int64) * (n_cols // G) + t * (TILE // G) + tl.arange(0, TILE // G), gmax)
         if HIST:
@@ -36,15 +42,16 @@ def _probe_scan(x_ptr, stride, gm_ptr, n_cols, G: tl.constexpr, TILE: tl.constex
 def main():
     rows, cols, k = 2048, 65536, 512
     x = torch.randn(rows, cols, device="cuda")
-    gm = torch.empty(rows, cols // 16, dtype=torch.int32, device="cuda")
+    gm = torch.empty(rows, cols // 16 + 16, dtype=torch.int32, device="cuda")
     gb = rows * cols * 4
     print(f"amax read: {gb / ms(lambda: x.amax(1)) / 1e9:.2f} TB/s")
     for warps in (4, 8):
         for tile in (4096, 8192):
-            for hist, store in ((False, False), (False, True), (True, True)):
+            for hist, store, arg in ((False, False, False), (False, True, False), (True, True, False),
+                                     (True, True, True)):
                 t = ms(lambda: _probe_scan[(rows,)](x, cols, gm, cols, G=16, TILE=tile, HIST=hist, STORE=store,
-                                                   num_warps=warps))
-                print(f"probe scan warps {warps} tile {tile} hist {hist} store {store}: {t * 1e3:.1f} us "
+                                                   ARG=arg, num_warps=warps))
+                print(f"probe scan warps {warps} tile {tile} hist {hist} store {store} arg {arg}: {t * 1e3:.1f} us "
                       f"{gb / t / 1e9:.2f} TB/s")
     # each step of the real pipeline alone (one split per row: scan, count, finish are idempotent)
     for shape in ((2048, 65536), (64, 131072), (1, 1048576)):
