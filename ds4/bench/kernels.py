@@ -140,7 +140,7 @@ def _indexer_inputs(requests: int, rows_per_request: int, n_keys: int, context_e
     return q, w, cache, table, key_end, pages * ix.PAGE
 
 
-PREFILL_TILES = [(256, 64, 8, 3), (256, 128, 8, 3), (128, 64, 4, 3), (256, 64, 8, 2)]  # keys, rows, warps, stages
+PREFILL_TILES = [(256, 64, 4, 3), (256, 128, 4, 3), (256, 64, 8, 3), (128, 64, 4, 3)]  # keys, rows, warps, stages
 
 
 def bench_indexer_prefill(queries: int, n_keys: int, gemm_rate: float, tiles) -> dict:

@@ -171,7 +171,7 @@ def _indexer_logits_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, sca
 # Launch shapes (measured on the H200, see BENCHMARKS.md): keys per program, query rows per program, warps,
 # pipeline stages. A request of few rows (decode: 1 + MTP drafts) takes all its rows in one program.
 _PREFILL_TILE = (256, 64, 4, 3)
-_DECODE_TILE = (256, 8, 4, 2)
+_DECODE_TILE = (128, 8, 4, 2)
 
 
 def _tile(rows_per_request: int) -> tuple[int, int, int, int]:
