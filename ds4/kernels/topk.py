@@ -55,13 +55,15 @@ _PROGRAMS_PER_SM = 4  # scan programs per SM when a batch has few rows
 _SCAN_WARPS = 4
 _COUNT_WARPS = 4
 _FUSE_COUNT = False  # with one split per row, count in the scan program (no second launch)
+_COUNT_SPLITS = 4
 _PREFETCH = False  # issue the next tile's load before the current one is reduced
-_WS_COLS = 257  # per row: histogram[256], arrivals
+_WS_COLS = 258  # per row: histogram[256], tau, arrivals
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
 WS_COLS = tl.constexpr(_WS_COLS)
-ARRIVED = tl.constexpr(256)
+TAU = tl.constexpr(256)
+ARRIVED = tl.constexpr(257)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,13 +280,6 @@ def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: 
 
 
 @triton.jit
-def _split_groups(split, tiles_per_split, length, G: tl.constexpr, TILE: tl.constexpr):
-    """The groups [first, end) of a split."""
-    first = split * tiles_per_split * (TILE // G)
-    return first, tl.maximum(first, tl.minimum(first + tiles_per_split * (TILE // G), (length + G - 1) // G))
-
-
-@triton.jit
 def _tile_scores(row_scores, off, limit, G: tl.constexpr, TILE: tl.constexpr):
     """The scores of the tile at column `off` as [TILE // G, G] (one group a row), zero from column `limit` on."""
     cols = off + tl.arange(0, TILE // G)[:, None] * G + tl.arange(0, G)[None, :]
@@ -374,36 +369,36 @@ def _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_s
 
 
 @triton.jit
-def _count_split(row_scores, row_gm, row_hot, ws_row, counts_row, cand_row, place_row, out_row, hist, length, k,
-                 split, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr, GM_BLOCK: tl.constexpr,
-                 GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr, EXACT_TILE: tl.constexpr,
-                 SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr):
-    """Steps 2-4 for one split: tau, the split's hot groups, its candidates (in column order, in its own
-    area); the row's last split to get there then finishes the row (no program waits on another)."""
-    tau = _row_tau(hist, row_gm, length, k, G, GM_BLOCK)
-    g_first, g_end = _split_groups(split, tiles_per_split, length, G, TILE)
+def _count_split(row_scores, row_gm, row_hot, ws_row, counts_row, cand_row, place_row, out_row, tau, length, k,
+                 split, groups_per_split, n_splits, G: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
+                 CAP: tl.constexpr, K_PAD: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                 ONE: tl.constexpr):
+    """Steps 2-3 for one count split (ONE: the row has just this one): its hot groups and its candidates
+    (in column order, in its own area); the row's last split to get there then finishes the row."""
+    g_first = split * groups_per_split
+    g_end = tl.maximum(g_first, tl.minimum(g_first + groups_per_split, (length + G - 1) // G))
     hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, GM_BLOCK)
     tl.debug_barrier()
-    split_cand = cand_row + split.to(tl.int64) * (2 * CAP)
+    split_cand = cand_row + split * (2 * CAP)
     found = _gather_candidates(row_scores, row_hot + g_first, hot_count, length, tau, split_cand, G, GATHER, CAP)
     tl.store(counts_row + split, found)
     tl.debug_barrier()
     last = True
-    if not SINGLE:
+    if not ONE:
         last = tl.atomic_add(ws_row + ARRIVED, 1, sem="acq_rel") == n_splits - 1
     if last:
         _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_splits, CAP, K_PAD, EXACT_TILE,
-                SPLIT_BLOCK, SINGLE)
+                SPLIT_BLOCK, ONE)
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "groups_per_split"])
 def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, ws_ptr, counts_ptr,
-                 cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
-                 GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
-                 VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr,
-                 COUNT: tl.constexpr, PREFETCH: tl.constexpr):
-    """Step 1 over one split of a row. SINGLE: one split per row, whose histogram is stored, not added;
-    COUNT (only with SINGLE): steps 2-4 follow in the same program, while the row's maxima are fresh."""
+                 cand_ptr, place_ptr, out_ptr, k, tiles_per_split, groups_per_split, G: tl.constexpr,
+                 TILE: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr,
+                 K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                 SINGLE: tl.constexpr, COUNT: tl.constexpr, PREFETCH: tl.constexpr):
+    """Step 1 over one split of a row. SINGLE (one split per row): the program also derives tau and
+    stores it, or (COUNT) goes on with steps 2-3 itself while the row's maxima are fresh."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
@@ -411,34 +406,42 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
     ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
     hist = _scan_split(row_scores, row_gm, length, tl.program_id(1) * tiles_per_split, tiles_per_split, G, TILE,
                        PREFETCH)
-    bins = tl.arange(0, 256)
-    if COUNT:
+    if SINGLE:
         tl.debug_barrier()
-        _count_split(row_scores, row_gm, hot_ptr + row.to(tl.int64) * stride_gm, ws_row,
-                     counts_ptr + row.to(tl.int64) * n_splits, cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits),
-                     place_ptr + row.to(tl.int64) * (CAP + n_splits), out_ptr + row.to(tl.int64) * k, hist, length,
-                     k, tl.program_id(1), tiles_per_split,
-                     n_splits, G, TILE, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True)
-    elif SINGLE:
-        tl.store(ws_row + bins, hist)
+        tau = _row_tau(hist, row_gm, length, k, G, GM_BLOCK)
+        if COUNT:
+            _count_split(row_scores, row_gm, hot_ptr + row.to(tl.int64) * stride_gm, ws_row,
+                         counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
+                         out_ptr + row.to(tl.int64) * k, tau, length, k, 0, groups_per_split, 1, G, GM_BLOCK,
+                         GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True)
+        else:
+            tl.store(ws_row + TAU, tau)
     else:
+        bins = tl.arange(0, 256)
         tl.atomic_add(ws_row + bins, hist, mask=hist > 0, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "groups_per_split", "n_splits"])
 def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, ws_ptr, counts_ptr,
-                  cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
+                  cand_ptr, place_ptr, out_ptr, k, groups_per_split, n_splits, G: tl.constexpr,
                   GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
-                  VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr):
-    """Steps 2-4 for one split of a row."""
+                  VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TAU_STORED: tl.constexpr,
+                  ONE: tl.constexpr):
+    """Steps 2-3 for one count split of a row (n_splits of them). TAU_STORED: the scan stored tau;
+    otherwise every program derives it from the histogram the scan splits summed."""
     row = tl.program_id(0)
+    length = _row_length(lengths_ptr, row, n_cols)
+    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
     ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
-    _count_split(_row_scores(scores_ptr, row, stride_row, VEC), gm_ptr + row.to(tl.int64) * stride_gm,
-                 hot_ptr + row.to(tl.int64) * stride_gm, ws_row, counts_ptr + row.to(tl.int64) * n_splits,
-                 cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits),
-                 place_ptr + row.to(tl.int64) * (CAP + n_splits), out_ptr + row.to(tl.int64) * k,
-                 tl.load(ws_row + tl.arange(0, 256)), _row_length(lengths_ptr, row, n_cols), k, tl.program_id(1),
-                 tiles_per_split, n_splits, G, TILE, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, SINGLE)
+    if TAU_STORED:
+        tau = tl.load(ws_row + TAU)
+    else:
+        tau = _row_tau(tl.load(ws_row + tl.arange(0, 256)), row_gm, length, k, G, GM_BLOCK)
+    _count_split(_row_scores(scores_ptr, row, stride_row, VEC), row_gm, hot_ptr + row.to(tl.int64) * stride_gm,
+                 ws_row, counts_ptr + row.to(tl.int64) * n_splits, cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits),
+                 place_ptr + row.to(tl.int64) * (CAP + n_splits), out_ptr + row.to(tl.int64) * k, tau, length, k,
+                 tl.program_id(1), groups_per_split, n_splits, G, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE,
+                 SPLIT_BLOCK, ONE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,9 +460,12 @@ def _group_size(n_cols: int, k: int, groups_per_k: int = _GROUPS_PER_K) -> int:
 def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE,
                  programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
                  count_warps: int = _COUNT_WARPS, gm_block: int = _GM_BLOCK, gather: int = _GATHER,
-                 fuse_count: bool = _FUSE_COUNT, prefetch: bool = _PREFETCH,
-                 groups_per_k: int = _GROUPS_PER_K) -> torch.Tensor:
-    """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
+                 fuse_count: bool = _FUSE_COUNT, prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K,
+                 count_splits: int = _COUNT_SPLITS) -> torch.Tensor:
+    """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them).
+
+    count_splits: count programs per row when the scan has one program per row (a row's candidate
+    gathering is a chain of dependent loads, so it pays to share it out)."""
     rows, n_cols = scores.shape
     device = scores.device
     out = torch.empty((rows, k), dtype=torch.int32, device=device)
@@ -475,26 +481,35 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     tiles_per_split = triton.cdiv(tiles, splits)
     n_splits = triton.cdiv(tiles, tiles_per_split)
     single = n_splits == 1
-    gm_stride = triton.cdiv(triton.cdiv(n_cols, group), 16) * 16
+    n_groups = triton.cdiv(n_cols, group)
+    if single:
+        count_in_scan = fuse_count
+        n_count = 1 if fuse_count else max(1, min(count_splits, n_groups))
+        groups_per_split = triton.cdiv(n_groups, n_count)
+        n_count = triton.cdiv(n_groups, groups_per_split)
+    else:
+        count_in_scan = False
+        n_count, groups_per_split = n_splits, tiles_per_split * (tile // group)
+    gm_stride = triton.cdiv(n_groups, 16) * 16
     stride = scores.stride(0)
     vec = scores.data_ptr() % 16 == 0 and stride % 4 == 0
     lengths = lengths.to(device=device, dtype=torch.int32)
-    ws = (torch.empty if single else torch.zeros)((rows, _WS_COLS), dtype=torch.int32, device=device)
+    zeroed = not single or n_count > 1  # the histogram or the arrival count is summed by atomics
+    ws = (torch.zeros if zeroed else torch.empty)((rows, _WS_COLS), dtype=torch.int32, device=device)
     gm = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
     hot = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
-    counts = torch.empty((rows, n_splits), dtype=torch.int32, device=device)
-    cand = torch.empty((rows, n_splits, 2, cap), dtype=torch.int32, device=device)
-    place = torch.empty((rows, 0 if single else cap + n_splits), dtype=torch.int32, device=device)
-    grid = (rows, n_splits)
-    args = (scores, stride, lengths, n_cols, gm, hot, gm_stride, ws, counts, cand, place, out, k, tiles_per_split,
-            n_splits)
-    blocks = dict(G=group, TILE=tile, GM_BLOCK=gm_block, GATHER=gather, CAP=cap, K_PAD=k_pad, VEC=vec,
-                  EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, SINGLE=single)
-    count_in_scan = single and fuse_count
-    _scan_kernel[grid](*args, **blocks, COUNT=count_in_scan, PREFETCH=prefetch,
-                       num_warps=count_warps if count_in_scan else scan_warps)
+    counts = torch.empty((rows, n_count), dtype=torch.int32, device=device)
+    cand = torch.empty((rows, n_count, 2, cap), dtype=torch.int32, device=device)
+    place = torch.empty((rows, 0 if n_count == 1 else cap + n_count), dtype=torch.int32, device=device)
+    buffers = (scores, stride, lengths, n_cols, gm, hot, gm_stride, ws, counts, cand, place, out, k)
+    blocks = dict(G=group, GM_BLOCK=gm_block, GATHER=gather, CAP=cap, K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE,
+                  SPLIT_BLOCK=_SPLIT_BLOCK)
+    _scan_kernel[(rows, n_splits)](*buffers, tiles_per_split, groups_per_split, **blocks, TILE=tile, SINGLE=single,
+                                   COUNT=count_in_scan, PREFETCH=prefetch,
+                                   num_warps=count_warps if count_in_scan else scan_warps)
     if not count_in_scan:
-        _count_kernel[grid](*args, **blocks, num_warps=count_warps)
+        _count_kernel[(rows, n_count)](*buffers, groups_per_split, n_count, **blocks, TAU_STORED=single,
+                                       ONE=n_count == 1, num_warps=count_warps)
     return out
 
 
