@@ -83,12 +83,10 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
 
 
 TOPK_VARIANTS = [{},  # the defaults
-                 dict(count_splits=1),
-                 dict(count_splits=8),
+                 dict(fuse_count=False, count_splits=1),
+                 dict(fuse_count=False, count_splits=4),
+                 dict(prefetch=False),
                  dict(groups_per_k=4),
-                 dict(groups_per_k=4, gm_block=4096, gather=2048),
-                 dict(fuse_count=True, prefetch=True),
-                 dict(prefetch=True),
                  dict(count_warps=8)]
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512)]
 

@@ -54,9 +54,9 @@ _EXACT_TILE = 1024  # entries per step of the rare whole-row fallback (small, so
 _PROGRAMS_PER_SM = 4  # scan programs per SM when a batch has few rows
 _SCAN_WARPS = 4
 _COUNT_WARPS = 4
-_FUSE_COUNT = False  # with one split per row, count in the scan program (no second launch)
-_COUNT_SPLITS = 4
-_PREFETCH = False  # issue the next tile's load before the current one is reduced
+_FUSE_COUNT = True  # with one split per row, count in the scan program (no second launch)
+_COUNT_SPLITS = 1  # count programs per one-program row when the count is not fused (more measured slower)
+_PREFETCH = True  # issue the next tile's load before the current one is reduced
 _WS_COLS = 258  # per row: histogram[256], tau, arrivals
 
 INT_MIN = tl.constexpr(-(2**31))
