@@ -83,8 +83,6 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
 
 
 TOPK_VARIANTS = [{},  # the defaults
-                 dict(fuse_count=False, count_splits=1),
-                 dict(fuse_count=False, count_splits=4),
                  dict(prefetch=False),
                  dict(groups_per_k=4),
                  dict(count_warps=8)]

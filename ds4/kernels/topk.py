@@ -13,12 +13,13 @@ Order (the spec, shared by the torch reference and the Triton kernels):
 
 How the Triton path stays exact and fast. A row is cut into groups of G entries (G chosen so a
 full-length row has >= 8k groups) and, when rows are few, into splits that separate programs work on.
-Two launches (after zeroing a small workspace when rows are split); no program ever waits on another,
-and nothing but the shapes sizes the workspaces (no host sync, graph-safe).
+One launch per call when each row has one program, two (after zeroing a small workspace) when rows are
+split; no program ever waits on another, and nothing but the shapes sizes the workspaces (no host sync,
+graph-safe).
   1. scan (rows x splits): one read of the row in 16-byte loads; each group's maximum order key goes
      to a workspace and into a 256-bin histogram of its top byte (summed over the splits by atomics).
-  2. count (rows x splits): every program derives the row's threshold tau from that histogram and a
-     second-byte histogram of the group maxima in the threshold bin: a 16-bit-precise lower bound
+  2. count (rows x splits; the scan program itself when a row has one): every program derives the
+     row's threshold tau from that histogram and a second-byte histogram of the group maxima in the threshold bin: a 16-bit-precise lower bound
      with at least min(k, groups) group maxima >= tau. Each such maximum is an entry >= tau, so the
      top k are among the entries >= tau, and those can only sit in groups whose maximum reaches tau.
      The program lists its split's hot groups, re-reads only those, and writes their entries >= tau
@@ -30,7 +31,6 @@ and nothing but the shapes sizes the workspaces (no host sync, graph-safe).
      When the candidates did not fit in CAP (tie-dominated rows, for instance), an exact radix select
      over the whole row instead (4 byte passes, then an in-order gather that takes the lowest-column
      ties). An overflowing buffer only changes which path runs, never the result.
-With one split per row, steps 2-3 may also run in the scan program itself (one launch in all).
 """
 
 from __future__ import annotations
@@ -54,16 +54,13 @@ _EXACT_TILE = 1024  # entries per step of the rare whole-row fallback (small, so
 _PROGRAMS_PER_SM = 4  # scan programs per SM when a batch has few rows
 _SCAN_WARPS = 4
 _COUNT_WARPS = 4
-_FUSE_COUNT = True  # with one split per row, count in the scan program (no second launch)
-_COUNT_SPLITS = 1  # count programs per one-program row when the count is not fused (more measured slower)
 _PREFETCH = True  # issue the next tile's load before the current one is reduced
-_WS_COLS = 258  # per row: histogram[256], tau, arrivals
+_WS_COLS = 257  # per row of a split row: histogram[256], arrivals
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
 WS_COLS = tl.constexpr(_WS_COLS)
-TAU = tl.constexpr(256)
-ARRIVED = tl.constexpr(257)
+ARRIVED = tl.constexpr(256)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,9 +369,9 @@ def _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_s
 def _count_split(row_scores, row_gm, row_hot, ws_row, counts_row, cand_row, place_row, out_row, tau, length, k,
                  split, groups_per_split, n_splits, G: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                  CAP: tl.constexpr, K_PAD: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                 ONE: tl.constexpr):
-    """Steps 2-3 for one count split (ONE: the row has just this one): its hot groups and its candidates
-    (in column order, in its own area); the row's last split to get there then finishes the row."""
+                 SINGLE: tl.constexpr):
+    """Steps 2-3 for one split (SINGLE: the row's only one): its hot groups and its candidates (in column
+    order, in its own area); the row's last split to get there then finishes the row."""
     g_first = split * groups_per_split
     g_end = tl.maximum(g_first, tl.minimum(g_first + groups_per_split, (length + G - 1) // G))
     hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, GM_BLOCK)
@@ -384,21 +381,21 @@ def _count_split(row_scores, row_gm, row_hot, ws_row, counts_row, cand_row, plac
     tl.store(counts_row + split, found)
     tl.debug_barrier()
     last = True
-    if not ONE:
+    if not SINGLE:
         last = tl.atomic_add(ws_row + ARRIVED, 1, sem="acq_rel") == n_splits - 1
     if last:
         _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_splits, CAP, K_PAD, EXACT_TILE,
-                SPLIT_BLOCK, ONE)
+                SPLIT_BLOCK, SINGLE)
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "groups_per_split"])
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
 def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, ws_ptr, counts_ptr,
-                 cand_ptr, place_ptr, out_ptr, k, tiles_per_split, groups_per_split, G: tl.constexpr,
-                 TILE: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr,
-                 K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                 SINGLE: tl.constexpr, COUNT: tl.constexpr, PREFETCH: tl.constexpr):
-    """Step 1 over one split of a row. SINGLE (one split per row): the program also derives tau and
-    stores it, or (COUNT) goes on with steps 2-3 itself while the row's maxima are fresh."""
+                 cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
+                 GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
+                 VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+                 PREFETCH: tl.constexpr):
+    """Step 1 over one split of a row. SINGLE (one split per row): steps 2-3 follow in the same program,
+    while the row's maxima are fresh; otherwise the split adds its histogram to the row's."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
@@ -408,40 +405,33 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
                        PREFETCH)
     if SINGLE:
         tl.debug_barrier()
-        tau = _row_tau(hist, row_gm, length, k, G, GM_BLOCK)
-        if COUNT:
-            _count_split(row_scores, row_gm, hot_ptr + row.to(tl.int64) * stride_gm, ws_row,
-                         counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
-                         out_ptr + row.to(tl.int64) * k, tau, length, k, 0, groups_per_split, 1, G, GM_BLOCK,
-                         GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True)
-        else:
-            tl.store(ws_row + TAU, tau)
+        _count_split(row_scores, row_gm, hot_ptr + row.to(tl.int64) * stride_gm, ws_row,
+                     counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
+                     out_ptr + row.to(tl.int64) * k, _row_tau(hist, row_gm, length, k, G, GM_BLOCK), length, k, 0,
+                     tiles_per_split * (TILE // G), 1, G, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK,
+                     True)
     else:
         bins = tl.arange(0, 256)
         tl.atomic_add(ws_row + bins, hist, mask=hist > 0, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "groups_per_split", "n_splits"])
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
 def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, ws_ptr, counts_ptr,
-                  cand_ptr, place_ptr, out_ptr, k, groups_per_split, n_splits, G: tl.constexpr,
+                  cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
                   GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
-                  VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TAU_STORED: tl.constexpr,
-                  ONE: tl.constexpr):
-    """Steps 2-3 for one count split of a row (n_splits of them). TAU_STORED: the scan stored tau;
-    otherwise every program derives it from the histogram the scan splits summed."""
+                  VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Steps 2-3 for one split of a row split over several programs: each derives tau from the
+    histogram the scan splits summed."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
     row_gm = gm_ptr + row.to(tl.int64) * stride_gm
     ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
-    if TAU_STORED:
-        tau = tl.load(ws_row + TAU)
-    else:
-        tau = _row_tau(tl.load(ws_row + tl.arange(0, 256)), row_gm, length, k, G, GM_BLOCK)
+    tau = _row_tau(tl.load(ws_row + tl.arange(0, 256)), row_gm, length, k, G, GM_BLOCK)
     _count_split(_row_scores(scores_ptr, row, stride_row, VEC), row_gm, hot_ptr + row.to(tl.int64) * stride_gm,
                  ws_row, counts_ptr + row.to(tl.int64) * n_splits, cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits),
                  place_ptr + row.to(tl.int64) * (CAP + n_splits), out_ptr + row.to(tl.int64) * k, tau, length, k,
-                 tl.program_id(1), groups_per_split, n_splits, G, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE,
-                 SPLIT_BLOCK, ONE)
+                 tl.program_id(1), tiles_per_split * (TILE // G), n_splits, G, GM_BLOCK, GATHER, CAP, K_PAD,
+                 EXACT_TILE, SPLIT_BLOCK, False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,12 +450,8 @@ def _group_size(n_cols: int, k: int, groups_per_k: int = _GROUPS_PER_K) -> int:
 def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE,
                  programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
                  count_warps: int = _COUNT_WARPS, gm_block: int = _GM_BLOCK, gather: int = _GATHER,
-                 fuse_count: bool = _FUSE_COUNT, prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K,
-                 count_splits: int = _COUNT_SPLITS) -> torch.Tensor:
-    """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them).
-
-    count_splits: count programs per row when the scan has one program per row (a row's candidate
-    gathering is a chain of dependent loads, so it pays to share it out)."""
+                 prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K) -> torch.Tensor:
+    """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
     out = torch.empty((rows, k), dtype=torch.int32, device=device)
@@ -481,35 +467,24 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     tiles_per_split = triton.cdiv(tiles, splits)
     n_splits = triton.cdiv(tiles, tiles_per_split)
     single = n_splits == 1
-    n_groups = triton.cdiv(n_cols, group)
-    if single:
-        count_in_scan = fuse_count
-        n_count = 1 if fuse_count else max(1, min(count_splits, n_groups))
-        groups_per_split = triton.cdiv(n_groups, n_count)
-        n_count = triton.cdiv(n_groups, groups_per_split)
-    else:
-        count_in_scan = False
-        n_count, groups_per_split = n_splits, tiles_per_split * (tile // group)
-    gm_stride = triton.cdiv(n_groups, 16) * 16
+    gm_stride = triton.cdiv(triton.cdiv(n_cols, group), 16) * 16
     stride = scores.stride(0)
     vec = scores.data_ptr() % 16 == 0 and stride % 4 == 0
     lengths = lengths.to(device=device, dtype=torch.int32)
-    zeroed = not single or n_count > 1  # the histogram or the arrival count is summed by atomics
-    ws = (torch.zeros if zeroed else torch.empty)((rows, _WS_COLS), dtype=torch.int32, device=device)
+    ws = torch.zeros((0 if single else rows, _WS_COLS), dtype=torch.int32, device=device)  # summed by atomics
     gm = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
     hot = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
-    counts = torch.empty((rows, n_count), dtype=torch.int32, device=device)
-    cand = torch.empty((rows, n_count, 2, cap), dtype=torch.int32, device=device)
-    place = torch.empty((rows, 0 if n_count == 1 else cap + n_count), dtype=torch.int32, device=device)
-    buffers = (scores, stride, lengths, n_cols, gm, hot, gm_stride, ws, counts, cand, place, out, k)
-    blocks = dict(G=group, GM_BLOCK=gm_block, GATHER=gather, CAP=cap, K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE,
-                  SPLIT_BLOCK=_SPLIT_BLOCK)
-    _scan_kernel[(rows, n_splits)](*buffers, tiles_per_split, groups_per_split, **blocks, TILE=tile, SINGLE=single,
-                                   COUNT=count_in_scan, PREFETCH=prefetch,
-                                   num_warps=count_warps if count_in_scan else scan_warps)
-    if not count_in_scan:
-        _count_kernel[(rows, n_count)](*buffers, groups_per_split, n_count, **blocks, TAU_STORED=single,
-                                       ONE=n_count == 1, num_warps=count_warps)
+    counts = torch.empty((rows, n_splits), dtype=torch.int32, device=device)
+    cand = torch.empty((rows, n_splits, 2, cap), dtype=torch.int32, device=device)
+    place = torch.empty((0 if single else rows, cap + n_splits), dtype=torch.int32, device=device)
+    args = (scores, stride, lengths, n_cols, gm, hot, gm_stride, ws, counts, cand, place, out, k, tiles_per_split,
+            n_splits)
+    blocks = dict(G=group, TILE=tile, GM_BLOCK=gm_block, GATHER=gather, CAP=cap, K_PAD=k_pad, VEC=vec,
+                  EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK)
+    _scan_kernel[(rows, n_splits)](*args, **blocks, SINGLE=single, PREFETCH=prefetch,
+                                   num_warps=count_warps if single else scan_warps)
+    if not single:
+        _count_kernel[(rows, n_splits)](*args, **blocks, num_warps=count_warps)
     return out
 
 

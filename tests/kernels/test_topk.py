@@ -92,8 +92,8 @@ def test_bad_arguments_fail_loudly(topk):
 
 
 def test_kernels_take_no_shape_as_constexpr(topk):
-    allowed = {"G", "TILE", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE", "SPLIT_BLOCK", "TAU_STORED", "ONE",
-               "COUNT", "PREFETCH"}
+    allowed = {"G", "TILE", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE", "SPLIT_BLOCK",
+               "PREFETCH"}
     for kernel in (topk._scan_kernel, topk._count_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
@@ -101,13 +101,12 @@ def test_kernels_take_no_shape_as_constexpr(topk):
 
 
 def test_rows_split_over_many_programs_equal_reference(topk):
-    """Many programs per row (several scan splits, or one scan program and several count programs):
-    candidates joined from every split's area, including rows whose candidates overflow (ties) and rows
-    shorter than one split; and the count fused into the scan."""
+    """Many programs per row: candidates joined from every split's area, including rows whose candidates
+    overflow (ties) and rows shorter than one split; and one program per row with small blocks."""
     scores = hard_rows(9000)
     lengths = torch.tensor([9000, 8999, 5000, 1, 17, 1500])
-    for knobs in (dict(tile=512, programs_per_sm=8), dict(tile=16384, count_splits=3),
-                  dict(tile=1024, programs_per_sm=1, fuse_count=True, prefetch=True)):
+    for knobs in (dict(tile=512, programs_per_sm=8), dict(tile=512, programs_per_sm=8, prefetch=False),
+                  dict(tile=1024, programs_per_sm=1, gm_block=256, gather=128)):
         got = topk._topk_triton(scores, lengths, 16, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, 16))
         check_against_torch(scores, lengths, 16, got)
