@@ -20,10 +20,11 @@ graph-safe).
      to a workspace and into a 256-bin histogram of its top byte (summed over the splits by atomics).
   2. count (rows x splits; the scan program itself when a row has one): every program derives the
      row's threshold tau from that histogram and a second-byte histogram of the group maxima in the
-     threshold bin: a 16-bit-precise lower bound with at least min(k, groups) group maxima >= tau. Each such maximum is an entry >= tau, so the
-     top k are among the entries >= tau, and those can only sit in groups whose maximum reaches tau.
-     The program lists its split's hot groups, re-reads only those, and writes their entries >= tau
-     in column order to its split's own candidate area (CAP slots; more are only counted).
+     threshold bin: a 16-bit-precise lower bound with at least min(k, groups) group maxima >= tau.
+     Each such maximum is an entry >= tau, so the top k are among the entries >= tau, and those can
+     only sit in groups whose maximum reaches tau. The program lists its split's hot groups, re-reads
+     only those, and writes their entries >= tau in column order to its split's own candidate area
+     (CAP slots; more are only counted).
   3. finish, by the row's last split to arrive (an atomic count): the splits' areas are joined into
      one column-ordered block (each slot's split found by a running maximum over the splits' first
      slots), then an exact radix select over it in registers (and a second one over column numbers
