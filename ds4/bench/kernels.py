@@ -205,7 +205,8 @@ def _print_table(report: dict) -> None:
           f"{'x(graph)':>8} {'roof%':>6} {'roof%g':>6} exact")
     for r in report["topk"]:
         print(f"{r['rows']:>10} x {r['cols']:>8}, {r['k']:>4} {r['ds4_ms']:8.4f} {r['ds4_graph_ms']:8.4f} "
-              f"{r['torch_topk_ms']:8.4f} {r['torch_topk_graph_ms']:8.4f} {r['speedup_vs_torch']:8.2f} {r['speedup_vs_torch_graph']:8.2f} "
+              f"{r['torch_topk_ms']:8.4f} {r['torch_topk_graph_ms']:8.4f} {r['speedup_vs_torch']:8.2f} "
+              f"{r['speedup_vs_torch_graph']:8.2f} "
               f"{100 * r['roofline_fraction']:6.1f} {100 * r['roofline_fraction_graph']:6.1f} {r['exact']}")
     for name in ("topk_kernel_us_2048x65536", "topk_kernel_us_64x131072", "topk_kernel_us_1x1048576"):
         print(name, {key[:24]: round(us, 1) for key, us in report[name].items()})

@@ -236,7 +236,8 @@ def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, 
     table = block_table.to(torch.int32)
     grid = (rows // rows_per_request * query_blocks * key_tiles,)
     return _indexer_logits_kernel[grid](
-        q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn), cache.view(torch.float32),
+        q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn),
+        cache.view(torch.float32),
         table, table.stride(0), key_end.to(torch.int32), rows_per_request, query_blocks, key_tiles, n_heads, max_keys,
         out, out.stride(0), H=max(16, triton.next_power_of_2(n_heads)), BLOCK_Q=block_q, BLOCK_S=block_s, PAGE_=PAGE,
         D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
