@@ -56,7 +56,7 @@ _PROGRAMS_PER_SM = 4  # scan programs per SM when a batch has few rows
 _SCAN_WARPS = 4
 _COUNT_WARPS = 4
 _PREFETCH = True  # issue the next tile's load before the current one is reduced
-_WS_COLS = 257  # per row of a split row: histogram[256], arrivals
+_WS_COLS = 257  # per row, for rows split over several programs: histogram[256], arrivals
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
@@ -350,7 +350,7 @@ def _gathered_candidates(counts_row, cand_row, place_row, n_splits, CAP: tl.cons
 @triton.jit
 def _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_splits, CAP: tl.constexpr,
             K_PAD: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr):
-    """Step 4: the row's answer from its candidates, or from the whole row when they overflowed."""
+    """Step 3: the row's answer from its candidates, or from the whole row when they overflowed."""
     rank = tl.minimum(k, length)
     if SINGLE:
         total = tl.load(counts_row)
