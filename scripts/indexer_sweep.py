@@ -31,7 +31,7 @@ PREFILL_VARIANTS = [
     ("base", (128, 64, 4, 3)), ("base", (128, 64, 4, 4)), ("base", (256, 64, 8, 3)), ("pair", (128, 64, 4, 3)),
     ("pair", (256, 64, 8, 3)),
 ]
-# stream: (keys, key tiles per program, warps, stages)
+# stream: ix._launch_decode, (keys, key tiles per program, warps, stages)
 DECODE_VARIANTS = [("base", (256, 8, 4, 2)), ("base", (128, 8, 4, 2)), ("base", (256, 8, 4, 3)),
                    ("stream", (128, 8, 4, 3)), ("stream", (128, 16, 4, 3)), ("stream", (128, 8, 4, 4)),
                    ("stream", (256, 4, 8, 3)), ("stream", (64, 16, 4, 4)), ("stream", (128, 4, 4, 3))]
@@ -94,72 +94,13 @@ def _pair_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, scale_ptr, bt
                  mask=key_in & (i + 1 < hi))
 
 
-@triton.jit(do_not_specialize=["q_row16", "q_head16", "w_row4", "stride_bt", "rows_per_request", "tiles_per_program",
-                               "chunks", "n_heads", "max_keys", "stride_out"])
-def _stream_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, scale_ptr, bt_ptr, stride_bt, key_end_ptr,
-                   rows_per_request, tiles_per_program, chunks, n_heads, max_keys, out_ptr, stride_out,
-                   H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr, PAGE_: tl.constexpr,
-                   D: tl.constexpr, DOT_F32: tl.constexpr):
-    # Trial for decode: all of a request's rows (N = BLOCK_Q * H) stay in shared memory while
-    # tiles_per_program key tiles stream past them through a pipelined loop.
-    request = tl.program_id(0) // chunks
-    chunk = tl.program_id(0) % chunks
-    row0 = request.to(tl.int64) * rows_per_request
-    r = tl.arange(0, BLOCK_Q)
-    ends = tl.load(key_end_ptr + row0 + r, mask=r < rows_per_request, other=0)
-    end_max = tl.minimum(tl.max(ends, axis=0), max_keys)
-    cols = tl.arange(0, BLOCK_Q * H)
-    head = cols % H
-    which = cols // H
-    live = (head < n_heads) & (which < rows_per_request)
-    dims = tl.arange(0, D)
-    q = tl.load(q_ptr + ((row0 + which) * q_row16 * 16 + head * q_head16 * 16)[:, None] + dims[None, :],
-                mask=live[:, None], other=0.0)
-    w = tl.load(w_ptr + (row0 + which) * w_row4 * 4 + head, mask=live, other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    qt = tl.trans(q)
-    first = chunk * tiles_per_program
-    stop = tl.minimum(first + tiles_per_program, tl.cdiv(max_keys, BLOCK_S))
-    busy = tl.maximum(tl.minimum(stop, tl.cdiv(end_max, BLOCK_S)), first)
-    out_rows = out_ptr + (row0 + r)[None, :] * stride_out
-    for t in range(first, busy):
-        keys = t * BLOCK_S + tl.arange(0, BLOCK_S)
-        page = tl.load(bt_ptr + request.to(tl.int64) * stride_bt + keys // PAGE_, mask=keys < max_keys,
-                       other=0).to(tl.int64)
-        slot = keys % PAGE_
-        key_live = keys < end_max
-        k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + dims[None, :],
-                    mask=key_live[:, None], other=0.0)
-        k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-        dots = tl.dot(k, qt)
-        sums = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * w[None, :], [BLOCK_S, BLOCK_Q, H]), axis=2)
-        logits = tl.where(keys[:, None] < ends[None, :], sums * k_scale[:, None], float("-inf"))
-        tl.store(out_rows + keys[:, None], logits, mask=(keys[:, None] < max_keys) & (r[None, :] < rows_per_request))
-    for t in range(busy, stop):
-        keys = t * BLOCK_S + tl.arange(0, BLOCK_S)
-        tl.store(out_rows + keys[:, None], tl.full([BLOCK_S, BLOCK_Q], float("-inf"), tl.float32),
-                 mask=(keys[:, None] < max_keys) & (r[None, :] < rows_per_request))
-
-
 def launch(kind, q, w, cache, table, key_end, rows_per_request, max_keys, out, tile):
     if kind == "base":
         return ix._launch(q, w, cache, table, key_end, rows_per_request, max_keys, out, tile)
-    rows, n_heads, _ = q.shape
-    if w.stride(0) % 4:
-        w = torch.nn.functional.pad(w, (0, -n_heads % 4))
     if kind == "stream":
-        block_s, per_program, warps, stages = tile
-        key_tiles = triton.cdiv(max_keys, block_s)
-        chunks = triton.cdiv(key_tiles, per_program)
-        return _stream_kernel[(rows // rows_per_request * chunks,)](
-            q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn),
-            cache.view(torch.float32), table, table.stride(0), key_end.to(torch.int32), rows_per_request,
-            per_program, chunks, n_heads, max_keys, out, out.stride(0), H=max(16, triton.next_power_of_2(n_heads)),
-            BLOCK_Q=triton.next_power_of_2(rows_per_request), BLOCK_S=block_s, PAGE_=ix.PAGE, D=ix.HEAD_DIM,
-            DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
+        return ix._launch_decode(q, w, cache, table, key_end, rows_per_request, max_keys, out, tile)
+    rows, n_heads, _ = q.shape
+    q, w = ix._wide_operands(q, w)
     block_s, block_q, warps, stages = tile
     block_q = min(block_q, triton.next_power_of_2(rows_per_request))
     query_blocks = triton.cdiv(rows_per_request, block_q)

@@ -9,7 +9,9 @@ e4m3 with one fp32 scale per entry (likewise applied after the relu).
 Rows are grouped by request: request b owns rows [b * n, (b + 1) * n) with n = rows_per_request
 (a prefill chunk is one request with n = its tokens and causal ends key_end = (t + 1) // 4; a decode
 step has n = 1, or 1 + the MTP draft rows, each with its own key_end). Keys are read through the
-request's block table, so prefill and decode share one kernel and neither copies the cache.
+request's block table, so neither prefill nor decode copies the cache. Two kernels: prefill puts a key
+tile in the MMA's M dimension and loops over query rows (heads in N); decode holds a request's few rows
+on chip (their heads side by side in N) and streams the request's keys past them.
 
 Paged indexer key cache layout (`new_indexer_cache`): uint8 [num_pages, PAGE_BYTES], PAGE = 64
 entries per page; a page holds the 64 entries' 128-byte e4m3 vectors first (entry j at byte 128 j),
@@ -168,14 +170,74 @@ def _indexer_logits_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, sca
         tl.store(out_row + i * stride_out, tl.where(keys < end, logits, float("-inf")), mask=key_in)
 
 
-# Launch shapes (measured on the H200, see BENCHMARKS.md): keys per program, query rows per program, warps,
-# pipeline stages. A request of few rows (decode: 1 + MTP drafts) takes all its rows in one program.
+@triton.jit(do_not_specialize=["q_row16", "q_head16", "w_row4", "stride_bt", "rows_per_request",
+                               "tiles_per_program", "chunks", "n_heads", "max_keys", "stride_out"])
+def _indexer_decode_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, scale_ptr, bt_ptr, stride_bt,
+                           key_end_ptr, rows_per_request, tiles_per_program, chunks, n_heads, max_keys, out_ptr,
+                           stride_out, H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
+                           PAGE_: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
+    # One program: all rows of one request (1, or 1 + MTP drafts; their heads side by side are the MMA's
+    # N = BLOCK_Q * H) held on chip while `tiles_per_program` key tiles stream past them in a pipelined loop.
+    # A decode step has few rows and many keys, so reading the keys is the whole cost.
+    request = tl.program_id(0) // chunks
+    chunk = tl.program_id(0) % chunks
+    row0 = request.to(tl.int64) * rows_per_request
+    r = tl.arange(0, BLOCK_Q)
+    ends = tl.load(key_end_ptr + row0 + r, mask=r < rows_per_request, other=0)
+    end_max = tl.minimum(tl.max(ends, axis=0), max_keys)
+    cols = tl.arange(0, BLOCK_Q * H)
+    head = cols % H
+    which = cols // H
+    live = (head < n_heads) & (which < rows_per_request)
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + ((row0 + which) * q_row16 * 16 + head * q_head16 * 16)[:, None] + dims[None, :],
+                mask=live[:, None], other=0.0)
+    w = tl.load(w_ptr + (row0 + which) * w_row4 * 4 + head, mask=live, other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    qt = tl.trans(q)
+    first = chunk * tiles_per_program
+    stop = tl.minimum(first + tiles_per_program, tl.cdiv(max_keys, BLOCK_S))
+    busy = tl.maximum(tl.minimum(stop, tl.cdiv(end_max, BLOCK_S)), first)  # tiles past every row's end: -inf
+    out_rows = out_ptr + (row0 + r)[None, :] * stride_out
+    row_in = r[None, :] < rows_per_request
+    for t in range(first, busy):
+        keys = t * BLOCK_S + tl.arange(0, BLOCK_S)
+        page = tl.load(bt_ptr + request.to(tl.int64) * stride_bt + keys // PAGE_, mask=keys < max_keys,
+                       other=0).to(tl.int64)
+        slot = keys % PAGE_
+        key_live = keys < end_max
+        k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + dims[None, :],
+                    mask=key_live[:, None], other=0.0)
+        k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live,
+                          other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        dots = tl.dot(k, qt)  # [BLOCK_S, BLOCK_Q * H]
+        sums = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * w[None, :], [BLOCK_S, BLOCK_Q, H]), axis=2)
+        logits = tl.where(keys[:, None] < ends[None, :], sums * k_scale[:, None], float("-inf"))
+        tl.store(out_rows + keys[:, None], logits, mask=(keys[:, None] < max_keys) & row_in)
+    for t in range(busy, stop):
+        keys = t * BLOCK_S + tl.arange(0, BLOCK_S)
+        tl.store(out_rows + keys[:, None], tl.full([BLOCK_S, BLOCK_Q], float("-inf"), tl.float32),
+                 mask=(keys[:, None] < max_keys) & row_in)
+
+
+# Launch shapes (measured on the H200, see BENCHMARKS.md). Prefill: keys per program, query rows per
+# program, warps, pipeline stages. Decode (a request's rows held on chip while its keys stream past): keys
+# per tile, tiles per program, warps, stages; it takes requests whose rows' heads fit one MMA N of 256.
 _PREFILL_TILE = (256, 64, 4, 3)
-_DECODE_TILE = (128, 8, 4, 2)
+_DECODE_TILE = (128, 16, 4, 3)
+_DECODE_MAX_N = 256
 
 
-def _tile(rows_per_request: int) -> tuple[int, int, int, int]:
-    return _DECODE_TILE if rows_per_request <= _DECODE_TILE[1] else _PREFILL_TILE
+def _padded_heads(n_heads: int) -> int:
+    return max(16, triton.next_power_of_2(n_heads))
+
+
+def _streams(rows_per_request: int, n_heads: int) -> bool:
+    """Whether a request of this many rows takes the decode kernel."""
+    return triton.next_power_of_2(rows_per_request) * _padded_heads(n_heads) <= _DECODE_MAX_N
 
 
 def _check_inputs(q, weights, cache, block_table, key_end, rows_per_request, max_keys):
@@ -217,18 +279,27 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, 
         out = torch.empty((rows, max_keys), dtype=torch.float32, device=q.device)
     if rows == 0 or max_keys == 0:
         return out
-    _launch(q, _fold_scale(weights, q_scale).contiguous(), cache, block_table, key_end, rows_per_request, max_keys,
-            out, _tile(rows_per_request))
+    w = _fold_scale(weights, q_scale).contiguous()
+    if _streams(rows_per_request, q.shape[1]):
+        _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, _DECODE_TILE)
+    else:
+        _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, _PREFILL_TILE)
     return out
 
 
-def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile):
-    """Runs the kernel with tile = (keys, query rows, warps, stages) per program; returns the compiled kernel."""
-    rows, n_heads, _ = q.shape
+def _wide_operands(q, w):
+    """q and w with strides in whole 16-byte units, which the kernels take (so their loads are 16 bytes wide)."""
     if q.stride(0) % 16 or q.stride(1) % 16:
         q = q.contiguous()
     if w.stride(0) % 4:
-        w = torch.nn.functional.pad(w, (0, -n_heads % 4))
+        w = torch.nn.functional.pad(w, (0, -q.shape[1] % 4))
+    return q, w
+
+
+def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile):
+    """Runs the prefill kernel with tile = (keys, query rows, warps, stages) per program; returns the compiled kernel."""
+    rows, n_heads, _ = q.shape
+    q, w = _wide_operands(q, w)
     block_s, block_q, warps, stages = tile
     block_q = min(block_q, triton.next_power_of_2(rows_per_request))
     query_blocks = triton.cdiv(rows_per_request, block_q)
@@ -237,10 +308,24 @@ def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, 
     grid = (rows // rows_per_request * query_blocks * key_tiles,)
     return _indexer_logits_kernel[grid](
         q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn),
-        cache.view(torch.float32),
-        table, table.stride(0), key_end.to(torch.int32), rows_per_request, query_blocks, key_tiles, n_heads, max_keys,
-        out, out.stride(0), H=max(16, triton.next_power_of_2(n_heads)), BLOCK_Q=block_q, BLOCK_S=block_s, PAGE_=PAGE,
-        D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
+        cache.view(torch.float32), table, table.stride(0), key_end.to(torch.int32), rows_per_request, query_blocks,
+        key_tiles, n_heads, max_keys, out, out.stride(0), H=_padded_heads(n_heads), BLOCK_Q=block_q, BLOCK_S=block_s,
+        PAGE_=PAGE, D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
+
+
+def _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile):
+    """Runs the decode kernel with tile = (keys per tile, tiles per program, warps, stages)."""
+    rows, n_heads, _ = q.shape
+    q, w = _wide_operands(q, w)
+    block_s, per_program, warps, stages = tile
+    chunks = triton.cdiv(triton.cdiv(max_keys, block_s), per_program)
+    table = block_table.to(torch.int32)
+    return _indexer_decode_kernel[(rows // rows_per_request * chunks,)](
+        q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn),
+        cache.view(torch.float32), table, table.stride(0), key_end.to(torch.int32), rows_per_request, per_program,
+        chunks, n_heads, max_keys, out, out.stride(0), H=_padded_heads(n_heads),
+        BLOCK_Q=triton.next_power_of_2(rows_per_request), BLOCK_S=block_s, PAGE_=PAGE, D=HEAD_DIM,
+        DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

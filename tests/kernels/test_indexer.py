@@ -95,6 +95,23 @@ def test_tiles_skip_rows_that_see_no_key_of_the_tile(indexer, tile):
         check_against_oracle(indexer, got, q, q_scale, w, cache, table, key_end, rows_per_request)
 
 
+@pytest.mark.parametrize("rows_per_request", [1, 2, 3, 4])
+def test_decode_kernel_streams_keys_past_each_requests_rows(indexer, rows_per_request):
+    """The decode kernel: a request's rows (1 + MTP drafts) with their own ends (none, on tile and page
+    boundaries, the last key), several key tiles per program and several programs per request."""
+    g = torch.Generator().manual_seed(rows_per_request)
+    requests, n_keys, max_keys, heads = 3, 250, 4 * indexer.PAGE, 3
+    cache, table, _ = paged_keys(indexer, requests, n_keys, 4, g)
+    rows = requests * rows_per_request
+    q, q_scale = indexer.quantize_rows(torch.randn(rows, heads, 128, generator=g))
+    w = torch.randn(rows, heads, generator=g)
+    ends = torch.tensor([0, 1, 63, 64, 65, 127, 128, 200, 249, 250, 17, 96])
+    key_end = ends[torch.randperm(len(ends), generator=g)][:rows]
+    got = torch.full((rows, max_keys), float("nan"))
+    indexer._launch_decode(q, w * q_scale, cache, table, key_end, rows_per_request, max_keys, got, (32, 3, 4, 2))
+    check_against_oracle(indexer, got, q, q_scale, w, cache, table, key_end, rows_per_request)
+
+
 def test_quantised_keys_stay_close_to_the_originals(indexer):
     g = torch.Generator().manual_seed(3)
     cache, table, keys = paged_keys(indexer, 1, 100, 2, g)
