@@ -59,9 +59,14 @@ def cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-vector e4m3 quantisation over the last dim: (fp8 values, fp32 scales with x ~ values * scale)."""
+    """Per-vector e4m3 quantisation over the last dim: (fp8 values, fp32 scales with x ~ values * scale).
+
+    The scales are powers of two, so a vector that is already coarser than e4m3 (the fp8 KV mode's
+    MXFP4-rounded indexer keys and queries, whose block scales are powers of two too) comes back exactly.
+    """
     xf = x.float()
-    scale = (xf.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    amax = xf.abs().amax(-1).clamp_min(2.0**-120)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
     values = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return values, scale
 

@@ -5,6 +5,7 @@ import torch
 
 import ds4.kernels.indexer
 import ds4.kernels.topk
+from ds4.kernels.fp4_act import fp4_quant_dequant, hadamard_rotate
 from interpreted import interpreted
 
 
@@ -119,6 +120,18 @@ def test_quantised_keys_stay_close_to_the_originals(indexer):
     pages = table[0].long()
     back = (vectors[pages].float() * scales[pages][..., None]).reshape(-1, 128)[:100]
     assert (back - keys[0]).norm() / keys[0].norm() < 0.05
+
+
+def test_mxfp4_rounded_vectors_are_stored_exactly(indexer):
+    """fp8 KV mode rounds indexer keys to MXFP4 (power-of-two block scales); the e4m3 cache holds those
+    values without further loss, over magnitudes far apart."""
+    g = torch.Generator().manual_seed(9)
+    size = torch.logspace(-3, 3, 64)[:, None]
+    keys = fp4_quant_dequant(hadamard_rotate((torch.randn(64, 128, generator=g) * size).bfloat16())).float()
+    cache = indexer.new_indexer_cache(1)
+    indexer.write_indexer_keys(cache, torch.arange(64), keys)
+    vectors, scales = indexer.cache_views(cache)
+    assert torch.equal(vectors[0].float() * scales[0][:, None], keys)
 
 
 def test_topk_with_bounded_scratch_equals_whole_matrix(indexer):
