@@ -13,11 +13,12 @@ request's block table, so neither prefill nor decode copies the cache. Two kerne
 tile in the MMA's M dimension and loops over query rows (heads in N); decode holds a request's few rows
 on chip (their heads side by side in N) and streams the request's keys past them.
 
-Paged indexer key cache layout (`new_indexer_cache`): uint8 [num_pages, PAGE_BYTES], PAGE = 64
-entries per page; a page holds the 64 entries' 128-byte e4m3 vectors first (entry j at byte 128 j),
-then their 64 fp32 scales (at byte 8192 + 4 j): 132 bytes per entry. Keeping the vectors contiguous
-lets a key tile load as one [64, 128] block of 16-byte vectors, and the scales as one 256-byte read.
-Logical key s of a request lives in page block_table[b, s // 64], slot s % 64.
+Paged indexer key cache layout (`new_indexer_cache`): uint8 [num_pages, E * 132], E entries per page
+(64 unless the cache is made with another count; the model uses page_size // ratio); a page holds the E
+entries' 128-byte e4m3 vectors first (entry j at byte 128 j), then their E fp32 scales (at byte 128 E + 4 j):
+132 bytes per entry. Keeping the vectors contiguous lets a key tile load as one [keys, 128] block of
+16-byte vectors, and the scales as one contiguous read. Logical key s of a request lives in page
+block_table[b, s // E], slot s % E.
 
 `indexer_topk` returns the top-k key indices per row without materialising the [rows x keys] score
 matrix of a long prefill chunk: it scores at most `max_scratch_bytes` worth of rows at a time into
@@ -33,10 +34,9 @@ import triton.language as tl
 from ds4.kernels._device import interpreting
 from ds4.kernels.topk import topk_indices
 
-PAGE = 64
+PAGE = 64  # entries per page unless the cache is made with another count
 HEAD_DIM = 128
 ENTRY_BYTES = HEAD_DIM + 4
-PAGE_BYTES = PAGE * ENTRY_BYTES
 FP8_MAX = 448.0
 
 # ----------------------------------------------------------------------------------------------
@@ -44,17 +44,25 @@ FP8_MAX = 448.0
 # ----------------------------------------------------------------------------------------------
 
 
-def new_indexer_cache(num_pages: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """An empty paged indexer key cache: uint8 [num_pages, PAGE_BYTES]."""
-    return torch.zeros((num_pages, PAGE_BYTES), dtype=torch.uint8, device=device)
+def new_indexer_cache(num_pages: int, device: torch.device | str = "cpu", entries_per_page: int = PAGE,
+                      ) -> torch.Tensor:
+    """An empty paged indexer key cache: uint8 [num_pages, entries_per_page * ENTRY_BYTES]."""
+    return torch.zeros((num_pages, entries_per_page * ENTRY_BYTES), dtype=torch.uint8, device=device)
+
+
+def page_entries(cache: torch.Tensor) -> int:
+    """Entries a page of the cache holds (its row of bytes over ENTRY_BYTES); rejects what is not a cache."""
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] % ENTRY_BYTES or not cache.is_contiguous():
+        raise ValueError(f"indexer cache must be contiguous uint8 [pages, entries * {ENTRY_BYTES}], got "
+                         f"{cache.dtype} {tuple(cache.shape)}")
+    return cache.shape[1] // ENTRY_BYTES
 
 
 def cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 vectors [pages, PAGE, 128], fp32 scales [pages, PAGE]) viewing the cache's bytes."""
-    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != PAGE_BYTES or not cache.is_contiguous():
-        raise ValueError(f"indexer cache must be contiguous uint8 [pages, {PAGE_BYTES}], got {tuple(cache.shape)}")
-    vectors = cache[:, : PAGE * HEAD_DIM].view(torch.float8_e4m3fn).view(-1, PAGE, HEAD_DIM)
-    scales = cache[:, PAGE * HEAD_DIM :].view(torch.float32)
+    """(e4m3 vectors [pages, E, 128], fp32 scales [pages, E]) viewing the cache's bytes, E entries a page."""
+    per_page = page_entries(cache)
+    vectors = cache[:, : per_page * HEAD_DIM].view(torch.float8_e4m3fn).view(-1, per_page, HEAD_DIM)
+    scales = cache[:, per_page * HEAD_DIM :].view(torch.float32)
     return vectors, scales
 
 
@@ -72,10 +80,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> None:
-    """Quantises keys [N, 128] and stores them at flat slots [N] (slot = page * PAGE + offset)."""
+    """Quantises keys [N, 128] and stores them at flat slots [N] (slot = page * E + offset, E entries a page)."""
     vectors, scales = cache_views(cache)
     values, scale = quantize_rows(keys)
-    page, offset = slots.to(torch.int64) // PAGE, slots.to(torch.int64) % PAGE
+    per_page = vectors.shape[1]
+    page, offset = slots.to(torch.int64) // per_page, slots.to(torch.int64) % per_page
     vectors[page, offset] = values
     scales[page, offset] = scale
 
@@ -100,7 +109,7 @@ def indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, cache: torc
     out = torch.full((rows, max_keys), float("-inf"), dtype=torch.float32, device=q.device)
     positions = torch.arange(max_keys, device=q.device)
     for b in range(rows // rows_per_request):
-        pages = block_table[b, : triton.cdiv(max_keys, PAGE)].long().clamp(0, vectors.shape[0] - 1)
+        pages = block_table[b, : triton.cdiv(max_keys, vectors.shape[1])].long().clamp(0, vectors.shape[0] - 1)
         k = vectors[pages].float().reshape(-1, HEAD_DIM)[:max_keys]
         k_scale = scales[pages].reshape(-1)[:max_keys]
         r = slice(b * rows_per_request, (b + 1) * rows_per_request)
@@ -256,11 +265,11 @@ def _check_inputs(q, weights, cache, block_table, key_end, rows_per_request, max
         raise ValueError(f"{rows} rows do not split into requests of {rows_per_request}")
     if block_table.dim() != 2 or block_table.shape[0] < rows // rows_per_request or block_table.stride(1) != 1:
         raise ValueError("block_table must be int32 [requests, pages] with a contiguous last dim")
-    if block_table.shape[1] * PAGE < max_keys:
-        raise ValueError(f"block_table covers {block_table.shape[1] * PAGE} keys, fewer than max_keys={max_keys}")
+    if block_table.shape[1] * page_entries(cache) < max_keys:
+        raise ValueError(f"block_table covers {block_table.shape[1] * page_entries(cache)} keys, fewer than "
+                         f"max_keys={max_keys}")
     if key_end.shape != (rows,):
         raise ValueError(f"key_end must have shape ({rows},)")
-    cache_views(cache)
 
 
 def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
@@ -315,7 +324,7 @@ def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, 
         q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn),
         cache.view(torch.float32), table, table.stride(0), key_end.to(torch.int32), rows_per_request, query_blocks,
         key_tiles, n_heads, max_keys, out, out.stride(0), H=_padded_heads(n_heads), BLOCK_Q=block_q, BLOCK_S=block_s,
-        PAGE_=PAGE, D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
+        PAGE_=page_entries(cache), D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
 
 
 def _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile):
@@ -329,7 +338,7 @@ def _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys
         q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn),
         cache.view(torch.float32), table, table.stride(0), key_end.to(torch.int32), rows_per_request, per_program,
         chunks, n_heads, max_keys, out, out.stride(0), H=_padded_heads(n_heads),
-        BLOCK_Q=triton.next_power_of_2(rows_per_request), BLOCK_S=block_s, PAGE_=PAGE, D=HEAD_DIM,
+        BLOCK_Q=triton.next_power_of_2(rows_per_request), BLOCK_S=block_s, PAGE_=page_entries(cache), D=HEAD_DIM,
         DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
 
 

@@ -14,16 +14,17 @@ def indexer():
     return interpreted(ds4.kernels.indexer, "_indexer_logits_kernel", ds4.kernels.topk)
 
 
-def paged_keys(indexer, requests, keys_per_request, pages_per_request, generator):
+def paged_keys(indexer, requests, keys_per_request, pages_per_request, generator, per_page=None):
     """A cache holding random keys for each request on shuffled pages, and the full-precision keys."""
+    per_page = per_page or indexer.PAGE
     total_pages = requests * pages_per_request + 3
-    cache = indexer.new_indexer_cache(total_pages)
+    cache = indexer.new_indexer_cache(total_pages, entries_per_page=per_page)
     order = torch.randperm(total_pages, generator=generator)[: requests * pages_per_request]
     table = order.view(requests, pages_per_request).to(torch.int32)
     keys = torch.randn(requests, keys_per_request, 128, generator=generator)
     for b in range(requests):
         s = torch.arange(keys_per_request)
-        slots = table[b, s // indexer.PAGE].long() * indexer.PAGE + s % indexer.PAGE
+        slots = table[b, s // per_page].long() * per_page + s % per_page
         indexer.write_indexer_keys(cache, slots, keys[b])
     return cache, table, keys
 
@@ -111,6 +112,27 @@ def test_decode_kernel_streams_keys_past_each_requests_rows(indexer, rows_per_re
     got = torch.full((rows, max_keys), float("nan"))
     indexer._launch_decode(q, w * q_scale, cache, table, key_end, rows_per_request, max_keys, got, (32, 3, 4, 2))
     check_against_oracle(indexer, got, q, q_scale, w, cache, table, key_end, rows_per_request)
+
+
+@pytest.mark.parametrize("per_page", [4, 16])
+def test_caches_with_other_page_sizes(indexer, per_page):
+    """A cache of E entries a page (the model's page_size // ratio): both kernels and the reference."""
+    g = torch.Generator().manual_seed(per_page)
+    n_keys, max_keys, heads = 90, 96, 2
+    pages = max_keys // per_page
+    for rows_per_request, tile, launch in ((1, (32, 2, 4, 2), indexer._launch_decode),
+                                           (20, (32, 8, 4, 2), indexer._launch)):
+        cache, table, _ = paged_keys(indexer, 2, n_keys, pages, g, per_page)
+        rows = 2 * rows_per_request
+        q, q_scale = indexer.quantize_rows(torch.randn(rows, heads, 128, generator=g))
+        w = torch.randn(rows, heads, generator=g)
+        key_end = torch.randint(0, n_keys + 1, (rows,), generator=g)
+        got = torch.full((rows, max_keys), float("nan"))
+        launch(q, w * q_scale, cache, table, key_end, rows_per_request, max_keys, got, tile)
+        check_against_oracle(indexer, got, q, q_scale, w, cache, table, key_end, rows_per_request)
+        ref = indexer.indexer_logits(q, w, cache, table, key_end, rows_per_request, max_keys, q_scale=q_scale,
+                                     impl="torch")
+        check_against_oracle(indexer, ref, q, q_scale, w, cache, table, key_end, rows_per_request)
 
 
 def test_quantised_keys_stay_close_to_the_originals(indexer):
