@@ -3,10 +3,12 @@
 Storage only; the engine hands out slots and pages. Per layer:
   - window: the last `sliding_window` raw KV entries of each slot, a ring indexed by position % window;
   - compressed (CSA/HCA): one entry per `ratio` tokens, page p holding entries of tokens p*P .. p*P + P - 1;
-  - index_keys (CSA): the lightning indexer's compressed keys, paged the same way;
+  - index_keys (CSA): the lightning indexer's compressed keys, paged the same way (with kv_cache_dtype
+    "fp8" and 128-dim keys: the packed e4m3 indexer cache of ds4.kernels.indexer, read by its kernels);
   - compressor / indexer state (fp32, per slot): the unfinished window's projected kv and gate scores and,
     for overlapping (CSA) compression, the previous full window.
-With kv_cache_dtype "fp8" the stores hold fp8-rounded values (kept dequantised in the compute dtype for now).
+With kv_cache_dtype "fp8" the stores hold fp8-rounded values (kept dequantised in the compute dtype for now,
+except the indexer keys, whose MXFP4-rounded values the packed e4m3 cache holds exactly).
 
 Every paged pool has one page more than num_pages: the last page (index num_pages) is a scratch page
 that no block table names. The decode path writes there what must go nowhere (entries of windows that
@@ -21,6 +23,7 @@ import torch
 
 from ds4.config import CSA, WINDOW, ModelConfig
 from ds4.kernels.fp8_kv import KV_QUANT_BLOCK
+from ds4.kernels.indexer import ENTRY_BYTES, HEAD_DIM, new_indexer_cache, page_entries, write_indexer_keys
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 SCRATCH_PAGES = 1
@@ -40,7 +43,8 @@ class LayerCache:
     ratio: int
     window: torch.Tensor  # [slots, sliding_window, head_dim]
     compressed: torch.Tensor | None = None  # [pages + 1, page_size // ratio, head_dim], the last page scratch
-    index_keys: torch.Tensor | None = None  # [pages + 1, page_size // ratio, index_head_dim], the last page scratch
+    # [pages + 1, page_size // ratio, index_head_dim] or packed (see packed_index_keys); the last page scratch
+    index_keys: torch.Tensor | None = None
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
 
@@ -72,18 +76,38 @@ def _compressor_shape(kind: str, ratio: int, head_dim: int) -> tuple[int, int]:
     return coff * ratio, coff * head_dim
 
 
-def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, with_mtp: bool = False) -> int:
+def packed_index_keys(cfg: ModelConfig, kv_cache_dtype: str) -> bool:
+    """Whether the indexer keys live in the packed e4m3 cache (fp8 mode, keys of the kernels' 128 dims)."""
+    return kv_cache_dtype == "fp8" and cfg.index_head_dim == HEAD_DIM
+
+
+def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, with_mtp: bool = False,
+                   kv_cache_dtype: str = "auto") -> int:
     """Bytes one page of page_size tokens takes across every paged pool."""
     check_page_size(cfg, page_size, with_mtp)
     item = torch.empty((), dtype=dtype).element_size()
+    index_entry = ENTRY_BYTES if packed_index_keys(cfg, kv_cache_dtype) else cfg.index_head_dim * item
     total = 0
     for i in cache_layers(cfg, with_mtp):
         kind, ratio = cfg.layer_kinds[i], cfg.compress_ratios[i]
         if kind != WINDOW:
             total += page_size // ratio * cfg.head_dim * item
         if kind == CSA:
-            total += page_size // ratio * cfg.index_head_dim * item
+            total += page_size // ratio * index_entry
     return total
+
+
+def entries_per_page(pool: torch.Tensor) -> int:
+    """Entries one page of a compressed pool holds (dense [pages, entries, dim] or packed indexer keys)."""
+    return page_entries(pool) if pool.dtype == torch.uint8 else pool.shape[1]
+
+
+def store_entries(pool: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor) -> None:
+    """Writes entries [N, dim] to flat rows [N] (row = page * entries_per_page + offset) of a pool."""
+    if pool.dtype == torch.uint8:
+        write_indexer_keys(pool, rows, entries)
+    else:
+        pool.view(-1, pool.shape[-1])[rows] = entries.to(pool.dtype)
 
 
 def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = False) -> int:
@@ -133,7 +157,10 @@ class ModelCache:
         layer.compressed = torch.zeros(pages, entries, cfg.head_dim, dtype=dtype, device=device)
         layer.compressor = self._state(kind, ratio, cfg.head_dim, device)
         if kind == CSA:
-            layer.index_keys = torch.zeros(pages, entries, cfg.index_head_dim, dtype=dtype, device=device)
+            if packed_index_keys(cfg, self.kv_cache_dtype):
+                layer.index_keys = new_indexer_cache(pages, device, entries_per_page=entries)
+            else:
+                layer.index_keys = torch.zeros(pages, entries, cfg.index_head_dim, dtype=dtype, device=device)
             layer.indexer = self._state(kind, ratio, cfg.index_head_dim, device)
         return layer
 

@@ -18,7 +18,7 @@ from torch import nn
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.rope import apply_rope
 from ds4.model.batch import ForwardBatch, StepLayout
-from ds4.model.cache import CompressorState
+from ds4.model.cache import CompressorState, entries_per_page, store_entries
 from ds4.model.linear import Linear, Norm, fp32_param
 from ds4.model.paging import entry_rows, table_entry_rows
 
@@ -44,7 +44,8 @@ class Compressor(nn.Module):
         inv_freq: torch.Tensor,
         finish: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
-        """Write every entry whose window completes in this step into `pool` [pages, page_size // ratio, head_dim].
+        """Write every entry whose window completes in this step into `pool` (page_size // ratio entries a page;
+        dense [pages, entries, head_dim], or the packed indexer cache).
 
         `finish` applies the storage rounding (fp8 / fp4 simulation) to normalised, rotated entries.
         """
@@ -61,8 +62,7 @@ class Compressor(nn.Module):
             entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
             index = torch.arange(first, first + entries.shape[0], device=x.device)
             entries = finish(apply_rope(entries, index * self.ratio, inv_freq))
-            rows = entry_rows(batch.block_tables[r], index, pool.shape[1])
-            pool.view(-1, pool.shape[-1])[rows] = entries.to(pool.dtype)
+            store_entries(pool, entry_rows(batch.block_tables[r], index, entries_per_page(pool)), entries)
 
     def decode(
         self,
@@ -101,11 +101,11 @@ class Compressor(nn.Module):
         state.score[slots] = buf_score
         entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
         entries = finish(apply_rope(entries, index * ratio, inv_freq))
-        per_page = pool.shape[1]
+        per_page = entries_per_page(pool)
         target = table_entry_rows(batch.block_tables, index[:, None], per_page)[:, 0]
         scratch = (pool.shape[0] - 1) * per_page
         target = torch.where(completes & (target >= 0), target, scratch)
-        pool.view(-1, pool.shape[-1])[target] = entries.to(pool.dtype)
+        store_entries(pool, target, entries)
 
     def _request(self, kv: torch.Tensor, score: torch.Tensor, start: int, slot: int, state: CompressorState):
         """Pool the windows one request completes; update its state. Returns (entries [m, head_dim] | None, first index)."""

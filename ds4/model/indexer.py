@@ -2,6 +2,10 @@
 
 score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) over the entries s the token may see (s < (t + 1) // ratio),
 with q from the query low-rank residual and k from the indexer's own (overlapping) compressor.
+
+With the packed e4m3 key cache (fp8 mode; see ds4.model.cache) the scores come from ds4.kernels.indexer
+(Triton on CUDA, its torch reference elsewhere): q and k are MXFP4-rounded there, which e4m3 with
+power-of-two scales holds exactly, so only the order of the sums differs from the dense path.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import torch
 from torch import nn
 
 from ds4.config import ModelConfig
+from ds4.kernels.indexer import indexer_logits, indexer_topk, quantize_rows
 from ds4.kernels.rope import apply_rope
 from ds4.kernels.topk import topk_indices
 from ds4.model.batch import ForwardBatch, StepLayout
-from ds4.model.cache import LayerCache
+from ds4.model.cache import LayerCache, entries_per_page
 from ds4.model.compressor import Compressor
 from ds4.model.linear import Linear
 from ds4.model.paging import entry_rows, visible_entry_rows
@@ -61,7 +66,10 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
         q = finish(apply_rope(q, batch.positions, inv_freq)).float()
         weights = self.weights_proj(x).float() * self.weight_scale
-        keys = cache.index_keys.view(-1, self.head_dim)
+        pool = cache.index_keys
+        per_page = entries_per_page(pool)
+        packed = pool.dtype == torch.uint8
+        q8, q_scale = quantize_rows(q) if packed else (None, None)
         per_request = []
         for r in range(len(layout.counts)):
             tokens = layout.token_slice(r)
@@ -69,8 +77,15 @@ class Indexer(nn.Module):
             if layout.counts[r] == 0 or n_entries == 0:
                 per_request.append(torch.full((layout.counts[r], 0), -1, dtype=torch.long, device=x.device))
                 continue
-            rows = entry_rows(batch.block_tables[r], torch.arange(n_entries, device=x.device), cache.index_keys.shape[1])
-            per_request.append(self._select(q[tokens], weights[tokens], keys[rows].float(), rows, batch.positions[tokens]))
+            rows = entry_rows(batch.block_tables[r], torch.arange(n_entries, device=x.device), per_page)
+            if packed:
+                picked = indexer_topk(q8[tokens], weights[tokens], pool, batch.block_tables[r : r + 1],
+                                      (batch.positions[tokens] + 1) // self.ratio, layout.counts[r], n_entries,
+                                      min(self.topk, n_entries), q_scale=q_scale[tokens]).long()
+                per_request.append(torch.where(picked >= 0, rows[picked.clamp_min(0)], -1))
+            else:
+                keys = pool.view(-1, self.head_dim)[rows].float()
+                per_request.append(self._select(q[tokens], weights[tokens], keys, rows, batch.positions[tokens]))
         width = max((p.shape[1] for p in per_request), default=0)
         return torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in per_request])
 
@@ -89,18 +104,27 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
         q = finish(apply_rope(q, batch.positions, inv_freq)).float()
         weights = self.weights_proj(x).float() * self.weight_scale
-        rows = visible_entry_rows(batch.block_tables, batch.positions, self.ratio, cache.index_keys.shape[1])
-        keys = cache.index_keys.view(-1, self.head_dim)
-        piece = max(1, _PIECE_BYTES // (4 * max(1, rows.shape[1]) * (self.heads + self.head_dim)))
-        scores = torch.cat([
-            (torch.einsum("thd,tsd->ths", q[i : i + piece], keys[rows[i : i + piece].clamp_min(0)].float()).relu()
-             * weights[i : i + piece, :, None]).sum(dim=1)
-            for i in range(0, q.shape[0], piece)
-        ])
+        pool = cache.index_keys
+        rows = visible_entry_rows(batch.block_tables, batch.positions, self.ratio, entries_per_page(pool))
         k = min(self.topk, rows.shape[1])
         if k == 0:
             return rows[:, :0]
-        picked = top_entries(scores.masked_fill(rows < 0, float("-inf")), k)
+        if pool.dtype == torch.uint8:
+            # Entries a token sees form a prefix; counting them (not (position + 1) // ratio) keeps the
+            # padding rows of a captured batch, whose pages are all unassigned, at zero keys.
+            seen = (rows >= 0).sum(dim=1)
+            q8, q_scale = quantize_rows(q)
+            scores = indexer_logits(q8, weights, pool, batch.block_tables, seen, 1, rows.shape[1], q_scale=q_scale)
+            picked = topk_indices(scores, seen, k).long()
+        else:
+            keys = pool.view(-1, self.head_dim)
+            piece = max(1, _PIECE_BYTES // (4 * max(1, rows.shape[1]) * (self.heads + self.head_dim)))
+            scores = torch.cat([
+                (torch.einsum("thd,tsd->ths", q[i : i + piece], keys[rows[i : i + piece].clamp_min(0)].float()).relu()
+                 * weights[i : i + piece, :, None]).sum(dim=1)
+                for i in range(0, q.shape[0], piece)
+            ])
+            picked = top_entries(scores.masked_fill(rows < 0, float("-inf")), k)
         return torch.where(picked >= 0, rows.gather(1, picked.clamp_min(0)), -1)
 
     def _select(self, q, weights, keys, rows, positions) -> torch.Tensor:

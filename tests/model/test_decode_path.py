@@ -28,6 +28,11 @@ def _cache_tensors(cache):
                 yield f"{i}.{name}.score", state.score
 
 
+def _sentinel(t):
+    """SENTINEL as `t` stores it (the packed fp8 indexer cache holds bytes)."""
+    return torch.tensor(SENTINEL).to(t.dtype)
+
+
 def _slot_tensors(cache):
     return [(n, t) for n, t in _cache_tensors(cache) if not n.endswith(("compressed", "index_keys"))]
 
@@ -54,10 +59,13 @@ def _padded_decode_batch(ids, positions, slots, tables, pad_rows, scratch_slot):
     )
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+# fp8 mode on the 128-dim indexer config: the packed e4m3 indexer cache and the indexer kernels' path.
+@pytest.fixture(scope="module", params=[(n, "auto") for n in CONFIGS] + [("yarn_hc2_hca16", "fp8")],
+                ids=lambda p: "-".join(p))
 def model(request):
-    cfg = tiny_config(request.param)
-    return ds4_model(cfg, official_tensors(transformers_model(cfg)))
+    name, kv_cache_dtype = request.param
+    cfg = tiny_config(name)
+    return ds4_model(cfg, official_tensors(transformers_model(cfg)), kv_cache_dtype=kv_cache_dtype)
 
 
 def test_padded_decode_matches_the_general_path_and_touches_only_scratch(model):
@@ -90,9 +98,9 @@ def test_padded_decode_matches_the_general_path_and_touches_only_scratch(model):
         got = model.compute_logits(model(batch, decode)[:3])
         assert max_rel_err(got, expected) <= 1e-5, f"decode step {step}"
         for name, t in _slot_tensors(decode):
-            assert (t[free_slots] == SENTINEL).all(), f"{name}: padding wrote into a free slot"
+            assert (t[free_slots] == _sentinel(t)).all(), f"{name}: padding wrote into a free slot"
         for name, t in _page_tensors(decode):
-            assert (t[free_pages] == SENTINEL).all(), f"{name}: a write landed on a free page"
+            assert (t[free_pages] == _sentinel(t)).all(), f"{name}: a write landed on a free page"
 
 
 def test_padding_rows_write_only_the_scratch_slot_and_page(model):

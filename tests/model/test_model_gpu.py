@@ -1,4 +1,4 @@
-"""On CUDA the model gives the CPU logits (fp32), and runs in bf16 with the fp8 KV cache."""
+"""On CUDA the model gives the CPU logits (fp32, auto and fp8 KV), and runs in bf16 with the fp8 KV cache."""
 
 import pytest
 import torch
@@ -26,3 +26,15 @@ def test_cuda_matches_cpu(name):
     assert max_rel_err(gpu, cpu) <= 1e-4
     bf16 = _logits(cfg, tensors, ids, "cuda", torch.bfloat16, "fp8", [33, 1])
     assert torch.isfinite(bf16).all() and F.cosine_similarity(bf16, cpu, dim=-1).mean() >= 0.9
+
+
+@pytest.mark.gpu
+def test_fp8_mode_indexer_kernels_match_the_cpu_reference():
+    """fp8 mode with 128-dim indexer keys: the packed e4m3 cache read by the Triton indexer and top-k on
+    CUDA gives the CPU run's logits (the kernels' torch references); fp8 tensor-core sums differ in order."""
+    cfg = tiny_config("yarn_hc2_hca16")
+    tensors = official_tensors(transformers_model(cfg))
+    ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(10))
+    cpu = _logits(cfg, tensors, ids, "cpu", torch.float32, "fp8", [70])
+    gpu = _logits(cfg, tensors, ids, "cuda", torch.float32, "fp8", [9, 1, 30])
+    assert max_rel_err(gpu, cpu) <= 1e-3
