@@ -2,9 +2,12 @@
 only the scratch slot and scratch page, and the path never needs the batch's values on the host."""
 
 import contextlib
+import functools
 
 import pytest
 import torch
+
+import ds4.model.indexer
 
 from ds4.model.batch import ForwardBatch
 from ds4.model.deepseek_v4 import DeepseekV4Model
@@ -202,3 +205,27 @@ def test_validate_checks_what_the_decode_path_trusts():
     with pytest.raises(ValueError, match="page is missing"):
         batch.validate(page_size=PAGE)
     _padded_decode_batch([3, 4], [20, 2], [0, 1], [torch.tensor([4, 2]), torch.tensor([0])], 0, 2).validate(PAGE)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels through the CPU interpreter")
+def test_packed_indexer_decode_through_the_triton_kernels_equals_their_references(model, monkeypatch):
+    """fp8 mode's decode path with the Triton indexer kernels (interpreted: the decode stream kernel and
+    the top-k) gives what it gives on their torch references, padding rows included."""
+    if model.kv_cache_dtype != "fp8":
+        pytest.skip("the packed indexer cache exists in fp8 mode")
+    prompt = torch.arange(1, 30) % model.cfg.vocab_size
+    table = torch.tensor([2, 0, 3, 1])
+    outs = []
+    for patched in (False, True):
+        if patched:
+            for name in ("indexer_logits", "topk_indices"):
+                monkeypatch.setattr(ds4.model.indexer, name, functools.partial(getattr(ds4.model.indexer, name),
+                                                                               impl="triton"))
+        cache = model.new_cache(3, 4, PAGE)
+        model(step_batch([(prompt, 0, 0, table)]), cache)
+        steps = []
+        for step in range(3):
+            batch = _padded_decode_batch([5 + step], [len(prompt) + step], [0], [table], pad_rows=2, scratch_slot=2)
+            steps.append(model(batch, cache))
+        outs.append(torch.stack(steps))
+    assert max_rel_err(outs[1], outs[0]) <= 1e-5

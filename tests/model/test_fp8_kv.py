@@ -1,8 +1,12 @@
 """fp8 KV cache mode: the reference's e4m3 (block 64, power-of-two scales) rounding, close to but not equal to auto."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
+
+import ds4.model.indexer
 
 from ds4.kernels.fp4_act import fp4_quant_dequant, hadamard_rotate
 from ds4.kernels.fp8_kv import fp8_quant_dequant
@@ -83,3 +87,19 @@ def test_fp8_rejected_when_nope_dims_are_not_blocks_of_64():
     cfg = tiny_config("csa_heavy_yarn")  # head_dim 64, rope 32: 32 nope dims
     with pytest.raises(ValueError, match="multiple of the fp8 block 64"):
         DeepseekV4Model(cfg, torch.float32, kv_cache_dtype="fp8")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels through the CPU interpreter")
+def test_fp8_mode_through_the_triton_indexer_kernels_equals_their_references(monkeypatch):
+    """The model's packed-cache indexer path with the Triton kernels (interpreted: prefill logits, the
+    decode stream kernel, the top-k launches) gives the logits of the same path on the torch references."""
+    cfg = tiny_config("yarn_hc2_hca16")
+    model = ds4_model(cfg, official_tensors(transformers_model(cfg)), kv_cache_dtype="fp8")
+    ids = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(6))
+    chunks = [29, 1, 1, 9]  # single-token chunks take the general path; decode_only batches are tested elsewhere
+    reference = run_in_chunks(model, model.new_cache(1, 4, 16), ids, chunks, slot=0, table=torch.arange(4))
+    for name in ("indexer_logits", "indexer_topk", "topk_indices"):
+        monkeypatch.setattr(ds4.model.indexer, name, functools.partial(getattr(ds4.model.indexer, name),
+                                                                       impl="triton"))
+    triton = run_in_chunks(model, model.new_cache(1, 4, 16), ids, chunks, slot=0, table=torch.arange(4))
+    assert max_rel_err(triton, reference) <= 1e-5
