@@ -1,4 +1,4 @@
-"""GPU sweep of the indexer logits kernel's launch shapes (and trial kernels), checked, then timed.
+"""GPU sweep of the indexer kernels' launch shapes (prefill and decode), checked, then timed.
 
     PYTHONPATH=$PWD python3 scripts/indexer_sweep.py [--json PATH] [--budget-s 180] [--variants ...]
 
@@ -19,17 +19,14 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 
 from ds4.bench import kernels as bench
 from ds4.kernels import indexer as ix
-from ds4.kernels._device import interpreting
 
-# (keys, query rows, warps, stages) per program; kernel "base" is ix._indexer_logits_kernel, "pair" the trial below
+# (keys, query rows, warps, stages) per program of the prefill kernel ("base", ix._launch)
 PREFILL_VARIANTS = [
     ("base", (256, 64, 4, 3)), ("base", (256, 64, 4, 2)), ("base", (256, 64, 4, 4)), ("base", (256, 128, 4, 3)),
-    ("base", (128, 64, 4, 3)), ("base", (128, 64, 4, 4)), ("base", (256, 64, 8, 3)), ("pair", (128, 64, 4, 3)),
-    ("pair", (256, 64, 8, 3)),
+    ("base", (128, 64, 4, 3)), ("base", (128, 64, 4, 4)), ("base", (256, 64, 8, 3)),
 ]
 # stream: ix._launch_decode, (keys, key tiles per program, warps, stages)
 DECODE_VARIANTS = [("base", (256, 8, 4, 2)), ("base", (128, 8, 4, 2)), ("base", (256, 8, 4, 3)),
@@ -38,79 +35,10 @@ DECODE_VARIANTS = [("base", (256, 8, 4, 2)), ("base", (128, 8, 4, 2)), ("base", 
 DECODE_CASES = [(64, 2, 65536), (256, 1, 16384)]
 
 
-@triton.jit(do_not_specialize=["q_row16", "q_head16", "w_row4", "stride_bt", "rows_per_request",
-                               "query_blocks", "key_tiles", "n_heads", "max_keys", "stride_out"])
-def _pair_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, scale_ptr, bt_ptr, stride_bt,
-                 key_end_ptr, rows_per_request, query_blocks, key_tiles, n_heads, max_keys, out_ptr,
-                 stride_out, H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
-                 PAGE_: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
-    # Trial: two query rows per MMA (N = 2H), head sums split by a reshape.
-    tile = tl.program_id(0) % key_tiles
-    block = tl.program_id(0) // key_tiles
-    request = block // query_blocks
-    first = (block % query_blocks) * BLOCK_Q
-    last = tl.minimum(first + BLOCK_Q, rows_per_request)
-    row0 = request.to(tl.int64) * rows_per_request
-    key_start = tile * BLOCK_S
-    keys = key_start + tl.arange(0, BLOCK_S)
-    key_in = keys < max_keys
-    out_row = out_ptr + row0 * stride_out + keys
-    local = first + tl.arange(0, BLOCK_Q)
-    ends = tl.load(key_end_ptr + row0 + local, mask=local < last, other=0)
-    sees = (local < last) & (ends > key_start)
-    lo = tl.min(tl.where(sees, local, last), axis=0)
-    hi = tl.maximum(tl.max(tl.where(sees, local + 1, 0), axis=0), lo)
-    for i in range(first, lo):
-        tl.store(out_row + i * stride_out, tl.full([BLOCK_S], float("-inf"), tl.float32), mask=key_in)
-    for i in range(hi, last):
-        tl.store(out_row + i * stride_out, tl.full([BLOCK_S], float("-inf"), tl.float32), mask=key_in)
-    key_live = key_in & (keys < tl.max(ends, axis=0))
-    page = tl.load(bt_ptr + request.to(tl.int64) * stride_bt + keys // PAGE_, mask=key_in, other=0).to(tl.int64)
-    slot = keys % PAGE_
-    dims = tl.arange(0, D)
-    k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + dims[None, :],
-                mask=key_live[:, None], other=0.0)
-    k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live, other=0.0)
-    if DOT_F32:
-        k = k.to(tl.float32)
-    cols = tl.arange(0, 2 * H)
-    head = cols % H
-    which = cols // H
-    for i in range(lo, hi, 2):
-        live = (head < n_heads) & (i + which < hi)
-        row = row0 + i + which
-        q = tl.load(q_ptr + (row * q_row16 * 16 + head * q_head16 * 16)[:, None] + dims[None, :],
-                    mask=live[:, None], other=0.0)
-        w = tl.load(w_ptr + row * w_row4 * 4 + head, mask=live, other=0.0)
-        end_a = tl.load(key_end_ptr + row0 + i)
-        end_b = tl.load(key_end_ptr + row0 + i + 1, mask=i + 1 < hi, other=0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        dots = tl.dot(k, tl.trans(q))
-        sums = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * w[None, :], [BLOCK_S, 2, H]), axis=2)
-        a, b = tl.split(sums)
-        tl.store(out_row + i * stride_out, tl.where(keys < end_a, a * k_scale, float("-inf")), mask=key_in)
-        tl.store(out_row + (i + 1) * stride_out, tl.where(keys < end_b, b * k_scale, float("-inf")),
-                 mask=key_in & (i + 1 < hi))
-
-
 def launch(kind, q, w, cache, table, key_end, rows_per_request, max_keys, out, tile):
     if kind == "base":
         return ix._launch(q, w, cache, table, key_end, rows_per_request, max_keys, out, tile)
-    if kind == "stream":
-        return ix._launch_decode(q, w, cache, table, key_end, rows_per_request, max_keys, out, tile)
-    rows, n_heads, _ = q.shape
-    q, w = ix._wide_operands(q, w)
-    block_s, block_q, warps, stages = tile
-    block_q = min(block_q, triton.next_power_of_2(rows_per_request))
-    query_blocks = triton.cdiv(rows_per_request, block_q)
-    key_tiles = triton.cdiv(max_keys, block_s)
-    grid = (rows // rows_per_request * query_blocks * key_tiles,)
-    return _pair_kernel[grid](
-        q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn), cache.view(torch.float32),
-        table, table.stride(0), key_end.to(torch.int32), rows_per_request, query_blocks, key_tiles, n_heads, max_keys,
-        out, out.stride(0), H=max(16, triton.next_power_of_2(n_heads)), BLOCK_Q=block_q, BLOCK_S=block_s, PAGE_=ix.PAGE,
-        D=ix.HEAD_DIM, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
+    return ix._launch_decode(q, w, cache, table, key_end, rows_per_request, max_keys, out, tile)
 
 
 def check(kind, tile, cases) -> float:
