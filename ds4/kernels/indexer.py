@@ -125,6 +125,21 @@ def indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, cache: torc
 # ----------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _key_tile(vec_ptr, scale_ptr, table_row, keys, key_in, key_live, PAGE_: tl.constexpr, D: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """The e4m3 vectors [keys, D] and fp32 scales of `keys`, read through the request's block table row
+    (pages of PAGE_ entries: vectors first, then scales); keys not live read as zero."""
+    page = tl.load(table_row + keys // PAGE_, mask=key_in, other=0).to(tl.int64)
+    slot = keys % PAGE_
+    k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + tl.arange(0, D)[None, :],
+                mask=key_live[:, None], other=0.0)
+    k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+    return k, k_scale
+
+
 @triton.jit(do_not_specialize=["q_row16", "q_head16", "w_row4", "stride_bt", "rows_per_request",
                                "query_blocks", "key_tiles", "n_heads", "max_keys", "stride_out"])
 def _indexer_logits_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, scale_ptr, bt_ptr, stride_bt,
@@ -160,15 +175,10 @@ def _indexer_logits_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, sca
         tl.store(out_row + i * stride_out, tl.full([BLOCK_S], float("-inf"), tl.float32), mask=key_in)
 
     # the table covers max_keys, so its read need not wait for the rows' ends
-    page = tl.load(bt_ptr + request.to(tl.int64) * stride_bt + keys // PAGE_, mask=key_in, other=0).to(tl.int64)
     key_live = key_in & (keys < tl.max(ends, axis=0))
-    slot = keys % PAGE_
+    k, k_scale = _key_tile(vec_ptr, scale_ptr, bt_ptr + request.to(tl.int64) * stride_bt, keys, key_in, key_live,
+                           PAGE_, D, DOT_F32)
     dims = tl.arange(0, D)
-    k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + dims[None, :],
-                mask=key_live[:, None], other=0.0)
-    k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live, other=0.0)
-    if DOT_F32:
-        k = k.to(tl.float32)
     heads = tl.arange(0, H)
     head_live = heads < n_heads
     for i in range(lo, hi):
@@ -217,16 +227,8 @@ def _indexer_decode_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, sca
     row_in = r[None, :] < rows_per_request
     for t in range(first, busy):
         keys = t * BLOCK_S + tl.arange(0, BLOCK_S)
-        page = tl.load(bt_ptr + request.to(tl.int64) * stride_bt + keys // PAGE_, mask=keys < max_keys,
-                       other=0).to(tl.int64)
-        slot = keys % PAGE_
-        key_live = keys < end_max
-        k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + dims[None, :],
-                    mask=key_live[:, None], other=0.0)
-        k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live,
-                          other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
+        k, k_scale = _key_tile(vec_ptr, scale_ptr, bt_ptr + request.to(tl.int64) * stride_bt, keys, keys < max_keys,
+                               keys < end_max, PAGE_, D, DOT_F32)
         dots = tl.dot(k, qt)  # [BLOCK_S, BLOCK_Q * H]
         sums = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * w[None, :], [BLOCK_S, BLOCK_Q, H]), axis=2)
         logits = tl.where(keys[:, None] < ends[None, :], sums * k_scale[:, None], float("-inf"))
