@@ -56,12 +56,14 @@ _PROGRAMS_PER_SM = 4  # scan programs per SM when a batch has few rows
 _SCAN_WARPS = 4
 _COUNT_WARPS = 4
 _PREFETCH = True  # issue the next tile's load before the current one is reduced
-_WS_COLS = 257  # per row, for rows split over several programs: histogram[256], arrivals
+_FUSED = True  # a row with one program selects in the scan program, while its maxima are fresh
+_UNITS_PER_K = 2  # tau comes from >= 2k coarse group maxima (about 1.4 k candidates on spread-out data)
+_UNIT_BLOCK = 2048  # coarse maxima held in registers at once (more are streamed, once per digit)
+_RADIX_BITS = 5  # bits per radix digit: 32 bins cost a third of 256 per bit of selection
+_TAU_BITS = 15  # tau's precision in key bits below the ones all units share
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
-WS_COLS = tl.constexpr(_WS_COLS)
-ARRIVED = tl.constexpr(256)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,19 +111,63 @@ def _order_key(x):
 
 
 @triton.jit
-def _byte(key, shift: tl.constexpr):
-    """Byte `shift/8` of the key in unsigned order (sign bit flipped), as a bin number 0..255."""
-    return ((key ^ INT_MIN) >> shift) & 0xFF
+def _digit(u, p: tl.constexpr, BITS: tl.constexpr):
+    """Digit p, counted from the top, of the unsigned-order key u (key ^ INT_MIN): BITS wide, the last narrower."""
+    if 32 - BITS * (p + 1) >= 0:
+        d = (u >> (32 - BITS * (p + 1))) & ((1 << BITS) - 1)
+    else:
+        d = u & ((1 << (32 - BITS * p)) - 1)
+    return d
 
 
 @triton.jit
-def _threshold_bin(hist, rank):
+def _digit_shift(p: tl.constexpr, BITS: tl.constexpr):
+    shift: tl.constexpr = 32 - BITS * (p + 1) if 32 - BITS * (p + 1) >= 0 else 0
+    return shift
+
+
+@triton.jit
+def _above_digit(u, p: tl.constexpr, BITS: tl.constexpr):
+    """The bits of u above digit p (a key's radix prefix before pass p)."""
+    return u >> (32 - BITS * p)
+
+
+@triton.jit
+def _threshold_bin(hist, rank, BITS: tl.constexpr):
     """Highest bin b whose count together with all higher bins reaches `rank`; also the count above b."""
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, 1 << BITS)
     at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
     b = tl.max(tl.where(at_or_above >= rank, bins, -1), axis=0)
     above = tl.sum(tl.where(bins > b, hist, 0), axis=0)
     return b, above
+
+
+@triton.jit
+def _radix_select(keys, live, rank, BITS: tl.constexpr, HISTS: tl.constexpr):
+    """Radix select over keys[live], BITS per digit, with at most HISTS histogram passes: the largest t of
+    the form (leading digits of a key, zeros below) with at least `rank` live keys >= t, and how many live
+    keys exceed t. Digits on which all live keys agree are read off the largest key without a histogram,
+    so with HISTS >= the digit count t is exactly the rank-th largest live key."""
+    hi = tl.max(tl.where(live, keys, INT_MIN), axis=0)
+    lo = tl.min(tl.where(live, keys, INT_MAX), axis=0)
+    differ = hi ^ lo  # the bits above its highest set bit are shared by every live key
+    hi_u = hi ^ INT_MIN
+    u = keys ^ INT_MIN
+    prefix = hi_u * 0
+    above = hi_u * 0
+    hists = hi_u * 0
+    for p in tl.static_range((32 + BITS - 1) // BITS):
+        if (differ >> _digit_shift(p, BITS)) == 0:
+            prefix = prefix | (_digit(hi_u, p, BITS) << _digit_shift(p, BITS))
+        elif hists < HISTS:
+            match = live
+            if p > 0:
+                match = live & (_above_digit(u, p, BITS) == _above_digit(prefix, p, BITS))
+            b, more = _threshold_bin(tl.histogram(_digit(u, p, BITS), 1 << BITS, mask=match), rank - above, BITS)
+            above += more
+            prefix = prefix | (b << _digit_shift(p, BITS))
+            hists += 1
+    return prefix ^ INT_MIN, above
 
 
 @triton.jit
@@ -139,33 +185,92 @@ def _row_scores(scores_ptr, row, stride_row, VEC: tl.constexpr):
 
 
 @triton.jit
-def _tile_maxima(row_scores, off, length, G: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr):
-    """Maximum order key of each of the TILE // G groups of the tile at column `off` (INT_MIN past the row)."""
+def _tile_scores(row_scores, off, limit, G: tl.constexpr, TILE: tl.constexpr):
+    """The scores of the tile at column `off` as [TILE // G, G] (one group a row), zero from column `limit` on."""
     cols = off + tl.arange(0, TILE // G)[:, None] * G + tl.arange(0, G)[None, :]
-    if MASKED:
-        inside = cols < length
-        key = tl.where(inside, _order_key(tl.load(row_scores + cols, mask=inside, other=0.0)), INT_MIN)
-    else:
-        key = _order_key(tl.load(row_scores + cols))
-    return tl.max(key, axis=1)
+    return tl.load(row_scores + cols, mask=cols < limit, other=0.0)
 
 
 @triton.jit
-def _row_tau(hist1, row_gm, length, k, G: tl.constexpr, GM_BLOCK: tl.constexpr):
-    """The collection threshold of a row from the top-byte histogram of its group maxima."""
-    groups = (length + G - 1) // G
-    rank = tl.minimum(k, groups)
-    b1, above1 = _threshold_bin(hist1, rank)
-    hist2 = tl.zeros([256], dtype=tl.int32)
-    for g0 in range(0, groups, GM_BLOCK):
-        g = g0 + tl.arange(0, GM_BLOCK)
-        real = g < groups
-        gmax = tl.load(row_gm + g, mask=real, other=INT_MIN)
-        hist2 += tl.histogram(_byte(gmax, 16), 256, mask=real & (_byte(gmax, 24) == b1))
-    b2, _ = _threshold_bin(hist2, rank - above1)
-    tau = ((b1 << 24) | (b2 << 16)) ^ INT_MIN
-    # With k or fewer groups every entry may be needed: only the minimum over all entries is safe.
-    return tl.where(groups <= k, INT_MIN, tau)
+def _store_maxima(row_gm, row_cm, t, gmax, length, G: tl.constexpr, C: tl.constexpr, TILE: tl.constexpr,
+                  MASKED: tl.constexpr):
+    """Stores tile t's group maxima and (C > 1) the maxima of its coarse groups of C groups."""
+    group = t * (TILE // G) + tl.arange(0, TILE // G)
+    coarse = t * (TILE // (G * C)) + tl.arange(0, TILE // (G * C))
+    if MASKED:
+        tl.store(row_gm + group, gmax, mask=group * G < length)
+    else:
+        tl.store(row_gm + group, gmax)
+    if C > 1:
+        cmax = tl.max(tl.reshape(gmax, [TILE // (G * C), C]), axis=1)
+        if MASKED:
+            tl.store(row_cm + coarse, cmax, mask=coarse * (G * C) < length)
+        else:
+            tl.store(row_cm + coarse, cmax)
+
+
+@triton.jit
+def _scan_split(row_scores, row_gm, row_cm, length, first, tiles_per_split, G: tl.constexpr, C: tl.constexpr,
+                TILE: tl.constexpr, PREFETCH: tl.constexpr):
+    """Step 1 over tiles [first, first + tiles_per_split) of a row: stores the group and coarse maxima.
+    PREFETCH: the next tile's load is issued before this one is reduced."""
+    end = tl.maximum(first, tl.minimum(first + tiles_per_split, (length + TILE - 1) // TILE))
+    full = tl.minimum(end, tl.maximum(first, length // TILE))
+    if PREFETCH:
+        ahead = _tile_scores(row_scores, first * TILE, full * TILE, G, TILE)
+        for t in range(first, full):
+            x = ahead
+            ahead = _tile_scores(row_scores, (t + 1) * TILE, full * TILE, G, TILE)
+            _store_maxima(row_gm, row_cm, t, tl.max(_order_key(x), axis=1), length, G, C, TILE, False)
+    else:
+        for t in range(first, full):
+            x = _tile_scores(row_scores, t * TILE, full * TILE, G, TILE)
+            _store_maxima(row_gm, row_cm, t, tl.max(_order_key(x), axis=1), length, G, C, TILE, False)
+    if full < end:
+        x = _tile_scores(row_scores, full * TILE, length, G, TILE)
+        cols = full * TILE + tl.arange(0, TILE // G)[:, None] * G + tl.arange(0, G)[None, :]
+        key = tl.where(cols < length, _order_key(x), INT_MIN)
+        _store_maxima(row_gm, row_cm, full, tl.max(key, axis=1), length, G, C, TILE, True)
+
+
+@triton.jit
+def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNIT_BLOCK: tl.constexpr,
+             BITS: tl.constexpr, TAU_HISTS: tl.constexpr):
+    """The row's collection threshold: a lower bound (TAU_HISTS digits precise) of the k-th largest of the
+    row's coarse maxima (at row_gm + cm_offset; the group maxima when the row has k coarse groups or fewer).
+    Each maximum is a distinct entry, so at least k entries reach it; INT_MIN when even the groups are k or
+    fewer."""
+    n_units = (length + G - 1) // G
+    units = row_gm
+    if C > 1:
+        n_coarse = (length + G * C - 1) // (G * C)
+        if n_coarse > k:
+            n_units = n_coarse
+            units = row_gm + cm_offset
+    tau = n_units * 0 + INT_MIN
+    if n_units > k:
+        if n_units <= UNIT_BLOCK:
+            u = tl.arange(0, UNIT_BLOCK)
+            real = u < n_units
+            tau = _radix_select(tl.load(units + u, mask=real, other=INT_MIN), real, k, BITS, TAU_HISTS)[0]
+        else:  # rows of more than UNIT_BLOCK units: one pass over them per digit, no digit skipped
+            prefix = tau * 0
+            above = tau * 0
+            for p in tl.static_range(TAU_HISTS):
+                hist = tl.zeros([1 << BITS], dtype=tl.int32)
+                for u0 in range(0, n_units, UNIT_BLOCK):
+                    u = u0 + tl.arange(0, UNIT_BLOCK)
+                    real = u < n_units
+                    key_u = tl.load(units + u, mask=real, other=INT_MIN) ^ INT_MIN
+                    match = real
+                    if p > 0:
+                        match = real & (_above_digit(key_u, p, BITS) == _above_digit(prefix, p, BITS))
+                    hist += tl.histogram(_digit(key_u, p, BITS), 1 << BITS, mask=match)
+                b, more = _threshold_bin(hist, k - above, BITS)
+                above += more
+                prefix = prefix | (b << _digit_shift(p, BITS))
+            tau = prefix ^ INT_MIN
+    return tau
 
 
 @triton.jit
@@ -187,12 +292,15 @@ def _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, GM_BLOCK: tl.constex
 def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G: tl.constexpr,
                        GATHER: tl.constexpr, CAP: tl.constexpr):
     """Stores the entries >= tau of the listed groups as (order keys, columns) in column order at
-    cand_row[0:CAP] and cand_row[CAP:2 CAP]; returns how many there are (those past CAP are only counted)."""
+    cand_row[0:CAP] and cand_row[CAP:2 CAP]; returns how many there are (those past CAP are only counted).
+    The next step's group numbers are loaded before this step's scores are used."""
     found = hot_count * 0
+    j = tl.arange(0, GATHER // G)
+    ahead = tl.load(hot_list + j, mask=j < hot_count, other=0)
     for h0 in range(0, hot_count, GATHER // G):
-        j = h0 + tl.arange(0, GATHER // G)
-        listed = j < hot_count
-        group = tl.load(hot_list + j, mask=listed, other=0)
+        listed = h0 + j < hot_count
+        group = ahead
+        ahead = tl.load(hot_list + h0 + GATHER // G + j, mask=h0 + GATHER // G + j < hot_count, other=0)
         cols = group[:, None] * G + tl.arange(0, G)[None, :]
         inside = listed[:, None] & (cols < length)
         key = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0))
@@ -206,31 +314,15 @@ def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G
 
 
 @triton.jit
-def _kth_largest(keys, live, rank):
-    """Exact rank-th largest of keys[live] (radix select over the 4 key bytes), and how many live keys exceed it."""
-    prefix = 0
-    above = 0
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        match = live
-        if p > 0:
-            match = live & (((keys ^ INT_MIN) >> (shift + 8)) == (prefix >> (shift + 8)))
-        b, more = _threshold_bin(tl.histogram(_byte(keys, shift), 256, mask=match), rank - above)
-        above += more
-        prefix = prefix | (b << shift)
-    return prefix ^ INT_MIN, above
-
-
-@triton.jit
-def _select_candidates(keys, cols, live, rank, out_row, k, K_PAD: tl.constexpr):
+def _select_candidates(keys, cols, live, rank, out_row, k, K_PAD: tl.constexpr, BITS: tl.constexpr):
     """Writes the columns of the top `rank` live candidates (which sit in column order) to out_row, then -1 up to k."""
-    threshold, above = _kth_largest(keys, live, rank)
+    threshold, above = _radix_select(keys, live, rank, BITS, (32 + BITS - 1) // BITS)
     tie = live & (keys == threshold)
     ties_wanted = rank - above
     lowest_first = INT_MAX - cols  # larger for lower columns, so ties resolve by the same select
     cut = tl.sum(tie.to(tl.int32), axis=0) * 0 + INT_MIN
     if tl.sum(tie.to(tl.int32), axis=0) > ties_wanted:
-        cut = _kth_largest(lowest_first, tie, ties_wanted)[0]
+        cut = _radix_select(lowest_first, tie, ties_wanted, BITS, (32 + BITS - 1) // BITS)[0]
     take = (live & (keys > threshold)) | (tie & (lowest_first >= cut))
     take = take & (rank > 0)
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
@@ -241,23 +333,23 @@ def _select_candidates(keys, cols, live, rank, out_row, k, K_PAD: tl.constexpr):
 
 @triton.jit
 def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: tl.constexpr):
-    """Exact top-`rank` of one whole row by streaming radix select; used when the candidates did not fit."""
+    """Exact top-`rank` of one whole row by streaming radix select (a byte a pass); used when the candidates
+    did not fit."""
     lanes = tl.arange(0, TILE)
     prefix = 0
     above = 0
     for p in tl.static_range(4):
-        shift = 24 - 8 * p
         hist = tl.zeros([256], dtype=tl.int32)
         for off in range(0, length, TILE):
             cols = off + lanes
             inside = cols < length
-            key = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0))
+            u = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0)) ^ INT_MIN
             if p > 0:
-                inside = inside & (((key ^ INT_MIN) >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist += tl.histogram(_byte(key, shift), 256, mask=inside)
-        b, more = _threshold_bin(hist, rank - above)
+                inside = inside & (_above_digit(u, p, 8) == _above_digit(prefix, p, 8))
+            hist += tl.histogram(_digit(u, p, 8), 256, mask=inside)
+        b, more = _threshold_bin(hist, rank - above, 8)
         above += more
-        prefix = prefix | (b << shift)
+        prefix = prefix | (b << _digit_shift(p, 8))
     threshold = prefix ^ INT_MIN
     ties_wanted = rank - above
     written = 0
@@ -275,44 +367,6 @@ def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: 
         ties_seen += tl.sum(tie.to(tl.int32), axis=0)
     pad = tl.arange(0, K_PAD)
     tl.store(out_row + pad, tl.full([K_PAD], -1, tl.int32), mask=(pad >= rank) & (pad < k))
-
-
-@triton.jit
-def _tile_scores(row_scores, off, limit, G: tl.constexpr, TILE: tl.constexpr):
-    """The scores of the tile at column `off` as [TILE // G, G] (one group a row), zero from column `limit` on."""
-    cols = off + tl.arange(0, TILE // G)[:, None] * G + tl.arange(0, G)[None, :]
-    return tl.load(row_scores + cols, mask=cols < limit, other=0.0)
-
-
-@triton.jit
-def _scan_split(row_scores, row_gm, length, first, tiles_per_split, G: tl.constexpr, TILE: tl.constexpr,
-                PREFETCH: tl.constexpr):
-    """Step 1 over tiles [first, first + tiles_per_split) of a row: stores the group maxima, returns the
-    top-byte histogram of those maxima. PREFETCH: the next tile's load is issued before this one is used."""
-    end = tl.maximum(first, tl.minimum(first + tiles_per_split, (length + TILE - 1) // TILE))
-    full = tl.minimum(end, tl.maximum(first, length // TILE))
-    per_tile = tl.arange(0, TILE // G)
-    hist = tl.zeros([256], dtype=tl.int32)
-    if PREFETCH:
-        ahead = _tile_scores(row_scores, first * TILE, full * TILE, G, TILE)
-        for t in range(first, full):
-            x = ahead
-            ahead = _tile_scores(row_scores, (t + 1) * TILE, full * TILE, G, TILE)
-            gmax = tl.max(_order_key(x), axis=1)
-            tl.store(row_gm + t * (TILE // G) + per_tile, gmax)
-            hist += tl.histogram(_byte(gmax, 24), 256)
-    else:
-        for t in range(first, full):
-            gmax = _tile_maxima(row_scores, t * TILE, length, G, TILE, False)
-            tl.store(row_gm + t * (TILE // G) + per_tile, gmax)
-            hist += tl.histogram(_byte(gmax, 24), 256)
-    if full < end:
-        gmax = _tile_maxima(row_scores, full * TILE, length, G, TILE, True)
-        group = full * (TILE // G) + per_tile
-        real = group * G < length
-        tl.store(row_gm + group, gmax, mask=real)
-        hist += tl.histogram(_byte(gmax, 24), 256, mask=real)
-    return hist
 
 
 @triton.jit
@@ -349,7 +403,8 @@ def _gathered_candidates(counts_row, cand_row, place_row, n_splits, CAP: tl.cons
 
 @triton.jit
 def _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_splits, CAP: tl.constexpr,
-            K_PAD: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr):
+            K_PAD: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr,
+            BITS: tl.constexpr):
     """Step 3: the row's answer from its candidates, or from the whole row when they overflowed."""
     rank = tl.minimum(k, length)
     if SINGLE:
@@ -361,18 +416,20 @@ def _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_s
     else:
         keys, cols, live, total = _gathered_candidates(counts_row, cand_row, place_row, n_splits, CAP, SPLIT_BLOCK)
     if total <= CAP:
-        _select_candidates(keys, cols, live, rank, out_row, k, K_PAD)
+        _select_candidates(keys, cols, live, rank, out_row, k, K_PAD, BITS)
     else:
         _exact_row(row_scores, length, rank, out_row, k, EXACT_TILE, K_PAD)
 
 
 @triton.jit
-def _count_split(row_scores, row_gm, row_hot, ws_row, counts_row, cand_row, place_row, out_row, tau, length, k,
-                 split, groups_per_split, n_splits, G: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
-                 CAP: tl.constexpr, K_PAD: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                 SINGLE: tl.constexpr):
-    """Steps 2-3 for one split (SINGLE: the row's only one): its hot groups and its candidates (in column
-    order, in its own area); the row's last split to get there then finishes the row."""
+def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, cand_row, place_row, out_row, length, k,
+                 split, groups_per_split, n_splits, G: tl.constexpr, C: tl.constexpr, UNIT_BLOCK: tl.constexpr,
+                 GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
+                 EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr, BITS: tl.constexpr,
+                 TAU_HISTS: tl.constexpr):
+    """Steps 2-3 for one split (SINGLE: the row's only one): the row's tau, the split's hot groups and its
+    candidates (in column order, in its own area); the row's last split to get there then finishes the row."""
+    tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS)
     g_first = split * groups_per_split
     g_end = tl.maximum(g_first, tl.minimum(g_first + groups_per_split, (length + G - 1) // G))
     hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, GM_BLOCK)
@@ -383,56 +440,55 @@ def _count_split(row_scores, row_gm, row_hot, ws_row, counts_row, cand_row, plac
     tl.debug_barrier()
     last = True
     if not SINGLE:
-        last = tl.atomic_add(ws_row + ARRIVED, 1, sem="acq_rel") == n_splits - 1
+        last = tl.atomic_add(arrivals, 1, sem="acq_rel") == n_splits - 1
     if last:
         _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_splits, CAP, K_PAD, EXACT_TILE,
-                SPLIT_BLOCK, SINGLE)
+                SPLIT_BLOCK, SINGLE, BITS)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
-def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, ws_ptr, counts_ptr,
-                 cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
-                 GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
-                 VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr,
-                 PREFETCH: tl.constexpr):
-    """Step 1 over one split of a row. SINGLE (one split per row): steps 2-3 follow in the same program,
-    while the row's maxima are fresh; otherwise the split adds its histogram to the row's."""
+def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, arrivals_ptr, counts_ptr,
+                 cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, C: tl.constexpr,
+                 TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
+                 CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
+                 SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, SINGLE: tl.constexpr,
+                 FUSED: tl.constexpr, PREFETCH: tl.constexpr):
+    """Step 1 over one split of a row. FUSED (one split per row): steps 2-3 follow in the same program,
+    while the row's maxima are fresh. A split row's first split resets the row's arrival count, which the
+    count launch (after this one) uses."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
-    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
-    ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
-    hist = _scan_split(row_scores, row_gm, length, tl.program_id(1) * tiles_per_split, tiles_per_split, G, TILE,
-                       PREFETCH)
-    if SINGLE:
+    row_gm = gm_ptr + row.to(tl.int64) * (2 * stride_gm)
+    _scan_split(row_scores, row_gm, row_gm + stride_gm, length, tl.program_id(1) * tiles_per_split, tiles_per_split,
+                G, C, TILE, PREFETCH)
+    if not SINGLE:
+        if tl.program_id(1) == 0:
+            tl.store(arrivals_ptr + row, 0)
+    if FUSED:
         tl.debug_barrier()
-        _count_split(row_scores, row_gm, hot_ptr + row.to(tl.int64) * stride_gm, ws_row,
+        _count_split(row_scores, row_gm, stride_gm, hot_ptr + row.to(tl.int64) * stride_gm, arrivals_ptr,
                      counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
-                     out_ptr + row.to(tl.int64) * k, _row_tau(hist, row_gm, length, k, G, GM_BLOCK), length, k, 0,
-                     tiles_per_split * (TILE // G), 1, G, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK,
-                     True)
-    else:
-        bins = tl.arange(0, 256)
-        tl.atomic_add(ws_row + bins, hist, mask=hist > 0, sem="relaxed")
+                     out_ptr + row.to(tl.int64) * k, length, k, 0, tiles_per_split * (TILE // G), 1, G, C,
+                     UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True, BITS, TAU_HISTS)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
-def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, ws_ptr, counts_ptr,
-                  cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, TILE: tl.constexpr,
-                  GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
-                  VEC: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """Steps 2-3 for one split of a row split over several programs: each derives tau from the
-    histogram the scan splits summed."""
+def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, arrivals_ptr, counts_ptr,
+                  cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, C: tl.constexpr,
+                  TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
+                  CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
+                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, SINGLE: tl.constexpr):
+    """Steps 2-3 for one split of a row, after the scan launch stored every maximum of the row."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
-    row_gm = gm_ptr + row.to(tl.int64) * stride_gm
-    ws_row = ws_ptr + row.to(tl.int64) * WS_COLS
-    tau = _row_tau(tl.load(ws_row + tl.arange(0, 256)), row_gm, length, k, G, GM_BLOCK)
-    _count_split(_row_scores(scores_ptr, row, stride_row, VEC), row_gm, hot_ptr + row.to(tl.int64) * stride_gm,
-                 ws_row, counts_ptr + row.to(tl.int64) * n_splits, cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits),
-                 place_ptr + row.to(tl.int64) * (CAP + n_splits), out_ptr + row.to(tl.int64) * k, tau, length, k,
-                 tl.program_id(1), tiles_per_split * (TILE // G), n_splits, G, GM_BLOCK, GATHER, CAP, K_PAD,
-                 EXACT_TILE, SPLIT_BLOCK, False)
+    row_gm = gm_ptr + row.to(tl.int64) * (2 * stride_gm)
+    _count_split(_row_scores(scores_ptr, row, stride_row, VEC), row_gm, stride_gm,
+                 hot_ptr + row.to(tl.int64) * stride_gm, arrivals_ptr + row, counts_ptr + row.to(tl.int64) * n_splits,
+                 cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits), place_ptr + row.to(tl.int64) * (CAP + n_splits),
+                 out_ptr + row.to(tl.int64) * k, length, k, tl.program_id(1), tiles_per_split * (TILE // G),
+                 n_splits, G, C, UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, SINGLE, BITS,
+                 TAU_HISTS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -448,10 +504,20 @@ def _group_size(n_cols: int, k: int, groups_per_k: int = _GROUPS_PER_K) -> int:
     return g
 
 
+def _coarse_size(n_cols: int, k: int, group: int, tile: int, units_per_k: int = _UNITS_PER_K) -> int:
+    """Groups per coarse group: the largest power of two that leaves a full-length row at least
+    units_per_k * k coarse groups (a tile holds whole coarse groups)."""
+    c = 1
+    while 2 * c * group <= tile and n_cols // (2 * c * group) >= units_per_k * k:
+        c *= 2
+    return c
+
+
 def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE,
                  programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
                  count_warps: int = _COUNT_WARPS, gm_block: int = _GM_BLOCK, gather: int = _GATHER,
-                 prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K) -> torch.Tensor:
+                 prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
+                 radix_bits: int = _RADIX_BITS, fused: bool = _FUSED, unit_block: int = _UNIT_BLOCK) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -463,28 +529,31 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     k_pad = triton.next_power_of_2(k)
     cap = max(_CAP_PER_K * k_pad, _MIN_CAP)
     group = _group_size(n_cols, k, groups_per_k)
+    coarse = _coarse_size(n_cols, k, group, tile, units_per_k)
     tiles = triton.cdiv(n_cols, tile)
     splits = max(1, min(tiles, triton.cdiv(programs_per_sm * num_sms(device), rows)))
     tiles_per_split = triton.cdiv(tiles, splits)
     n_splits = triton.cdiv(tiles, tiles_per_split)
     single = n_splits == 1
+    fused = fused and single
     gm_stride = triton.cdiv(triton.cdiv(n_cols, group), 16) * 16
     stride = scores.stride(0)
     vec = scores.data_ptr() % 16 == 0 and stride % 4 == 0
     lengths = lengths.to(device=device, dtype=torch.int32)
-    ws = torch.zeros((0 if single else rows, _WS_COLS), dtype=torch.int32, device=device)  # summed by atomics
-    gm = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
+    arrivals = torch.empty(0 if single else rows, dtype=torch.int32, device=device)  # reset by the scan launch
+    gm = torch.empty((rows, 2, gm_stride), dtype=torch.int32, device=device)  # group maxima, coarse maxima
     hot = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
     counts = torch.empty((rows, n_splits), dtype=torch.int32, device=device)
     cand = torch.empty((rows, n_splits, 2, cap), dtype=torch.int32, device=device)
     place = torch.empty((0 if single else rows, cap + n_splits), dtype=torch.int32, device=device)
-    args = (scores, stride, lengths, n_cols, gm, hot, gm_stride, ws, counts, cand, place, out, k, tiles_per_split,
-            n_splits)
-    blocks = dict(G=group, TILE=tile, GM_BLOCK=gm_block, GATHER=gather, CAP=cap, K_PAD=k_pad, VEC=vec,
-                  EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK)
-    _scan_kernel[(rows, n_splits)](*args, **blocks, SINGLE=single, PREFETCH=prefetch,
-                                   num_warps=count_warps if single else scan_warps)
-    if not single:
+    args = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k,
+            tiles_per_split, n_splits)
+    blocks = dict(G=group, C=coarse, TILE=tile, UNIT_BLOCK=unit_block, GM_BLOCK=gm_block, GATHER=gather, CAP=cap,
+                  K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, BITS=radix_bits,
+                  TAU_HISTS=triton.cdiv(_TAU_BITS, radix_bits), SINGLE=single)
+    _scan_kernel[(rows, n_splits)](*args, **blocks, FUSED=fused, PREFETCH=prefetch,
+                                   num_warps=count_warps if fused else scan_warps)
+    if not fused:
         _count_kernel[(rows, n_splits)](*args, **blocks, num_warps=count_warps)
     return out
 

@@ -92,8 +92,8 @@ def test_bad_arguments_fail_loudly(topk):
 
 
 def test_kernels_take_no_shape_as_constexpr(topk):
-    allowed = {"G", "TILE", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE", "SPLIT_BLOCK",
-               "PREFETCH"}
+    allowed = {"G", "C", "TILE", "UNIT_BLOCK", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE",
+               "FUSED", "SPLIT_BLOCK", "PREFETCH", "BITS", "TAU_HISTS"}
     for kernel in (topk._scan_kernel, topk._count_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
@@ -102,11 +102,36 @@ def test_kernels_take_no_shape_as_constexpr(topk):
 
 def test_rows_split_over_many_programs_equal_reference(topk):
     """Many programs per row: candidates joined from every split's area, including rows whose candidates
-    overflow (ties) and rows shorter than one split; and one program per row with small blocks."""
+    overflow (ties) and rows shorter than one split; one program per row with small blocks, with the count
+    in the scan program or launched after it; other digit widths; tau from more maxima than fit in registers
+    at once; rows too short for coarse maxima (1500: tau from the group maxima)."""
     scores = hard_rows(9000)
     lengths = torch.tensor([9000, 8999, 5000, 1, 17, 1500])
     for knobs in (dict(tile=512, programs_per_sm=8), dict(tile=512, programs_per_sm=8, prefetch=False),
-                  dict(tile=1024, programs_per_sm=1, gm_block=256, gather=128)):
+                  dict(tile=1024, programs_per_sm=1, gm_block=256, gather=128),
+                  dict(tile=1024, programs_per_sm=1, fused=False, radix_bits=8, unit_block=32),
+                  dict(tile=512, programs_per_sm=8, radix_bits=6, unit_block=64, units_per_k=8)):
         got = topk._topk_triton(scores, lengths, 16, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, 16))
         check_against_torch(scores, lengths, 16, got)
+
+
+def test_one_finite_entry_per_coarse_group_is_exact(topk):
+    """The tightest case for tau: each coarse group holds a single finite entry (the rest -inf), so exactly
+    the k largest maxima are the answer and a threshold one rank too high would lose one. Both tau paths:
+    maxima held in registers, and streamed in blocks."""
+    k, cols = 16, 9000
+    group = topk._group_size(cols, k)
+    span = group * topk._coarse_size(cols, k, group, 1024)
+    g = torch.Generator().manual_seed(5)
+    scores = torch.full((3, cols), float("-inf"))
+    starts = torch.arange(0, cols, span)
+    for row in range(3):
+        scores[row, starts + torch.randint(0, span, (starts.numel(),), generator=g).clamp(max=cols - 1 - starts)] = (
+            torch.randn(starts.numel(), generator=g))
+    lengths = torch.tensor([cols, cols - span // 2, 40 * span])
+    for knobs in (dict(tile=1024, programs_per_sm=1), dict(tile=1024, programs_per_sm=1, unit_block=16),
+                  dict(tile=1024, programs_per_sm=4, radix_bits=8, unit_block=16)):
+        got = topk._topk_triton(scores, lengths, k, **knobs)
+        assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))
+        check_against_torch(scores, lengths, k, got)
