@@ -133,13 +133,24 @@ def _above_digit(u, p: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _count_and_max(count_a, max_a, count_b, max_b):
+    return count_a + count_b, tl.maximum(max_a, max_b)
+
+
+@triton.jit
+def _max_and_min(max_a, min_a, max_b, min_b):
+    return tl.maximum(max_a, max_b), tl.minimum(min_a, min_b)
+
+
+@triton.jit
 def _threshold_bin(hist, rank, BITS: tl.constexpr):
-    """Highest bin b whose count together with all higher bins reaches `rank`; also the count above b."""
-    bins = tl.arange(0, 1 << BITS)
-    at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-    b = tl.max(tl.where(at_or_above >= rank, bins, -1), axis=0)
-    above = tl.sum(tl.where(bins > b, hist, 0), axis=0)
-    return b, above
+    """Highest bin b whose count together with all higher bins reaches `rank`; also the count above b.
+    The counts at or above each bin fall with the bin, so b is one less than the number of bins that
+    reach `rank`, and the count above b is the largest that does not (one reduction for both)."""
+    at_or_above = tl.cumsum(hist, axis=0, reverse=True)
+    reach = at_or_above >= rank
+    n_reach, above = tl.reduce((reach.to(tl.int32), tl.where(reach, 0, at_or_above)), 0, _count_and_max)
+    return n_reach - 1, above
 
 
 @triton.jit
@@ -148,8 +159,7 @@ def _radix_select(keys, live, rank, BITS: tl.constexpr, HISTS: tl.constexpr):
     the form (leading digits of a key, zeros below) with at least `rank` live keys >= t, and how many live
     keys exceed t. Digits on which all live keys agree are read off the largest key without a histogram,
     so with HISTS >= the digit count t is exactly the rank-th largest live key."""
-    hi = tl.max(tl.where(live, keys, INT_MIN), axis=0)
-    lo = tl.min(tl.where(live, keys, INT_MAX), axis=0)
+    hi, lo = tl.reduce((tl.where(live, keys, INT_MIN), tl.where(live, keys, INT_MAX)), 0, _max_and_min)
     differ = hi ^ lo  # the bits above its highest set bit are shared by every live key
     hi_u = hi ^ INT_MIN
     u = keys ^ INT_MIN
@@ -274,11 +284,15 @@ def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNI
 
 
 @triton.jit
-def _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, GM_BLOCK: tl.constexpr):
+def _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, first_block, GM_BLOCK: tl.constexpr):
     """Writes the numbers of the groups in [g_first, g_end) whose maximum reaches tau, ascending, to
-    hot_list[0:]; returns how many there are."""
-    hot_count = 0
-    for g0 in range(g_first, g_end, GM_BLOCK):
+    hot_list[0:]; returns how many there are. first_block: the maxima of the first GM_BLOCK groups, loaded
+    by the caller before tau was known."""
+    g = g_first + tl.arange(0, GM_BLOCK)
+    hot = (g < g_end) & (first_block >= tau)
+    tl.store(hot_list + tl.cumsum(hot.to(tl.int32), axis=0) - 1, g, mask=hot)
+    hot_count = tl.sum(hot.to(tl.int32), axis=0)
+    for g0 in range(g_first + GM_BLOCK, g_end, GM_BLOCK):
         g = g0 + tl.arange(0, GM_BLOCK)
         real = g < g_end
         hot = real & (tl.load(row_gm + g, mask=real, other=INT_MIN) >= tau)
@@ -293,22 +307,28 @@ def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G
                        GATHER: tl.constexpr, CAP: tl.constexpr):
     """Stores the entries >= tau of the listed groups as (order keys, columns) in column order at
     cand_row[0:CAP] and cand_row[CAP:2 CAP]; returns how many there are (those past CAP are only counted).
-    The next step's group numbers are loaded before this step's scores are used."""
+    Software-pipelined: each step's scores are loaded one step ahead and its group numbers two."""
+    step: tl.constexpr = GATHER // G
+    j = tl.arange(0, step)
+    lane = tl.arange(0, G)[None, :]
+    cols = tl.load(hot_list + j, mask=j < hot_count, other=0)[:, None] * G + lane
+    inside = (j < hot_count)[:, None] & (cols < length)
+    x = tl.load(row_scores + cols, mask=inside, other=0.0)
+    after = tl.load(hot_list + step + j, mask=step + j < hot_count, other=0)
     found = hot_count * 0
-    j = tl.arange(0, GATHER // G)
-    ahead = tl.load(hot_list + j, mask=j < hot_count, other=0)
-    for h0 in range(0, hot_count, GATHER // G):
-        listed = h0 + j < hot_count
-        group = ahead
-        ahead = tl.load(hot_list + h0 + GATHER // G + j, mask=h0 + GATHER // G + j < hot_count, other=0)
-        cols = group[:, None] * G + tl.arange(0, G)[None, :]
-        inside = listed[:, None] & (cols < length)
-        key = _order_key(tl.load(row_scores + cols, mask=inside, other=0.0))
-        take = tl.reshape(inside & (key >= tau), [GATHER]).to(tl.int32)
+    for h0 in range(0, hot_count, step):
+        take = inside & (_order_key(x) >= tau)
+        key = tl.reshape(_order_key(x), [GATHER])
+        here = tl.reshape(cols, [GATHER])
+        cols = after[:, None] * G + lane
+        inside = (h0 + step + j < hot_count)[:, None] & (cols < length)
+        x = tl.load(row_scores + cols, mask=inside, other=0.0)
+        after = tl.load(hot_list + h0 + 2 * step + j, mask=h0 + 2 * step + j < hot_count, other=0)
+        take = tl.reshape(take, [GATHER]).to(tl.int32)
         slot = found + tl.cumsum(take, axis=0) - 1
         keep = (take != 0) & (slot < CAP)
-        tl.store(cand_row + slot, tl.reshape(key, [GATHER]), mask=keep)
-        tl.store(cand_row + CAP + slot, tl.reshape(cols, [GATHER]), mask=keep)
+        tl.store(cand_row + slot, key, mask=keep)
+        tl.store(cand_row + CAP + slot, here, mask=keep)
         found += tl.sum(take, axis=0)
     return found
 
@@ -429,10 +449,12 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
                  TAU_HISTS: tl.constexpr):
     """Steps 2-3 for one split (SINGLE: the row's only one): the row's tau, the split's hot groups and its
     candidates (in column order, in its own area); the row's last split to get there then finishes the row."""
-    tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS)
     g_first = split * groups_per_split
     g_end = tl.maximum(g_first, tl.minimum(g_first + groups_per_split, (length + G - 1) // G))
-    hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, GM_BLOCK)
+    g = g_first + tl.arange(0, GM_BLOCK)
+    first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)  # in flight while tau is found
+    tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS)
+    hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, first_block, GM_BLOCK)
     tl.debug_barrier()
     split_cand = cand_row + split * (2 * CAP)
     found = _gather_candidates(row_scores, row_hot + g_first, hot_count, length, tau, split_cand, G, GATHER, CAP)
@@ -517,7 +539,8 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                  programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
                  count_warps: int = _COUNT_WARPS, gm_block: int = _GM_BLOCK, gather: int = _GATHER,
                  prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
-                 radix_bits: int = _RADIX_BITS, fused: bool = _FUSED, unit_block: int = _UNIT_BLOCK) -> torch.Tensor:
+                 radix_bits: int = _RADIX_BITS, fused: bool = _FUSED, unit_block: int = _UNIT_BLOCK,
+                 tau_bits: int = _TAU_BITS) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -550,7 +573,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
             tiles_per_split, n_splits)
     blocks = dict(G=group, C=coarse, TILE=tile, UNIT_BLOCK=unit_block, GM_BLOCK=gm_block, GATHER=gather, CAP=cap,
                   K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, BITS=radix_bits,
-                  TAU_HISTS=triton.cdiv(_TAU_BITS, radix_bits), SINGLE=single)
+                  TAU_HISTS=triton.cdiv(tau_bits, radix_bits), SINGLE=single)
     _scan_kernel[(rows, n_splits)](*args, **blocks, FUSED=fused, PREFETCH=prefetch,
                                    num_warps=count_warps if fused else scan_warps)
     if not fused:
