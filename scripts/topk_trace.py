@@ -28,8 +28,8 @@ def traced_module():
         ("        _finish(row_scores,", "        _finish(trace, row_scores,"),
         ("def _scan_kernel(scores_ptr,", "def _scan_kernel(trace_ptr, scores_ptr,"),
         ("def _count_kernel(scores_ptr,", "def _count_kernel(trace_ptr, scores_ptr,"),
-        ("](*args, **blocks, FUSED", "](TRACE, *args, **blocks, FUSED"),
-        ("](*args, **blocks, num_warps", "](TRACE, *args, **blocks, num_warps"),
+        ("](*head, tiles_per_split", "](TRACE, *head, tiles_per_split"),
+        ("](*head, count_tiles", "](TRACE, *head, count_tiles"),
         ("    tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS)\n",
          "    tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS)\n" + mark(2, "    ")),
         ("    tl.debug_barrier()\n    split_cand", mark(3, "    ") + "    split_cand"),
@@ -38,7 +38,8 @@ def traced_module():
         ("    if last:\n        _finish(", mark(5, "    ") + "    if last:\n        _finish("),
         ("    if total <= CAP:\n        _select_candidates",
          mark(6, "    ") + "    if total <= CAP:\n        _select_candidates"),
-        ("                SPLIT_BLOCK, SINGLE, BITS)\n", "                SPLIT_BLOCK, SINGLE, BITS)\n" + mark(7, "        ")),
+        ("                SPLIT_BLOCK, SINGLE, SELECT_BITS)\n",
+         "                SPLIT_BLOCK, SINGLE, SELECT_BITS)\n" + mark(7, "        ")),
     ]
     for old, new in edits:
         assert old in src, old

@@ -83,9 +83,10 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
 
 
 TOPK_VARIANTS = [{},  # the defaults
-                 dict(count_warps=8), dict(tau_bits=10), dict(tau_bits=10, count_warps=8), dict(units_per_k=4),
-                 dict(units_per_k=4, count_warps=8), dict(gather=512), dict(gather=2048, count_warps=8),
-                 dict(radix_bits=6, count_warps=8), dict(programs_per_sm=2, count_warps=8)]
+                 dict(count_warps=8), dict(count_warps=8, tau_bits=10), dict(count_warps=8, select_bits=8),
+                 dict(count_warps=8, select_bits=6), dict(count_warps=8, units_per_k=4),
+                 dict(count_warps=8, count_merge=2), dict(count_warps=8, count_merge=4),
+                 dict(count_warps=8, groups_per_k=16), dict(maxnreg=80), dict(count_warps=8, gather=512)]
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512)]
 
 

@@ -61,6 +61,8 @@ _UNITS_PER_K = 2  # tau comes from >= 2k coarse group maxima (about 1.4 k candid
 _UNIT_BLOCK = 2048  # coarse maxima held in registers at once (more are streamed, once per digit)
 _RADIX_BITS = 5  # bits per radix digit: 32 bins cost a third of 256 per bit of selection
 _TAU_BITS = 15  # tau's precision in key bits below the ones all units share
+_SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
+_COUNT_MERGE = 1  # scan splits per count program
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
@@ -446,7 +448,7 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
                  split, groups_per_split, n_splits, G: tl.constexpr, C: tl.constexpr, UNIT_BLOCK: tl.constexpr,
                  GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
                  EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr, BITS: tl.constexpr,
-                 TAU_HISTS: tl.constexpr):
+                 TAU_HISTS: tl.constexpr, SELECT_BITS: tl.constexpr):
     """Steps 2-3 for one split (SINGLE: the row's only one): the row's tau, the split's hot groups and its
     candidates (in column order, in its own area); the row's last split to get there then finishes the row."""
     g_first = split * groups_per_split
@@ -465,7 +467,7 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
         last = tl.atomic_add(arrivals, 1, sem="acq_rel") == n_splits - 1
     if last:
         _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_splits, CAP, K_PAD, EXACT_TILE,
-                SPLIT_BLOCK, SINGLE, BITS)
+                SPLIT_BLOCK, SINGLE, SELECT_BITS)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
@@ -473,8 +475,8 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
                  cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, C: tl.constexpr,
                  TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                  CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
-                 SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, SINGLE: tl.constexpr,
-                 FUSED: tl.constexpr, PREFETCH: tl.constexpr):
+                 SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, SELECT_BITS: tl.constexpr,
+                 SINGLE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr):
     """Step 1 over one split of a row. FUSED (one split per row): steps 2-3 follow in the same program,
     while the row's maxima are fresh. A split row's first split resets the row's arrival count, which the
     count launch (after this one) uses."""
@@ -492,7 +494,8 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
         _count_split(row_scores, row_gm, stride_gm, hot_ptr + row.to(tl.int64) * stride_gm, arrivals_ptr,
                      counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
                      out_ptr + row.to(tl.int64) * k, length, k, 0, tiles_per_split * (TILE // G), 1, G, C,
-                     UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True, BITS, TAU_HISTS)
+                     UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True, BITS, TAU_HISTS,
+                     SELECT_BITS)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
@@ -500,7 +503,8 @@ def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, 
                   cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, C: tl.constexpr,
                   TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                   CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
-                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, SINGLE: tl.constexpr):
+                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, SELECT_BITS: tl.constexpr,
+                  SINGLE: tl.constexpr):
     """Steps 2-3 for one split of a row, after the scan launch stored every maximum of the row."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
@@ -510,7 +514,7 @@ def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, 
                  cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits), place_ptr + row.to(tl.int64) * (CAP + n_splits),
                  out_ptr + row.to(tl.int64) * k, length, k, tl.program_id(1), tiles_per_split * (TILE // G),
                  n_splits, G, C, UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, SINGLE, BITS,
-                 TAU_HISTS)
+                 TAU_HISTS, SELECT_BITS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,8 +543,9 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                  programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
                  count_warps: int = _COUNT_WARPS, gm_block: int = _GM_BLOCK, gather: int = _GATHER,
                  prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
-                 radix_bits: int = _RADIX_BITS, fused: bool = _FUSED, unit_block: int = _UNIT_BLOCK,
-                 tau_bits: int = _TAU_BITS) -> torch.Tensor:
+                 radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS, fused: bool = _FUSED,
+                 unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS, count_merge: int = _COUNT_MERGE,
+                 maxnreg: int | None = None) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -557,27 +562,31 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     splits = max(1, min(tiles, triton.cdiv(programs_per_sm * num_sms(device), rows)))
     tiles_per_split = triton.cdiv(tiles, splits)
     n_splits = triton.cdiv(tiles, tiles_per_split)
-    single = n_splits == 1
-    fused = fused and single
+    fused = fused and n_splits == 1
+    # the count launch may take several scan splits a program: fewer programs join each row's candidates
+    count_tiles = tiles_per_split * count_merge
+    count_splits = triton.cdiv(tiles, count_tiles)
     gm_stride = triton.cdiv(triton.cdiv(n_cols, group), 16) * 16
     stride = scores.stride(0)
     vec = scores.data_ptr() % 16 == 0 and stride % 4 == 0
     lengths = lengths.to(device=device, dtype=torch.int32)
-    arrivals = torch.empty(0 if single else rows, dtype=torch.int32, device=device)  # reset by the scan launch
+    arrivals = torch.empty(rows if count_splits > 1 else 0, dtype=torch.int32, device=device)  # reset by the scan
     gm = torch.empty((rows, 2, gm_stride), dtype=torch.int32, device=device)  # group maxima, coarse maxima
     hot = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
-    counts = torch.empty((rows, n_splits), dtype=torch.int32, device=device)
-    cand = torch.empty((rows, n_splits, 2, cap), dtype=torch.int32, device=device)
-    place = torch.empty((0 if single else rows, cap + n_splits), dtype=torch.int32, device=device)
-    args = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k,
-            tiles_per_split, n_splits)
+    counts = torch.empty((rows, count_splits), dtype=torch.int32, device=device)
+    cand = torch.empty((rows, count_splits, 2, cap), dtype=torch.int32, device=device)
+    place = torch.empty((rows if count_splits > 1 else 0, cap + count_splits), dtype=torch.int32, device=device)
     blocks = dict(G=group, C=coarse, TILE=tile, UNIT_BLOCK=unit_block, GM_BLOCK=gm_block, GATHER=gather, CAP=cap,
                   K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, BITS=radix_bits,
-                  TAU_HISTS=triton.cdiv(tau_bits, radix_bits), SINGLE=single)
-    _scan_kernel[(rows, n_splits)](*args, **blocks, FUSED=fused, PREFETCH=prefetch,
-                                   num_warps=count_warps if fused else scan_warps)
+                  TAU_HISTS=triton.cdiv(tau_bits, radix_bits), SELECT_BITS=select_bits)
+    limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
+    head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)
+    _scan_kernel[(rows, n_splits)](*head, tiles_per_split, n_splits, **blocks, SINGLE=count_splits == 1,
+                                   FUSED=fused, PREFETCH=prefetch, num_warps=count_warps if fused else scan_warps,
+                                   **(limits if fused else {}))
     if not fused:
-        _count_kernel[(rows, n_splits)](*args, **blocks, num_warps=count_warps)
+        _count_kernel[(rows, count_splits)](*head, count_tiles, count_splits, **blocks, SINGLE=count_splits == 1,
+                                            num_warps=count_warps, **limits)
     return out
 
 

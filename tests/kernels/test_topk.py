@@ -93,7 +93,7 @@ def test_bad_arguments_fail_loudly(topk):
 
 def test_kernels_take_no_shape_as_constexpr(topk):
     allowed = {"G", "C", "TILE", "UNIT_BLOCK", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE",
-               "FUSED", "SPLIT_BLOCK", "PREFETCH", "BITS", "TAU_HISTS"}
+               "FUSED", "SPLIT_BLOCK", "PREFETCH", "BITS", "TAU_HISTS", "SELECT_BITS"}
     for kernel in (topk._scan_kernel, topk._count_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
@@ -103,14 +103,17 @@ def test_kernels_take_no_shape_as_constexpr(topk):
 def test_rows_split_over_many_programs_equal_reference(topk):
     """Many programs per row: candidates joined from every split's area, including rows whose candidates
     overflow (ties) and rows shorter than one split; one program per row with small blocks, with the count
-    in the scan program or launched after it; other digit widths; tau from more maxima than fit in registers
-    at once; rows too short for coarse maxima (1500: tau from the group maxima)."""
+    in the scan program or launched after it; count programs that take several scan splits, or a whole row;
+    other digit widths; tau from more maxima than fit in registers at once; rows too short for coarse maxima
+    (1500: tau from the group maxima)."""
     scores = hard_rows(9000)
     lengths = torch.tensor([9000, 8999, 5000, 1, 17, 1500])
     for knobs in (dict(tile=512, programs_per_sm=8), dict(tile=512, programs_per_sm=8, prefetch=False),
                   dict(tile=1024, programs_per_sm=1, gm_block=256, gather=128),
                   dict(tile=1024, programs_per_sm=1, fused=False, radix_bits=8, unit_block=32),
-                  dict(tile=512, programs_per_sm=8, radix_bits=6, unit_block=64, units_per_k=8)):
+                  dict(tile=512, programs_per_sm=8, radix_bits=6, unit_block=64, units_per_k=8),
+                  dict(tile=512, programs_per_sm=8, count_merge=3, select_bits=8),
+                  dict(tile=512, programs_per_sm=8, count_merge=64, select_bits=6)):
         got = topk._topk_triton(scores, lengths, 16, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, 16))
         check_against_torch(scores, lengths, 16, got)
