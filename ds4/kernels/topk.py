@@ -135,8 +135,8 @@ def _above_digit(u, p: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _count_and_max(count_a, max_a, count_b, max_b):
-    return count_a + count_b, tl.maximum(max_a, max_b)
+def _bin_counts(count_a, max_a, min_a, count_b, max_b, min_b):
+    return count_a + count_b, tl.maximum(max_a, max_b), tl.minimum(min_a, min_b)
 
 
 @triton.jit
@@ -146,13 +146,15 @@ def _max_and_min(max_a, min_a, max_b, min_b):
 
 @triton.jit
 def _threshold_bin(hist, rank, BITS: tl.constexpr):
-    """Highest bin b whose count together with all higher bins reaches `rank`; also the count above b.
-    The counts at or above each bin fall with the bin, so b is one less than the number of bins that
-    reach `rank`, and the count above b is the largest that does not (one reduction for both)."""
+    """Highest bin b whose count together with all higher bins reaches `rank`, the count above b, and the
+    count at or above b. Those counts fall with the bin, so b is one less than the number of bins that
+    reach `rank`, the count above b is the largest that does not, and the count at or above b the
+    smallest that does (one reduction for all three)."""
     at_or_above = tl.cumsum(hist, axis=0, reverse=True)
     reach = at_or_above >= rank
-    n_reach, above = tl.reduce((reach.to(tl.int32), tl.where(reach, 0, at_or_above)), 0, _count_and_max)
-    return n_reach - 1, above
+    n_reach, above, at = tl.reduce((reach.to(tl.int32), tl.where(reach, 0, at_or_above),
+                                    tl.where(reach, at_or_above, INT_MAX)), 0, _bin_counts)
+    return n_reach - 1, above, at
 
 
 @triton.jit
@@ -160,7 +162,8 @@ def _radix_select(keys, live, rank, BITS: tl.constexpr, HISTS: tl.constexpr):
     """Radix select over keys[live], BITS per digit, with at most HISTS histogram passes: the largest t of
     the form (leading digits of a key, zeros below) with at least `rank` live keys >= t, and how many live
     keys exceed t. Digits on which all live keys agree are read off the largest key without a histogram,
-    so with HISTS >= the digit count t is exactly the rank-th largest live key."""
+    and the select stops as soon as exactly `rank` live keys reach a digit's bin: then exactly `rank` live
+    keys are >= t. Otherwise, with HISTS >= the digit count, t is exactly the rank-th largest live key."""
     hi, lo = tl.reduce((tl.where(live, keys, INT_MIN), tl.where(live, keys, INT_MAX)), 0, _max_and_min)
     differ = hi ^ lo  # the bits above its highest set bit are shared by every live key
     hi_u = hi ^ INT_MIN
@@ -168,18 +171,25 @@ def _radix_select(keys, live, rank, BITS: tl.constexpr, HISTS: tl.constexpr):
     prefix = hi_u * 0
     above = hi_u * 0
     hists = hi_u * 0
+    settled = hi_u * 0
     for p in tl.static_range((32 + BITS - 1) // BITS):
-        if (differ >> _digit_shift(p, BITS)) == 0:
-            prefix = prefix | (_digit(hi_u, p, BITS) << _digit_shift(p, BITS))
-        elif hists < HISTS:
-            match = live
-            if p > 0:
-                match = live & (_above_digit(u, p, BITS) == _above_digit(prefix, p, BITS))
-            b, more = _threshold_bin(tl.histogram(_digit(u, p, BITS), 1 << BITS, mask=match), rank - above, BITS)
-            above += more
-            prefix = prefix | (b << _digit_shift(p, BITS))
-            hists += 1
-    return prefix ^ INT_MIN, above
+        if settled == 0:
+            if (differ >> _digit_shift(p, BITS)) == 0:
+                prefix = prefix | (_digit(hi_u, p, BITS) << _digit_shift(p, BITS))
+            elif hists < HISTS:
+                match = live
+                if p > 0:
+                    match = live & (_above_digit(u, p, BITS) == _above_digit(prefix, p, BITS))
+                hist = tl.histogram(_digit(u, p, BITS), 1 << BITS, mask=match)
+                b, more, at = _threshold_bin(hist, rank - above, BITS)
+                prefix = prefix | (b << _digit_shift(p, BITS))
+                settled = (at == rank - above).to(tl.int32)
+                above += more
+                hists += 1
+    t = prefix ^ INT_MIN
+    if settled != 0:  # exactly rank live keys are >= t; those equal to t are not above it
+        above = rank - tl.sum((live & (keys == t)).to(tl.int32), axis=0)
+    return t, above
 
 
 @triton.jit
@@ -278,7 +288,7 @@ def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNI
                     if p > 0:
                         match = real & (_above_digit(key_u, p, BITS) == _above_digit(prefix, p, BITS))
                     hist += tl.histogram(_digit(key_u, p, BITS), 1 << BITS, mask=match)
-                b, more = _threshold_bin(hist, k - above, BITS)
+                b, more, _ = _threshold_bin(hist, k - above, BITS)
                 above += more
                 prefix = prefix | (b << _digit_shift(p, BITS))
             tau = prefix ^ INT_MIN
@@ -313,24 +323,23 @@ def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G
     step: tl.constexpr = GATHER // G
     j = tl.arange(0, step)
     lane = tl.arange(0, G)[None, :]
-    cols = tl.load(hot_list + j, mask=j < hot_count, other=0)[:, None] * G + lane
-    inside = (j < hot_count)[:, None] & (cols < length)
-    x = tl.load(row_scores + cols, mask=inside, other=0.0)
+    group = tl.load(hot_list + j, mask=j < hot_count, other=0)
+    x = tl.load(row_scores + group[:, None] * G + lane,
+                mask=(j < hot_count)[:, None] & (group[:, None] * G + lane < length), other=0.0)
     after = tl.load(hot_list + step + j, mask=step + j < hot_count, other=0)
     found = hot_count * 0
     for h0 in range(0, hot_count, step):
-        take = inside & (_order_key(x) >= tau)
-        key = tl.reshape(_order_key(x), [GATHER])
-        here = tl.reshape(cols, [GATHER])
-        cols = after[:, None] * G + lane
-        inside = (h0 + step + j < hot_count)[:, None] & (cols < length)
-        x = tl.load(row_scores + cols, mask=inside, other=0.0)
+        cols = group[:, None] * G + lane
+        key = _order_key(x)
+        take = tl.reshape((h0 + j < hot_count)[:, None] & (cols < length) & (key >= tau), [GATHER]).to(tl.int32)
+        group = after
+        x = tl.load(row_scores + group[:, None] * G + lane,
+                    mask=(h0 + step + j < hot_count)[:, None] & (group[:, None] * G + lane < length), other=0.0)
         after = tl.load(hot_list + h0 + 2 * step + j, mask=h0 + 2 * step + j < hot_count, other=0)
-        take = tl.reshape(take, [GATHER]).to(tl.int32)
         slot = found + tl.cumsum(take, axis=0) - 1
         keep = (take != 0) & (slot < CAP)
-        tl.store(cand_row + slot, key, mask=keep)
-        tl.store(cand_row + CAP + slot, here, mask=keep)
+        tl.store(cand_row + slot, tl.reshape(key, [GATHER]), mask=keep)
+        tl.store(cand_row + CAP + slot, tl.reshape(cols, [GATHER]), mask=keep)
         found += tl.sum(take, axis=0)
     return found
 
@@ -369,7 +378,7 @@ def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: 
             if p > 0:
                 inside = inside & (_above_digit(u, p, 8) == _above_digit(prefix, p, 8))
             hist += tl.histogram(_digit(u, p, 8), 256, mask=inside)
-        b, more = _threshold_bin(hist, rank - above, 8)
+        b, more, _ = _threshold_bin(hist, rank - above, 8)
         above += more
         prefix = prefix | (b << _digit_shift(p, 8))
     threshold = prefix ^ INT_MIN
@@ -454,8 +463,11 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
     g_first = split * groups_per_split
     g_end = tl.maximum(g_first, tl.minimum(g_first + groups_per_split, (length + G - 1) // G))
     g = g_first + tl.arange(0, GM_BLOCK)
-    first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)  # in flight while tau is found
+    if not SINGLE:  # in flight while tau is found (a whole row's first block would cost registers instead)
+        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
     tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS)
+    if SINGLE:
+        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
     hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, first_block, GM_BLOCK)
     tl.debug_barrier()
     split_cand = cand_row + split * (2 * CAP)
