@@ -12,19 +12,18 @@ Order (the spec, shared by the torch reference and the Triton kernels):
 `lengths` are clamped to [0, scores.shape[1]]; rows may have any stride (the last dim is contiguous).
 
 How the Triton path stays exact and fast. A row is cut into groups of G entries (G chosen so a
-full-length row has >= 8k groups) and, when rows are few, into splits that separate programs work on.
-One launch per call when each row has one program, two (after zeroing a small workspace) when rows are
-split; no program ever waits on another, and nothing but the shapes sizes the workspaces (no host sync,
-graph-safe).
-  1. scan (rows x splits): one read of the row in 16-byte loads; each group's maximum order key goes
-     to a workspace and into a 256-bin histogram of its top byte (summed over the splits by atomics).
-  2. count (rows x splits; the scan program itself when a row has one): every program derives the
-     row's threshold tau from that histogram and a second-byte histogram of the group maxima in the
-     threshold bin: a 16-bit-precise lower bound with at least min(k, groups) group maxima >= tau.
-     Each such maximum is an entry >= tau, so the top k are among the entries >= tau, and those can
-     only sit in groups whose maximum reaches tau. The program lists its split's hot groups, re-reads
-     only those, and writes their entries >= tau in column order to its split's own candidate area
-     (CAP slots; more are only counted).
+full-length row has >= 8k groups), groups into coarse groups of C (so it has >= 2k of those), and, when
+rows are few, into splits that separate programs work on. One launch per call when each row has one
+program, two when rows are split; no program ever waits on another, and nothing but the shapes sizes
+the workspaces (no host sync, graph-safe).
+  1. scan (rows x splits): one read of the row in 16-byte loads; each group's and each coarse group's
+     maximum order key go to a workspace. Nothing else: the read runs at copy speed.
+  2. count (rows x count splits; the scan program itself when a row has one): every program derives the
+     row's threshold tau, a lower bound of the k-th largest coarse maximum, by a radix select over
+     them. Each maximum is a distinct entry, so at least k entries are >= tau; the top k are among
+     them, and they can only sit in groups whose maximum reaches tau. The program lists its split's hot
+     groups, re-reads only those, and writes their entries >= tau in column order to its split's own
+     candidate area (CAP slots; more are only counted).
   3. finish, by the row's last split to arrive (an atomic count): the splits' areas are joined into
      one column-ordered block (each slot's split found by a running maximum over the splits' first
      slots), then an exact radix select over it in registers (and a second one over column numbers
@@ -32,6 +31,9 @@ graph-safe).
      When the candidates did not fit in CAP (tie-dominated rows, for instance), an exact radix select
      over the whole row instead (4 byte passes, then an in-order gather that takes the lowest-column
      ties). An overflowing buffer only changes which path runs, never the result.
+Radix selects use 5-bit digits (a 32-bin tl.histogram costs a third of a 256-bin one per bit), read
+digits that all live keys share off the largest key, and stop at the first digit whose threshold bin
+holds exactly the keys still wanted, so a select over spread-out values takes two or three histograms.
 """
 
 from __future__ import annotations
