@@ -56,15 +56,16 @@ _MIN_CAP = 256
 _EXACT_TILE = 1024  # entries per step of the rare whole-row fallback (small, so it costs no registers elsewhere)
 _PROGRAMS_PER_SM = 4  # scan programs per SM when a batch has few rows
 _SCAN_WARPS = 4
-_COUNT_WARPS = 4
+_COUNT_WARPS = 8  # the count launch: its programs are latency-bound chains of block-wide steps
+_FUSED_WARPS = 4  # scan and count in one program: the read wants more programs, not wider ones
 _PREFETCH = True  # issue the next tile's load before the current one is reduced
 _FUSED = True  # a row with one program selects in the scan program, while its maxima are fresh
-_UNITS_PER_K = 2  # tau comes from >= 2k coarse group maxima (about 1.4 k candidates on spread-out data)
+_UNITS_PER_K = 4  # tau comes from >= 4k coarse group maxima (about 1.15 k candidates on spread-out data)
 _UNIT_BLOCK = 2048  # coarse maxima held in registers at once (more are streamed, once per digit)
 _RADIX_BITS = 5  # bits per radix digit: 32 bins cost a third of 256 per bit of selection
 _TAU_BITS = 15  # tau's precision in key bits below the ones all units share
 _SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
-_COUNT_MERGE = 1  # scan splits per count program
+_COUNT_MERGE = 2  # scan splits per count program (fewer programs join each row's candidates)
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
@@ -555,7 +556,8 @@ def _coarse_size(n_cols: int, k: int, group: int, tile: int, units_per_k: int = 
 
 def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE,
                  programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
-                 count_warps: int = _COUNT_WARPS, gm_block: int = _GM_BLOCK, gather: int = _GATHER,
+                 count_warps: int = _COUNT_WARPS, fused_warps: int = _FUSED_WARPS, gm_block: int = _GM_BLOCK,
+                 gather: int = _GATHER,
                  prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
                  radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS, fused: bool = _FUSED,
                  unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS, count_merge: int = _COUNT_MERGE,
@@ -596,7 +598,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
     head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)
     _scan_kernel[(rows, n_splits)](*head, tiles_per_split, n_splits, **blocks, SINGLE=count_splits == 1,
-                                   FUSED=fused, PREFETCH=prefetch, num_warps=count_warps if fused else scan_warps,
+                                   FUSED=fused, PREFETCH=prefetch, num_warps=fused_warps if fused else scan_warps,
                                    **(limits if fused else {}))
     if not fused:
         _count_kernel[(rows, count_splits)](*head, count_tiles, count_splits, **blocks, SINGLE=count_splits == 1,
