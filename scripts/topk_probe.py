@@ -1,11 +1,10 @@
-"""Where the top-k time goes on the GPU: each step timed alone, and stripped-down scans against a plain read."""
+"""Stripped-down top-k scans against a plain read on the GPU: what loading, storing maxima and histograms
+cost (scripts/topk_trace.py times the real kernels step by step)."""
 
 import torch
 import triton
 import triton.language as tl
 import triton.testing
-
-from ds4.kernels import topk as tk
 
 
 def ms(fn):
@@ -40,7 +39,7 @@ def _probe_scan(x_ptr, stride, gm_ptr, n_cols, G: tl.constexpr, TILE: tl.constex
 
 
 def main():
-    rows, cols, k = 2048, 65536, 512
+    rows, cols = 2048, 65536
     x = torch.randn(rows, cols, device="cuda")
     gm = torch.empty(rows, cols // 16 + 16, dtype=torch.int32, device="cuda")
     gb = rows * cols * 4
@@ -53,28 +52,6 @@ def main():
                                                    ARG=arg, num_warps=warps))
                 print(f"probe scan warps {warps} tile {tile} hist {hist} store {store} arg {arg}: {t * 1e3:.1f} us "
                       f"{gb / t / 1e9:.2f} TB/s")
-    # each step of the real pipeline alone (one split per row: scan, count, finish are idempotent)
-    for shape in ((2048, 65536), (64, 131072), (1, 1048576)):
-        r, c = shape
-        x = torch.randn(r, c, device="cuda")
-        lengths = torch.full((r,), c, device="cuda", dtype=torch.int32)
-        launches = []
-        real_launch = triton.runtime.jit.JITFunction.run
-
-        def spy(self, *args, grid, warmup, **kwargs):
-            launches.append((self, args, grid, kwargs))
-            return real_launch(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-        triton.runtime.jit.JITFunction.run = spy
-        tk._topk_triton(x, lengths, k)
-        triton.runtime.jit.JITFunction.run = real_launch
-        parts = []
-        for fn, args, grid, kwargs in launches:
-            if fn.fn.__name__ == "_scan_kernel" and not kwargs.get("SINGLE"):
-                continue  # adds into the histogram: not idempotent
-            t = ms(lambda: fn.run(*args, grid=grid, warmup=False, **kwargs))
-            parts.append(f"{fn.fn.__name__} {t * 1e3:.1f}")
-        print(shape, "alone (us):", ", ".join(parts))
 
 
 main()

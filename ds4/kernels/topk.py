@@ -12,7 +12,7 @@ Order (the spec, shared by the torch reference and the Triton kernels):
 `lengths` are clamped to [0, scores.shape[1]]; rows may have any stride (the last dim is contiguous).
 
 How the Triton path stays exact and fast. A row is cut into groups of G entries (G chosen so a
-full-length row has >= 16k groups), groups into coarse groups of C (so it has >= 2k of those), and, when
+full-length row has >= 16k groups), groups into coarse groups of C (so it has >= 4k of those), and, when
 rows are few, into splits that separate programs work on. One launch per call when each row has one
 program, two when rows are split; no program ever waits on another, and nothing but the shapes sizes
 the workspaces (no host sync, graph-safe).
@@ -127,6 +127,7 @@ def _digit(u, p: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _digit_shift(p: tl.constexpr, BITS: tl.constexpr):
+    """Where digit p starts: the bit its lowest bit sits at."""
     shift: tl.constexpr = 32 - BITS * (p + 1) if 32 - BITS * (p + 1) >= 0 else 0
     return shift
 
@@ -148,7 +149,7 @@ def _max_and_min(max_a, min_a, max_b, min_b):
 
 
 @triton.jit
-def _threshold_bin(hist, rank, BITS: tl.constexpr):
+def _threshold_bin(hist, rank):
     """Highest bin b whose count together with all higher bins reaches `rank`, the count above b, and the
     count at or above b. Those counts fall with the bin, so b is one less than the number of bins that
     reach `rank`, the count above b is the largest that does not, and the count at or above b the
@@ -184,7 +185,7 @@ def _radix_select(keys, live, rank, BITS: tl.constexpr, HISTS: tl.constexpr):
                 if p > 0:
                     match = live & (_above_digit(u, p, BITS) == _above_digit(prefix, p, BITS))
                 hist = tl.histogram(_digit(u, p, BITS), 1 << BITS, mask=match)
-                b, more, at = _threshold_bin(hist, rank - above, BITS)
+                b, more, at = _threshold_bin(hist, rank - above)
                 prefix = prefix | (b << _digit_shift(p, BITS))
                 settled = (at == rank - above).to(tl.int32)
                 above += more
@@ -291,7 +292,7 @@ def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNI
                     if p > 0:
                         match = real & (_above_digit(key_u, p, BITS) == _above_digit(prefix, p, BITS))
                     hist += tl.histogram(_digit(key_u, p, BITS), 1 << BITS, mask=match)
-                b, more, _ = _threshold_bin(hist, k - above, BITS)
+                b, more, _ = _threshold_bin(hist, k - above)
                 above += more
                 prefix = prefix | (b << _digit_shift(p, BITS))
             tau = prefix ^ INT_MIN
@@ -381,7 +382,7 @@ def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: 
             if p > 0:
                 inside = inside & (_above_digit(u, p, 8) == _above_digit(prefix, p, 8))
             hist += tl.histogram(_digit(u, p, 8), 256, mask=inside)
-        b, more, _ = _threshold_bin(hist, rank - above, 8)
+        b, more, _ = _threshold_bin(hist, rank - above)
         above += more
         prefix = prefix | (b << _digit_shift(p, 8))
     threshold = prefix ^ INT_MIN
