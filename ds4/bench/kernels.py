@@ -84,7 +84,8 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
 
 TOPK_VARIANTS = [{},  # the defaults
                  dict(groups_per_k=8), dict(units_per_k=2), dict(count_merge=1), dict(count_merge=4),
-                 dict(maxnreg=64), dict(fused_warps=8), dict(maxnreg=96), dict(fused=False)]
+                 dict(maxnreg=64), dict(fused_warps=8), dict(fused=False), dict(fused=False, maxnreg=64),
+                 dict(fused=False, count_warps=4, maxnreg=64)]
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512)]
 
 
