@@ -122,7 +122,7 @@ def test_rows_split_over_many_programs_equal_reference(topk):
 def test_one_finite_entry_per_coarse_group_is_exact(topk):
     """The tightest case for tau: each coarse group holds a single finite entry (the rest -inf), so exactly
     the k largest maxima are the answer and a threshold one rank too high, or a hot group skipped by the
-    gather's pipeline (two groups a step here), would lose one. Both tau paths: maxima held in registers,
+    gather's pipeline (a few groups a step here), would lose one. Both tau paths: maxima held in registers,
     and streamed in blocks."""
     k, cols = 16, 9000
     group = topk._group_size(cols, k)
