@@ -355,8 +355,9 @@ def _select_candidates(keys, cols, live, rank, out_row, k, K_PAD: tl.constexpr, 
     tie = live & (keys == threshold)
     ties_wanted = rank - above
     lowest_first = INT_MAX - cols  # larger for lower columns, so ties resolve by the same select
-    cut = tl.sum(tie.to(tl.int32), axis=0) * 0 + INT_MIN
-    if tl.sum(tie.to(tl.int32), axis=0) > ties_wanted:
+    n_ties = tl.sum(tie.to(tl.int32), axis=0)
+    cut = n_ties * 0 + INT_MIN
+    if n_ties > ties_wanted:
         cut = _radix_select(lowest_first, tie, ties_wanted, BITS, (32 + BITS - 1) // BITS)[0]
     take = (live & (keys > threshold)) | (tie & (lowest_first >= cut))
     take = take & (rank > 0)
