@@ -28,6 +28,18 @@ def num_sms(device: torch.device) -> int:
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def launches_dependents_early(device: torch.device) -> bool:
+    """True when a kernel may start before the one it depends on ends (programmatic dependent launch, sm_90+)."""
+    if device.type != "cuda":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
 def _patch_interpreter_scalars() -> None:
     """Lets the Triton 3.6 interpreter use tensor scalars as loop bounds under numpy >= 2.4.
 

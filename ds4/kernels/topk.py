@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import num_sms
+from ds4.kernels._device import launches_dependents_early, num_sms
 
 MAX_K = 2048
 _TILE = 4096  # entries per streaming step of the scan
@@ -66,6 +66,7 @@ _RADIX_BITS = 5  # bits per radix digit: 32 bins cost a third of 256 per bit of 
 _TAU_BITS = 15  # tau's precision in key bits below the ones all units share
 _SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
 _COUNT_MERGE = 2  # scan splits per count program (fewer programs join each row's candidates)
+_PDL = True  # the count launch starts while the scan's last programs run, and waits for them on the device
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
@@ -493,10 +494,12 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
                  TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                  CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, SELECT_BITS: tl.constexpr,
-                 SINGLE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr):
+                 SINGLE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Step 1 over one split of a row. FUSED (one split per row): steps 2-3 follow in the same program,
     while the row's maxima are fresh. A split row's first split resets the row's arrival count, which the
-    count launch (after this one) uses."""
+    count launch (after this one) uses. PDL: the count launch may start once every scan program has."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
@@ -521,10 +524,13 @@ def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, 
                   TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                   CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
                   SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, SELECT_BITS: tl.constexpr,
-                  SINGLE: tl.constexpr):
-    """Steps 2-3 for one split of a row, after the scan launch stored every maximum of the row."""
+                  SINGLE: tl.constexpr, PDL: tl.constexpr):
+    """Steps 2-3 for one split of a row, after the scan launch stored every maximum of the row (PDL: the
+    program may start before that, so it waits for the scan launch to finish before reading its results)."""
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     row_gm = gm_ptr + row.to(tl.int64) * (2 * stride_gm)
     _count_split(_row_scores(scores_ptr, row, stride_row, VEC), row_gm, stride_gm,
                  hot_ptr + row.to(tl.int64) * stride_gm, arrivals_ptr + row, counts_ptr + row.to(tl.int64) * n_splits,
@@ -563,7 +569,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                  prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
                  radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS, fused: bool = _FUSED,
                  unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS, count_merge: int = _COUNT_MERGE,
-                 maxnreg: int | None = None) -> torch.Tensor:
+                 maxnreg: int | None = None, pdl: bool = _PDL) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -598,13 +604,15 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                   K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, BITS=radix_bits,
                   TAU_HISTS=triton.cdiv(tau_bits, radix_bits), SELECT_BITS=select_bits)
     limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
+    pdl = pdl and launches_dependents_early(device)
     head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)
     _scan_kernel[(rows, n_splits)](*head, tiles_per_split, n_splits, **blocks, SINGLE=count_splits == 1,
-                                   FUSED=fused, PREFETCH=prefetch, num_warps=fused_warps if fused else scan_warps,
+                                   FUSED=fused, PREFETCH=prefetch, PDL=pdl and not fused,
+                                   num_warps=fused_warps if fused else scan_warps,
                                    **(limits if fused else {}))
     if not fused:
         _count_kernel[(rows, count_splits)](*head, count_tiles, count_splits, **blocks, SINGLE=count_splits == 1,
-                                            num_warps=count_warps, **limits)
+                                            PDL=pdl, num_warps=count_warps, launch_pdl=pdl, **limits)
     return out
 
 

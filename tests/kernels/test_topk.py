@@ -93,7 +93,7 @@ def test_bad_arguments_fail_loudly(topk):
 
 def test_kernels_take_no_shape_as_constexpr(topk):
     allowed = {"G", "C", "TILE", "UNIT_BLOCK", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE",
-               "FUSED", "SPLIT_BLOCK", "PREFETCH", "BITS", "TAU_HISTS", "SELECT_BITS"}
+               "FUSED", "SPLIT_BLOCK", "PREFETCH", "BITS", "TAU_HISTS", "SELECT_BITS", "PDL"}
     for kernel in (topk._scan_kernel, topk._count_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
