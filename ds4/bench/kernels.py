@@ -83,9 +83,10 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
 
 
 TOPK_VARIANTS = [{},  # the defaults
-                 dict(pdl=False), dict(count_merge=1), dict(count_merge=4), dict(groups_per_k=8), dict(units_per_k=2),
-                 dict(maxnreg=64), dict(fused=False, count_warps=4), dict(fused=False, count_warps=4, maxnreg=64),
+                 dict(pdl=False), dict(count_merge=1), dict(count_merge=4), dict(units_per_k=2),
+                 dict(fused=False, count_warps=4), dict(fused=False, count_warps=4, maxnreg=64),
                  dict(fused=False, count_warps=4, maxnreg=80), dict(fused=False, count_warps=8, maxnreg=64),
+                 dict(fused=False, count_warps=8, gather=512), dict(fused=False, count_warps=4, gather=512, maxnreg=64),
                  dict(fused=False, count_warps=4, maxnreg=64, scan_warps=8),
                  dict(fused=False, count_warps=4, maxnreg=64, pdl=False)]
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512)]
