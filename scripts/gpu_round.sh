@@ -8,12 +8,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache
 . scripts/install_device_wheels.sh
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
-timeout 150 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gpu_kernels.py -k "not indexer" \
+timeout 120 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gpu_kernels.py -k "not indexer" \
   tests/engine/test_engine_gpu.py 2>&1 | tail -n 15
-timeout 260 python3 -c "import sys; from ds4.bench.kernels import main; sys.exit(main(sys.argv[1:]))" \
+timeout 300 python3 -c "import sys; from ds4.bench.kernels import main; sys.exit(main(sys.argv[1:]))" \
   --skip-indexer --all-tiles --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 sed -n '/top-k rows x cols/,$p' "$OUT/bench.log" | grep -v '^compiled' | cut -c1-200
 grep '^compiled' "$OUT/bench.log" | cut -c1-160
-for knobs in "$@"; do timeout 60 python3 scripts/topk_trace.py $knobs 2>&1 | tail -n 40; done
+for knobs in "$@"; do timeout 50 python3 scripts/topk_trace.py $knobs 2>&1 | tail -n 40; done
 

@@ -66,10 +66,13 @@ _RADIX_BITS = 5  # bits per radix digit: 32 bins cost a third of 256 per bit of 
 _TAU_BITS = 15  # tau's precision in key bits below the ones all units share
 _SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
 _COUNT_MERGE = 2  # scan splits per count program (fewer programs join each row's candidates)
+_TAU_LINEAR = False  # tau from two histograms of the maxima placed linearly in their range, not a radix select
 _PDL = True  # the count launch starts while the scan's last programs run, and waits for them on the device
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
+POS_INF_KEY = tl.constexpr(0x7F800000)  # order keys of +inf and -inf
+NEG_INF_KEY = tl.constexpr(-0x7F800001)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,6 +201,25 @@ def _radix_select(keys, live, rank, BITS: tl.constexpr, HISTS: tl.constexpr):
 
 
 @triton.jit
+def _linear_threshold(keys, live, rank, BITS: tl.constexpr):
+    """A t with at least `rank` live keys >= t, from two histograms of keys placed linearly between the
+    live finite keys' extremes (2 * BITS bits of that range; keys outside it are clamped to its ends):
+    the smallest live key in the finest bin that, with all above it, holds `rank` keys. A key's bin never
+    falls as the key grows, so every key in those bins is >= t. Cheaper than a radix select when digits
+    far from the data's spread (the exponent's) would cost a histogram each."""
+    NB: tl.constexpr = 1 << BITS
+    finite = live & (keys > NEG_INF_KEY) & (keys < POS_INF_KEY)
+    hi, lo = tl.reduce((tl.where(finite, keys, INT_MIN), tl.where(finite, keys, INT_MAX)), 0, _max_and_min)
+    lo = tl.minimum(lo, hi).to(tl.float32)
+    scale = (NB * NB) / (tl.maximum(hi.to(tl.float32) - lo, 0.0) + 1.0)
+    place = tl.minimum(tl.maximum((keys.to(tl.float32) - lo) * scale, 0.0), NB * NB - 1).to(tl.int32)
+    b, above, _ = _threshold_bin(tl.histogram(place >> BITS, NB, mask=live), rank)
+    fine = tl.histogram(place & (NB - 1), NB, mask=live & ((place >> BITS) == b))
+    cut = b * NB + _threshold_bin(fine, rank - above)[0]
+    return tl.min(tl.where(live & (place >= cut), keys, INT_MAX), axis=0)
+
+
+@triton.jit
 def _row_length(lengths_ptr, row, n_cols):
     return tl.minimum(tl.maximum(tl.load(lengths_ptr + row), 0), n_cols)
 
@@ -262,7 +284,7 @@ def _scan_split(row_scores, row_gm, row_cm, length, first, tiles_per_split, G: t
 
 @triton.jit
 def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNIT_BLOCK: tl.constexpr,
-             BITS: tl.constexpr, TAU_HISTS: tl.constexpr):
+             BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr):
     """The row's collection threshold: a lower bound (TAU_HISTS digits precise) of the k-th largest of the
     row's coarse maxima (at row_gm + cm_offset; the group maxima when the row has k coarse groups or fewer).
     Each maximum is a distinct entry, so at least k entries reach it; INT_MIN when even the groups are k or
@@ -279,7 +301,11 @@ def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNI
         if n_units <= UNIT_BLOCK:
             u = tl.arange(0, UNIT_BLOCK)
             real = u < n_units
-            tau = _radix_select(tl.load(units + u, mask=real, other=INT_MIN), real, k, BITS, TAU_HISTS)[0]
+            unit_keys = tl.load(units + u, mask=real, other=INT_MIN)
+            if TAU_LINEAR:
+                tau = _linear_threshold(unit_keys, real, k, BITS)
+            else:
+                tau = _radix_select(unit_keys, real, k, BITS, TAU_HISTS)[0]
         else:  # rows of more than UNIT_BLOCK units: one pass over them per digit, no digit skipped
             prefix = tau * 0
             above = tau * 0
@@ -463,7 +489,7 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
                  split, groups_per_split, n_splits, G: tl.constexpr, C: tl.constexpr, UNIT_BLOCK: tl.constexpr,
                  GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
                  EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr, BITS: tl.constexpr,
-                 TAU_HISTS: tl.constexpr, SELECT_BITS: tl.constexpr):
+                 TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr, SELECT_BITS: tl.constexpr):
     """Steps 2-3 for one split (SINGLE: the row's only one): the row's tau, the split's hot groups and its
     candidates (in column order, in its own area); the row's last split to get there then finishes the row."""
     g_first = split * groups_per_split
@@ -471,7 +497,7 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
     g = g_first + tl.arange(0, GM_BLOCK)
     if not SINGLE:  # in flight while tau is found (a whole row's first block would cost registers instead)
         first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
-    tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS)
+    tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
     if SINGLE:
         first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
     hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, first_block, GM_BLOCK)
@@ -493,7 +519,8 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
                  cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, C: tl.constexpr,
                  TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                  CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
-                 SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, SELECT_BITS: tl.constexpr,
+                 SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr,
+                 SELECT_BITS: tl.constexpr,
                  SINGLE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Step 1 over one split of a row. FUSED (one split per row): steps 2-3 follow in the same program,
     while the row's maxima are fresh. A split row's first split resets the row's arrival count, which the
@@ -515,7 +542,7 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
                      counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
                      out_ptr + row.to(tl.int64) * k, length, k, 0, tiles_per_split * (TILE // G), 1, G, C,
                      UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True, BITS, TAU_HISTS,
-                     SELECT_BITS)
+                     TAU_LINEAR, SELECT_BITS)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
@@ -523,8 +550,8 @@ def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, 
                   cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, C: tl.constexpr,
                   TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                   CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
-                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, SELECT_BITS: tl.constexpr,
-                  SINGLE: tl.constexpr, PDL: tl.constexpr):
+                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr,
+                  SELECT_BITS: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):
     """Steps 2-3 for one split of a row, after the scan launch stored every maximum of the row (PDL: the
     program may start before that, so it waits for the scan launch to finish before reading its results)."""
     row = tl.program_id(0)
@@ -537,7 +564,7 @@ def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, 
                  cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits), place_ptr + row.to(tl.int64) * (CAP + n_splits),
                  out_ptr + row.to(tl.int64) * k, length, k, tl.program_id(1), tiles_per_split * (TILE // G),
                  n_splits, G, C, UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, SINGLE, BITS,
-                 TAU_HISTS, SELECT_BITS)
+                 TAU_HISTS, TAU_LINEAR, SELECT_BITS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -569,7 +596,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                  prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
                  radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS, fused: bool = _FUSED,
                  unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS, count_merge: int = _COUNT_MERGE,
-                 maxnreg: int | None = None, pdl: bool = _PDL) -> torch.Tensor:
+                 maxnreg: int | None = None, pdl: bool = _PDL, tau_linear: bool = _TAU_LINEAR) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -602,7 +629,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     place = torch.empty((rows if count_splits > 1 else 0, cap + count_splits), dtype=torch.int32, device=device)
     blocks = dict(G=group, C=coarse, TILE=tile, UNIT_BLOCK=unit_block, GM_BLOCK=gm_block, GATHER=gather, CAP=cap,
                   K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, BITS=radix_bits,
-                  TAU_HISTS=triton.cdiv(tau_bits, radix_bits), SELECT_BITS=select_bits)
+                  TAU_HISTS=triton.cdiv(tau_bits, radix_bits), TAU_LINEAR=tau_linear, SELECT_BITS=select_bits)
     limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
     pdl = pdl and launches_dependents_early(device)
     head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)
