@@ -517,8 +517,8 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
                  TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                  CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr,
-                 SELECT_BITS: tl.constexpr,
-                 SINGLE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 SELECT_BITS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr,
+                 PDL: tl.constexpr):
     """Step 1 over one split of a row. FUSED (one split per row): steps 2-3 follow in the same program,
     while the row's maxima are fresh. A split row's first split resets the row's arrival count, which the
     count launch (after this one) uses. PDL: the count launch may start once every scan program has."""
