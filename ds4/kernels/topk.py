@@ -67,6 +67,8 @@ _TAU_BITS = 15  # tau's precision in key bits below the ones all units share
 _SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
 _COUNT_MERGE = 2  # scan splits per count program (fewer programs join each row's candidates)
 _TAU_LINEAR = False  # tau from two histograms of the maxima placed linearly in their range, not a radix select
+_SPLIT_TILES = 2**30  # most tiles a scan split takes (fewer: shorter programs that interleave better)
+_FUSED_SPLITS = False  # rows of several splits are counted by their last split to arrive, in the scan launch
 _PDL = True  # the count launch starts while the scan's last programs run, and waits for them on the device
 
 INT_MIN = tl.constexpr(-(2**31))
@@ -299,7 +301,7 @@ def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNI
         if n_units <= UNIT_BLOCK:
             u = tl.arange(0, UNIT_BLOCK)
             real = u < n_units
-            unit_keys = tl.load(units + u, mask=real, other=INT_MIN)
+            unit_keys = tl.load(units + u, mask=real, other=INT_MIN, cache_modifier=".cg")
             if TAU_LINEAR:
                 tau = _linear_threshold(unit_keys, real, k, BITS)
             else:
@@ -312,7 +314,7 @@ def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNI
                 for u0 in range(0, n_units, UNIT_BLOCK):
                     u = u0 + tl.arange(0, UNIT_BLOCK)
                     real = u < n_units
-                    key_u = tl.load(units + u, mask=real, other=INT_MIN) ^ INT_MIN
+                    key_u = tl.load(units + u, mask=real, other=INT_MIN, cache_modifier=".cg") ^ INT_MIN
                     match = real
                     if p > 0:
                         match = real & (_above_digit(key_u, p, BITS) == _above_digit(prefix, p, BITS))
@@ -336,7 +338,7 @@ def _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, first_block, GM_BLOC
     for g0 in range(g_first + GM_BLOCK, g_end, GM_BLOCK):
         g = g0 + tl.arange(0, GM_BLOCK)
         real = g < g_end
-        hot = real & (tl.load(row_gm + g, mask=real, other=INT_MIN) >= tau)
+        hot = real & (tl.load(row_gm + g, mask=real, other=INT_MIN, cache_modifier=".cg") >= tau)
         slot = hot_count + tl.cumsum(hot.to(tl.int32), axis=0) - 1
         tl.store(hot_list + slot, g, mask=hot)
         hot_count += tl.sum(hot.to(tl.int32), axis=0)
@@ -493,10 +495,10 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
     g_end = tl.maximum(g_first, tl.minimum(g_first + groups_per_split, (length + G - 1) // G))
     g = g_first + tl.arange(0, GM_BLOCK)
     if not SINGLE:  # in flight while tau is found (a whole row's first block would cost registers instead)
-        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
+        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN, cache_modifier=".cg")
     tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
     if SINGLE:
-        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
+        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN, cache_modifier=".cg")
     hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, first_block, GM_BLOCK)
     tl.debug_barrier()
     split_cand = cand_row + split * (2 * CAP)
@@ -519,27 +521,34 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr,
                  SELECT_BITS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr,
                  PDL: tl.constexpr):
-    """Step 1 over one split of a row. FUSED (one split per row): steps 2-3 follow in the same program,
-    while the row's maxima are fresh. A split row's first split resets the row's arrival count, which the
-    count launch (after this one) uses. PDL: the count launch may start once every scan program has."""
+    """Step 1 over one split of a row (a row's splits are neighbouring programs). FUSED: steps 2-3 for the
+    whole row follow in the program that scanned it, or in its last split to arrive (the host zeroes the
+    arrival counts), so one row's selection runs while other programs read. Otherwise a split row's first
+    split resets the row's arrival count, which the count launch (after this one) uses, and PDL lets that
+    launch start once every scan program has."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0)
+    row = tl.program_id(0) // n_splits
+    split = tl.program_id(0) - row * n_splits
     length = _row_length(lengths_ptr, row, n_cols)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
     row_gm = gm_ptr + row.to(tl.int64) * (2 * stride_gm)
-    _scan_split(row_scores, row_gm, row_gm + stride_gm, length, tl.program_id(1) * tiles_per_split, tiles_per_split,
+    _scan_split(row_scores, row_gm, row_gm + stride_gm, length, split * tiles_per_split, tiles_per_split,
                 G, C, TILE, PREFETCH)
     if not SINGLE:
-        if tl.program_id(1) == 0:
+        if split == 0:
             tl.store(arrivals_ptr + row, 0)
     if FUSED:
         tl.debug_barrier()
-        _count_split(row_scores, row_gm, stride_gm, hot_ptr + row.to(tl.int64) * stride_gm, arrivals_ptr,
-                     counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
-                     out_ptr + row.to(tl.int64) * k, length, k, 0, tiles_per_split * (TILE // G), 1, G, C,
-                     UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True, BITS, TAU_HISTS,
-                     TAU_LINEAR, SELECT_BITS)
+        last = n_splits == 1
+        if n_splits > 1:
+            last = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == n_splits - 1
+        if last:
+            _count_split(row_scores, row_gm, stride_gm, hot_ptr + row.to(tl.int64) * stride_gm, arrivals_ptr,
+                         counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
+                         out_ptr + row.to(tl.int64) * k, length, k, 0, n_splits * tiles_per_split * (TILE // G), 1,
+                         G, C, UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True, BITS,
+                         TAU_HISTS, TAU_LINEAR, SELECT_BITS)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
@@ -593,7 +602,8 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                  prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
                  radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS, fused: bool = _FUSED,
                  unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS, count_merge: int = _COUNT_MERGE,
-                 maxnreg: int | None = None, pdl: bool = _PDL, tau_linear: bool = _TAU_LINEAR) -> torch.Tensor:
+                 maxnreg: int | None = None, pdl: bool = _PDL, tau_linear: bool = _TAU_LINEAR,
+                 split_tiles: int = _SPLIT_TILES, fused_splits: bool = _FUSED_SPLITS) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -608,17 +618,20 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     coarse = _coarse_size(n_cols, k, group, tile, units_per_k)
     tiles = triton.cdiv(n_cols, tile)
     splits = max(1, min(tiles, triton.cdiv(programs_per_sm * num_sms(device), rows)))
-    tiles_per_split = triton.cdiv(tiles, splits)
+    tiles_per_split = min(triton.cdiv(tiles, splits), split_tiles)
     n_splits = triton.cdiv(tiles, tiles_per_split)
-    fused = fused and n_splits == 1
+    fused = fused and (n_splits == 1 or fused_splits)
     # the count launch may take several scan splits a program: fewer programs join each row's candidates
-    count_tiles = tiles_per_split * count_merge
+    count_tiles = tiles * count_merge if fused else tiles_per_split * count_merge
     count_splits = triton.cdiv(tiles, count_tiles)
     gm_stride = triton.cdiv(triton.cdiv(n_cols, group), 16) * 16
     stride = scores.stride(0)
     vec = scores.data_ptr() % 16 == 0 and stride % 4 == 0
     lengths = lengths.to(device=device, dtype=torch.int32)
-    arrivals = torch.empty(rows if count_splits > 1 else 0, dtype=torch.int32, device=device)  # reset by the scan
+    if fused and n_splits > 1:
+        arrivals = torch.zeros(rows, dtype=torch.int32, device=device)
+    else:  # reset by the scan when a count launch follows
+        arrivals = torch.empty(rows if count_splits > 1 else 0, dtype=torch.int32, device=device)
     gm = torch.empty((rows, 2, gm_stride), dtype=torch.int32, device=device)  # group maxima, coarse maxima
     hot = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
     counts = torch.empty((rows, count_splits), dtype=torch.int32, device=device)
@@ -630,7 +643,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
     pdl = pdl and launches_dependents_early(device)
     head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)
-    _scan_kernel[(rows, n_splits)](*head, tiles_per_split, n_splits, **blocks, SINGLE=count_splits == 1,
+    _scan_kernel[(rows * n_splits,)](*head, tiles_per_split, n_splits, **blocks, SINGLE=count_splits == 1,
                                    FUSED=fused, PREFETCH=prefetch, PDL=pdl and not fused,
                                    num_warps=fused_warps if fused else scan_warps,
                                    **(limits if fused else {}))
