@@ -67,8 +67,7 @@ _TAU_BITS = 15  # tau's precision in key bits below the ones all units share
 _SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
 _COUNT_MERGE = 2  # scan splits per count program (fewer programs join each row's candidates)
 _TAU_LINEAR = False  # tau from two histograms of the maxima placed linearly in their range, not a radix select
-_SPLIT_TILES = 2**30  # most tiles a scan split takes (fewer: shorter programs that interleave better)
-_FUSED_SPLITS = False  # rows of several splits are counted by their last split to arrive, in the scan launch
+_SPLIT_TILES = 0  # batches of many rows: tiles per scan program (0: a row each), the last to arrive counts
 _PDL = True  # the count launch starts while the scan's last programs run, and waits for them on the device
 
 INT_MIN = tl.constexpr(-(2**31))
@@ -603,7 +602,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                  radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS, fused: bool = _FUSED,
                  unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS, count_merge: int = _COUNT_MERGE,
                  maxnreg: int | None = None, pdl: bool = _PDL, tau_linear: bool = _TAU_LINEAR,
-                 split_tiles: int = _SPLIT_TILES, fused_splits: bool = _FUSED_SPLITS) -> torch.Tensor:
+                 split_tiles: int = _SPLIT_TILES) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -618,9 +617,11 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     coarse = _coarse_size(n_cols, k, group, tile, units_per_k)
     tiles = triton.cdiv(n_cols, tile)
     splits = max(1, min(tiles, triton.cdiv(programs_per_sm * num_sms(device), rows)))
-    tiles_per_split = min(triton.cdiv(tiles, splits), split_tiles)
+    tiles_per_split = triton.cdiv(tiles, splits)
+    if splits == 1 and split_tiles:  # many rows: short scan programs, each row counted by its last split
+        tiles_per_split = min(tiles, split_tiles)
     n_splits = triton.cdiv(tiles, tiles_per_split)
-    fused = fused and (n_splits == 1 or fused_splits)
+    fused = fused and (n_splits == 1 or splits == 1)
     # the count launch may take several scan splits a program: fewer programs join each row's candidates
     count_tiles = tiles * count_merge if fused else tiles_per_split * count_merge
     count_splits = triton.cdiv(tiles, count_tiles)
