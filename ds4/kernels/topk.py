@@ -66,8 +66,8 @@ _RADIX_BITS = 5  # bits per radix digit: 32 bins cost a third of 256 per bit of 
 _TAU_BITS = 15  # tau's precision in key bits below the ones all units share
 _SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
 _COUNT_MERGE = 2  # scan splits per count program (fewer programs join each row's candidates)
-_TAU_LINEAR = False  # tau from two histograms of the maxima placed linearly in their range, not a radix select
-_SPLIT_TILES = 0  # batches of many rows: tiles per scan program (0: a row each), the last to arrive counts
+_TAU_LINEAR = True  # tau from two histograms of the maxima placed linearly in their range, not a radix select
+_SPLIT_TILES = 4  # batches of many rows: tiles per scan program (0: a row each), the last to arrive counts
 _PDL = True  # the count launch starts while the scan's last programs run, and waits for them on the device
 
 INT_MIN = tl.constexpr(-(2**31))
