@@ -68,6 +68,7 @@ _SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
 _COUNT_MERGE = 2  # scan splits per count program (fewer programs join each row's candidates)
 _TAU_LINEAR = True  # tau from two histograms of the maxima placed linearly in their range, not a radix select
 _SPLIT_TILES = 4  # batches of many rows: tiles per scan program (0: a row each), the last to arrive counts
+_FUSED_MAXNREG = 80  # registers per thread of a scan launch that also counts: more programs resident
 _PDL = True  # the count launch starts while the scan's last programs run, and waits for them on the device
 
 INT_MIN = tl.constexpr(-(2**31))
@@ -601,7 +602,8 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                  prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
                  radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS, fused: bool = _FUSED,
                  unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS, count_merge: int = _COUNT_MERGE,
-                 maxnreg: int | None = None, pdl: bool = _PDL, tau_linear: bool = _TAU_LINEAR,
+                 maxnreg: int | None = None, fused_maxnreg: int | None = _FUSED_MAXNREG, pdl: bool = _PDL,
+                 tau_linear: bool = _TAU_LINEAR,
                  split_tiles: int = _SPLIT_TILES) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
@@ -641,16 +643,18 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     blocks = dict(G=group, C=coarse, TILE=tile, UNIT_BLOCK=unit_block, GM_BLOCK=gm_block, GATHER=gather, CAP=cap,
                   K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, BITS=radix_bits,
                   TAU_HISTS=triton.cdiv(tau_bits, radix_bits), TAU_LINEAR=tau_linear, SELECT_BITS=select_bits)
-    limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
+    scan_regs = fused_maxnreg if fused else None
+    scan_limits = {} if scan_regs is None else dict(maxnreg=scan_regs)
+    count_limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
     pdl = pdl and launches_dependents_early(device)
     head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)
     _scan_kernel[(rows * n_splits,)](*head, tiles_per_split, n_splits, **blocks, SINGLE=count_splits == 1,
                                    FUSED=fused, PREFETCH=prefetch, PDL=pdl and not fused,
                                    num_warps=fused_warps if fused else scan_warps,
-                                   **(limits if fused else {}))
+                                   **scan_limits)
     if not fused:
         _count_kernel[(rows, count_splits)](*head, count_tiles, count_splits, **blocks, SINGLE=count_splits == 1,
-                                            PDL=pdl, num_warps=count_warps, launch_pdl=pdl, **limits)
+                                            PDL=pdl, num_warps=count_warps, launch_pdl=pdl, **count_limits)
     return out
 
 
