@@ -45,7 +45,7 @@ def traced_module():
         assert old in src, old
         src = src.replace(old, new)
     program = "    trace = trace_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 16\n"
-    scan_head = "    row = tl.program_id(0) // n_splits\n"
+    scan_head = "    row = tl.program_id(0)\n    length = _row_length(lengths_ptr, row, n_cols)\n    row_scores"
     assert src.count(scan_head) == 1
     src = src.replace(scan_head, program + mark(0, "    ") + scan_head)
     src = src.replace("                G, C, TILE, PREFETCH)\n", "                G, C, TILE, PREFETCH)\n" + mark(1, "    "))

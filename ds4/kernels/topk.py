@@ -14,13 +14,14 @@ Order (the spec, shared by the torch reference and the Triton kernels):
 How the Triton path stays exact and fast. A row is cut into groups of G entries (G chosen so a
 full-length row has >= 16k groups), groups into coarse groups of C (so it has >= 4k of those), and, when
 rows are few, into splits that separate programs work on. One launch per call when each row has one
-program, two when rows are split; no program ever waits on another, and nothing but the shapes sizes
-the workspaces (no host sync, graph-safe).
+program, two when rows are split (on sm_90+ the count launch starts while the scan's last programs run and
+waits for them on the device: programmatic dependent launch); no program ever waits on another, and nothing
+but the shapes sizes the workspaces (no host sync, graph-safe).
   1. scan (rows x splits): one read of the row in 16-byte loads; each group's and each coarse group's
      maximum order key go to a workspace. Nothing else: the read runs at copy speed.
   2. count (rows x count splits; the scan program itself when a row has one): every program derives the
      row's threshold tau, a lower bound of the k-th largest coarse maximum, by a radix select over
-     them. Each maximum is a distinct entry, so at least k entries are >= tau; the top k are among
+     them (or, knob tau_linear, two histograms of them placed linearly in their range). Each maximum is a distinct entry, so at least k entries are >= tau; the top k are among
      them, and they can only sit in groups whose maximum reaches tau. The program lists its split's hot
      groups, re-reads only those, and writes their entries >= tau in column order to its split's own
      candidate area (CAP slots; more are only counted).
@@ -66,9 +67,7 @@ _RADIX_BITS = 5  # bits per radix digit: 32 bins cost a third of 256 per bit of 
 _TAU_BITS = 15  # tau's precision in key bits below the ones all units share
 _SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
 _COUNT_MERGE = 2  # scan splits per count program (fewer programs join each row's candidates)
-_TAU_LINEAR = True  # tau from two histograms of the maxima placed linearly in their range, not a radix select
-_SPLIT_TILES = 4  # batches of many rows: tiles per scan program (0: a row each), the last to arrive counts
-_FUSED_MAXNREG = 80  # registers per thread of a scan launch that also counts: more programs resident
+_TAU_LINEAR = False  # tau from two histograms of the maxima placed linearly in their range, not a radix select
 _PDL = True  # the count launch starts while the scan's last programs run, and waits for them on the device
 
 INT_MIN = tl.constexpr(-(2**31))
@@ -170,11 +169,10 @@ def _threshold_bin(hist, rank):
 @triton.jit
 def _radix_select(keys, live, rank, BITS: tl.constexpr, HISTS: tl.constexpr):
     """Radix select over keys[live], BITS per digit, with at most HISTS histogram passes: the largest t of
-    the form (leading digits of a key, zeros below) with at least `rank` live keys >= t, how many live keys
-    exceed t, and whether it settled. Digits on which all live keys agree are read off the largest key
-    without a histogram, and the select settles as soon as exactly `rank` live keys reach a digit's bin:
-    then exactly `rank` live keys are >= t (and the count above t is not computed). Otherwise, with HISTS >=
-    the digit count, t is exactly the rank-th largest live key."""
+    the form (leading digits of a key, zeros below) with at least `rank` live keys >= t, and how many live
+    keys exceed t. Digits on which all live keys agree are read off the largest key without a histogram,
+    and the select stops as soon as exactly `rank` live keys reach a digit's bin: then exactly `rank` live
+    keys are >= t. Otherwise, with HISTS >= the digit count, t is exactly the rank-th largest live key."""
     hi, lo = tl.reduce((tl.where(live, keys, INT_MIN), tl.where(live, keys, INT_MAX)), 0, _max_and_min)
     differ = hi ^ lo  # the bits above its highest set bit are shared by every live key
     hi_u = hi ^ INT_MIN
@@ -197,7 +195,10 @@ def _radix_select(keys, live, rank, BITS: tl.constexpr, HISTS: tl.constexpr):
                 settled = (at == rank - above).to(tl.int32)
                 above += more
                 hists += 1
-    return prefix ^ INT_MIN, above, settled
+    t = prefix ^ INT_MIN
+    if settled != 0:  # exactly rank live keys are >= t; those equal to t are not above it
+        above = rank - tl.sum((live & (keys == t)).to(tl.int32), axis=0)
+    return t, above
 
 
 @triton.jit
@@ -301,7 +302,7 @@ def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNI
         if n_units <= UNIT_BLOCK:
             u = tl.arange(0, UNIT_BLOCK)
             real = u < n_units
-            unit_keys = tl.load(units + u, mask=real, other=INT_MIN, cache_modifier=".cg")
+            unit_keys = tl.load(units + u, mask=real, other=INT_MIN)
             if TAU_LINEAR:
                 tau = _linear_threshold(unit_keys, real, k, BITS)
             else:
@@ -314,7 +315,7 @@ def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNI
                 for u0 in range(0, n_units, UNIT_BLOCK):
                     u = u0 + tl.arange(0, UNIT_BLOCK)
                     real = u < n_units
-                    key_u = tl.load(units + u, mask=real, other=INT_MIN, cache_modifier=".cg") ^ INT_MIN
+                    key_u = tl.load(units + u, mask=real, other=INT_MIN) ^ INT_MIN
                     match = real
                     if p > 0:
                         match = real & (_above_digit(key_u, p, BITS) == _above_digit(prefix, p, BITS))
@@ -338,7 +339,7 @@ def _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, first_block, GM_BLOC
     for g0 in range(g_first + GM_BLOCK, g_end, GM_BLOCK):
         g = g0 + tl.arange(0, GM_BLOCK)
         real = g < g_end
-        hot = real & (tl.load(row_gm + g, mask=real, other=INT_MIN, cache_modifier=".cg") >= tau)
+        hot = real & (tl.load(row_gm + g, mask=real, other=INT_MIN) >= tau)
         slot = hot_count + tl.cumsum(hot.to(tl.int32), axis=0) - 1
         tl.store(hot_list + slot, g, mask=hot)
         hot_count += tl.sum(hot.to(tl.int32), axis=0)
@@ -378,15 +379,16 @@ def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G
 @triton.jit
 def _select_candidates(keys, cols, live, rank, out_row, k, K_PAD: tl.constexpr, BITS: tl.constexpr):
     """Writes the columns of the top `rank` live candidates (which sit in column order) to out_row, then -1 up to k."""
-    threshold, above, settled = _radix_select(keys, live, rank, BITS, (32 + BITS - 1) // BITS)
-    take = live & (keys >= threshold) & (rank > 0)
-    if settled == 0:  # threshold is the rank-th key exactly: its ties may outnumber the places left
-        tie = live & (keys == threshold)
-        ties_wanted = rank - above
-        if tl.sum(tie.to(tl.int32), axis=0) > ties_wanted:
-            lowest_first = INT_MAX - cols  # larger for lower columns, so ties resolve by the same select
-            cut = _radix_select(lowest_first, tie, ties_wanted, BITS, (32 + BITS - 1) // BITS)[0]
-            take = (live & (keys > threshold)) | (tie & (lowest_first >= cut))
+    threshold, above = _radix_select(keys, live, rank, BITS, (32 + BITS - 1) // BITS)
+    tie = live & (keys == threshold)
+    ties_wanted = rank - above
+    lowest_first = INT_MAX - cols  # larger for lower columns, so ties resolve by the same select
+    n_ties = tl.sum(tie.to(tl.int32), axis=0)
+    cut = n_ties * 0 + INT_MIN
+    if n_ties > ties_wanted:
+        cut = _radix_select(lowest_first, tie, ties_wanted, BITS, (32 + BITS - 1) // BITS)[0]
+    take = (live & (keys > threshold)) | (tie & (lowest_first >= cut))
+    take = take & (rank > 0)
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_row + slot, cols, mask=take)
     pad = tl.arange(0, K_PAD)
@@ -495,10 +497,10 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
     g_end = tl.maximum(g_first, tl.minimum(g_first + groups_per_split, (length + G - 1) // G))
     g = g_first + tl.arange(0, GM_BLOCK)
     if not SINGLE:  # in flight while tau is found (a whole row's first block would cost registers instead)
-        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN, cache_modifier=".cg")
+        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
     tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
     if SINGLE:
-        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN, cache_modifier=".cg")
+        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
     hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, first_block, GM_BLOCK)
     tl.debug_barrier()
     split_cand = cand_row + split * (2 * CAP)
@@ -521,34 +523,27 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr,
                  SELECT_BITS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr,
                  PDL: tl.constexpr):
-    """Step 1 over one split of a row (a row's splits are neighbouring programs). FUSED: steps 2-3 for the
-    whole row follow in the program that scanned it, or in its last split to arrive (the host zeroes the
-    arrival counts), so one row's selection runs while other programs read. Otherwise a split row's first
-    split resets the row's arrival count, which the count launch (after this one) uses, and PDL lets that
-    launch start once every scan program has."""
+    """Step 1 over one split of a row. FUSED (one split per row): steps 2-3 follow in the same program,
+    while the row's maxima are fresh. A split row's first split resets the row's arrival count, which the
+    count launch (after this one) uses. PDL: the count launch may start once every scan program has."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0) // n_splits
-    split = tl.program_id(0) - row * n_splits
+    row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
     row_gm = gm_ptr + row.to(tl.int64) * (2 * stride_gm)
-    _scan_split(row_scores, row_gm, row_gm + stride_gm, length, split * tiles_per_split, tiles_per_split,
+    _scan_split(row_scores, row_gm, row_gm + stride_gm, length, tl.program_id(1) * tiles_per_split, tiles_per_split,
                 G, C, TILE, PREFETCH)
     if not SINGLE:
-        if split == 0:
+        if tl.program_id(1) == 0:
             tl.store(arrivals_ptr + row, 0)
     if FUSED:
         tl.debug_barrier()
-        last = n_splits == 1
-        if n_splits > 1:
-            last = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == n_splits - 1
-        if last:
-            _count_split(row_scores, row_gm, stride_gm, hot_ptr + row.to(tl.int64) * stride_gm, arrivals_ptr,
-                         counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
-                         out_ptr + row.to(tl.int64) * k, length, k, 0, n_splits * tiles_per_split * (TILE // G), 1,
-                         G, C, UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True, BITS,
-                         TAU_HISTS, TAU_LINEAR, SELECT_BITS)
+        _count_split(row_scores, row_gm, stride_gm, hot_ptr + row.to(tl.int64) * stride_gm, arrivals_ptr,
+                     counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
+                     out_ptr + row.to(tl.int64) * k, length, k, 0, tiles_per_split * (TILE // G), 1, G, C,
+                     UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True, BITS, TAU_HISTS,
+                     TAU_LINEAR, SELECT_BITS)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
@@ -602,9 +597,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                  prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
                  radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS, fused: bool = _FUSED,
                  unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS, count_merge: int = _COUNT_MERGE,
-                 maxnreg: int | None = None, fused_maxnreg: int | None = _FUSED_MAXNREG, pdl: bool = _PDL,
-                 tau_linear: bool = _TAU_LINEAR,
-                 split_tiles: int = _SPLIT_TILES) -> torch.Tensor:
+                 maxnreg: int | None = None, pdl: bool = _PDL, tau_linear: bool = _TAU_LINEAR) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -620,21 +613,16 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     tiles = triton.cdiv(n_cols, tile)
     splits = max(1, min(tiles, triton.cdiv(programs_per_sm * num_sms(device), rows)))
     tiles_per_split = triton.cdiv(tiles, splits)
-    if splits == 1 and split_tiles:  # many rows: short scan programs, each row counted by its last split
-        tiles_per_split = min(tiles, split_tiles)
     n_splits = triton.cdiv(tiles, tiles_per_split)
-    fused = fused and (n_splits == 1 or splits == 1)
+    fused = fused and n_splits == 1
     # the count launch may take several scan splits a program: fewer programs join each row's candidates
-    count_tiles = tiles * count_merge if fused else tiles_per_split * count_merge
+    count_tiles = tiles_per_split * count_merge
     count_splits = triton.cdiv(tiles, count_tiles)
     gm_stride = triton.cdiv(triton.cdiv(n_cols, group), 16) * 16
     stride = scores.stride(0)
     vec = scores.data_ptr() % 16 == 0 and stride % 4 == 0
     lengths = lengths.to(device=device, dtype=torch.int32)
-    if fused and n_splits > 1:
-        arrivals = torch.zeros(rows, dtype=torch.int32, device=device)
-    else:  # reset by the scan when a count launch follows
-        arrivals = torch.empty(rows if count_splits > 1 else 0, dtype=torch.int32, device=device)
+    arrivals = torch.empty(rows if count_splits > 1 else 0, dtype=torch.int32, device=device)  # reset by the scan
     gm = torch.empty((rows, 2, gm_stride), dtype=torch.int32, device=device)  # group maxima, coarse maxima
     hot = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)
     counts = torch.empty((rows, count_splits), dtype=torch.int32, device=device)
@@ -643,18 +631,16 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     blocks = dict(G=group, C=coarse, TILE=tile, UNIT_BLOCK=unit_block, GM_BLOCK=gm_block, GATHER=gather, CAP=cap,
                   K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, BITS=radix_bits,
                   TAU_HISTS=triton.cdiv(tau_bits, radix_bits), TAU_LINEAR=tau_linear, SELECT_BITS=select_bits)
-    scan_regs = fused_maxnreg if fused else None
-    scan_limits = {} if scan_regs is None else dict(maxnreg=scan_regs)
-    count_limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
+    limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
     pdl = pdl and launches_dependents_early(device)
     head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)
-    _scan_kernel[(rows * n_splits,)](*head, tiles_per_split, n_splits, **blocks, SINGLE=count_splits == 1,
+    _scan_kernel[(rows, n_splits)](*head, tiles_per_split, n_splits, **blocks, SINGLE=count_splits == 1,
                                    FUSED=fused, PREFETCH=prefetch, PDL=pdl and not fused,
                                    num_warps=fused_warps if fused else scan_warps,
-                                   **scan_limits)
+                                   **(limits if fused else {}))
     if not fused:
         _count_kernel[(rows, count_splits)](*head, count_tiles, count_splits, **blocks, SINGLE=count_splits == 1,
-                                            PDL=pdl, num_warps=count_warps, launch_pdl=pdl, **count_limits)
+                                            PDL=pdl, num_warps=count_warps, launch_pdl=pdl, **limits)
     return out
 
 
