@@ -21,10 +21,11 @@ but the shapes sizes the workspaces (no host sync, graph-safe).
      maximum order key go to a workspace. Nothing else: the read runs at copy speed.
   2. count (rows x count splits; the scan program itself when a row has one): every program derives the
      row's threshold tau, a lower bound of the k-th largest coarse maximum, by a radix select over
-     them (or, knob tau_linear, two histograms of them placed linearly in their range). Each maximum is a distinct entry, so at least k entries are >= tau; the top k are among
-     them, and they can only sit in groups whose maximum reaches tau. The program lists its split's hot
-     groups, re-reads only those, and writes their entries >= tau in column order to its split's own
-     candidate area (CAP slots; more are only counted).
+     them (knob tau_linear: two histograms of them placed linearly in their range). Each maximum is a
+     distinct entry, so at least k entries are >= tau; the top k are among them, and they can only sit
+     in groups whose maximum reaches tau. The program lists its split's hot groups, re-reads only those,
+     and writes their entries >= tau in column order to its split's own candidate area (CAP slots; more
+     are only counted).
   3. finish, by the row's last split to arrive (an atomic count): the splits' areas are joined into
      one column-ordered block (each slot's split found by a running maximum over the splits' first
      slots), then an exact radix select over it in registers (and a second one over column numbers
@@ -169,10 +170,11 @@ def _threshold_bin(hist, rank):
 @triton.jit
 def _radix_select(keys, live, rank, BITS: tl.constexpr, HISTS: tl.constexpr):
     """Radix select over keys[live], BITS per digit, with at most HISTS histogram passes: the largest t of
-    the form (leading digits of a key, zeros below) with at least `rank` live keys >= t, and how many live
-    keys exceed t. Digits on which all live keys agree are read off the largest key without a histogram,
-    and the select stops as soon as exactly `rank` live keys reach a digit's bin: then exactly `rank` live
-    keys are >= t. Otherwise, with HISTS >= the digit count, t is exactly the rank-th largest live key."""
+    the form (leading digits of a key, zeros below) with at least `rank` live keys >= t, how many live keys
+    exceed t, and whether it settled. Digits on which all live keys agree are read off the largest key
+    without a histogram, and the select settles as soon as exactly `rank` live keys reach a digit's bin:
+    then exactly `rank` live keys are >= t (and the count above t is not computed). Otherwise, with HISTS >=
+    the digit count, t is exactly the rank-th largest live key."""
     hi, lo = tl.reduce((tl.where(live, keys, INT_MIN), tl.where(live, keys, INT_MAX)), 0, _max_and_min)
     differ = hi ^ lo  # the bits above its highest set bit are shared by every live key
     hi_u = hi ^ INT_MIN
@@ -195,10 +197,7 @@ def _radix_select(keys, live, rank, BITS: tl.constexpr, HISTS: tl.constexpr):
                 settled = (at == rank - above).to(tl.int32)
                 above += more
                 hists += 1
-    t = prefix ^ INT_MIN
-    if settled != 0:  # exactly rank live keys are >= t; those equal to t are not above it
-        above = rank - tl.sum((live & (keys == t)).to(tl.int32), axis=0)
-    return t, above
+    return prefix ^ INT_MIN, above, settled
 
 
 @triton.jit
@@ -379,16 +378,15 @@ def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G
 @triton.jit
 def _select_candidates(keys, cols, live, rank, out_row, k, K_PAD: tl.constexpr, BITS: tl.constexpr):
     """Writes the columns of the top `rank` live candidates (which sit in column order) to out_row, then -1 up to k."""
-    threshold, above = _radix_select(keys, live, rank, BITS, (32 + BITS - 1) // BITS)
-    tie = live & (keys == threshold)
-    ties_wanted = rank - above
-    lowest_first = INT_MAX - cols  # larger for lower columns, so ties resolve by the same select
-    n_ties = tl.sum(tie.to(tl.int32), axis=0)
-    cut = n_ties * 0 + INT_MIN
-    if n_ties > ties_wanted:
-        cut = _radix_select(lowest_first, tie, ties_wanted, BITS, (32 + BITS - 1) // BITS)[0]
-    take = (live & (keys > threshold)) | (tie & (lowest_first >= cut))
-    take = take & (rank > 0)
+    threshold, above, settled = _radix_select(keys, live, rank, BITS, (32 + BITS - 1) // BITS)
+    take = live & (keys >= threshold) & (rank > 0)
+    if settled == 0:  # threshold is the rank-th key exactly: its ties may outnumber the places left
+        tie = live & (keys == threshold)
+        ties_wanted = rank - above
+        if tl.sum(tie.to(tl.int32), axis=0) > ties_wanted:
+            lowest_first = INT_MAX - cols  # larger for lower columns, so ties resolve by the same select
+            cut = _radix_select(lowest_first, tie, ties_wanted, BITS, (32 + BITS - 1) // BITS)[0]
+            take = (live & (keys > threshold)) | (tie & (lowest_first >= cut))
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_row + slot, cols, mask=take)
     pad = tl.arange(0, K_PAD)
