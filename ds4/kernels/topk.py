@@ -23,9 +23,9 @@ but the shapes sizes the workspaces (no host sync, graph-safe).
      row's threshold tau, a lower bound of the k-th largest coarse maximum, by a radix select over
      them (knob tau_linear: two histograms of them placed linearly in their range). Each maximum is a
      distinct entry, so at least k entries are >= tau; the top k are among them, and they can only sit
-     in groups whose maximum reaches tau. The program lists its split's hot groups, re-reads only those,
-     and writes their entries >= tau in column order to its split's own candidate area (CAP slots; more
-     are only counted).
+     in groups whose maximum reaches tau. The program lists its split's hot groups (knob coarse_list:
+     checking only the groups of coarse groups that reach tau), re-reads only those, and writes their
+     entries >= tau in column order to its split's own candidate area (CAP slots; more are only counted).
   3. finish, by the row's last split to arrive (an atomic count): the splits' areas are joined into
      one column-ordered block (each slot's split found by a running maximum over the splits' first
      slots), then an exact radix select over it in registers (and a second one over column numbers
@@ -69,6 +69,7 @@ _TAU_BITS = 15  # tau's precision in key bits below the ones all units share
 _SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
 _COUNT_MERGE = 2  # scan splits per count program (fewer programs join each row's candidates)
 _TAU_LINEAR = False  # tau from two histograms of the maxima placed linearly in their range, not a radix select
+_COARSE_LIST = False  # hot groups listed from the coarse groups that reach tau: fewer maxima read
 _PDL = True  # the count launch starts while the scan's last programs run, and waits for them on the device
 
 INT_MIN = tl.constexpr(-(2**31))
@@ -346,6 +347,39 @@ def _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, first_block, GM_BLOC
 
 
 @triton.jit
+def _list_hot_groups_by_coarse(row_gm, row_cm, hot_list, g_first, g_end, n_coarse, tau, C: tl.constexpr,
+                               GM_BLOCK: tl.constexpr):
+    """_list_hot_groups reading fewer maxima: a group's maximum is at most its coarse group's, so only the
+    groups of coarse groups that reach tau are checked (about a quarter of them at the default sizes). The
+    hot coarse groups' numbers go to the coarse maxima's unused tail (row_cm[n_coarse:], each split at its
+    own offset; the row holds as many groups as slots, at least twice its coarse groups). Splits start on a
+    coarse group's boundary."""
+    c_first = g_first // C
+    c_end = (g_end + C - 1) // C
+    hot_coarse = row_cm + n_coarse + c_first
+    n_hot = c_first * 0
+    for c0 in range(c_first, c_end, GM_BLOCK):
+        c = c0 + tl.arange(0, GM_BLOCK)
+        real = c < c_end
+        hot = real & (tl.load(row_cm + c, mask=real, other=INT_MIN) >= tau)
+        tl.store(hot_coarse + n_hot + tl.cumsum(hot.to(tl.int32), axis=0) - 1, c, mask=hot)
+        n_hot += tl.sum(hot.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    STEP: tl.constexpr = GM_BLOCK // C
+    j = tl.arange(0, STEP)
+    hot_count = n_hot * 0
+    for h0 in range(0, n_hot, STEP):
+        coarse = tl.load(hot_coarse + h0 + j, mask=h0 + j < n_hot, other=0)
+        g = coarse[:, None] * C + tl.arange(0, C)[None, :]
+        real = (h0 + j < n_hot)[:, None] & (g < g_end)
+        hot = tl.reshape(real & (tl.load(row_gm + g, mask=real, other=INT_MIN) >= tau), [GM_BLOCK])
+        slot = hot_count + tl.cumsum(hot.to(tl.int32), axis=0) - 1
+        tl.store(hot_list + slot, tl.reshape(g, [GM_BLOCK]), mask=hot)
+        hot_count += tl.sum(hot.to(tl.int32), axis=0)
+    return hot_count
+
+
+@triton.jit
 def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G: tl.constexpr,
                        GATHER: tl.constexpr, CAP: tl.constexpr):
     """Stores the entries >= tau of the listed groups as (order keys, columns) in column order at
@@ -488,18 +522,24 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
                  split, groups_per_split, n_splits, G: tl.constexpr, C: tl.constexpr, UNIT_BLOCK: tl.constexpr,
                  GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
                  EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr, BITS: tl.constexpr,
-                 TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr, SELECT_BITS: tl.constexpr):
+                 TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr, SELECT_BITS: tl.constexpr,
+                 COARSE_LIST: tl.constexpr):
     """Steps 2-3 for one split (SINGLE: the row's only one): the row's tau, the split's hot groups and its
     candidates (in column order, in its own area); the row's last split to get there then finishes the row."""
     g_first = split * groups_per_split
     g_end = tl.maximum(g_first, tl.minimum(g_first + groups_per_split, (length + G - 1) // G))
     g = g_first + tl.arange(0, GM_BLOCK)
-    if not SINGLE:  # in flight while tau is found (a whole row's first block would cost registers instead)
-        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
-    tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
-    if SINGLE:
-        first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
-    hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, first_block, GM_BLOCK)
+    if COARSE_LIST and C > 1 and C <= GM_BLOCK:
+        tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
+        hot_count = _list_hot_groups_by_coarse(row_gm, row_gm + cm_offset, row_hot + g_first, g_first, g_end,
+                                               (length + G * C - 1) // (G * C), tau, C, GM_BLOCK)
+    else:
+        if not SINGLE:  # in flight while tau is found (a whole row's first block would cost registers instead)
+            first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
+        tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
+        if SINGLE:
+            first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
+        hot_count = _list_hot_groups(row_gm, row_hot + g_first, g_first, g_end, tau, first_block, GM_BLOCK)
     tl.debug_barrier()
     split_cand = cand_row + split * (2 * CAP)
     found = _gather_candidates(row_scores, row_hot + g_first, hot_count, length, tau, split_cand, G, GATHER, CAP)
@@ -519,8 +559,8 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
                  TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                  CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr,
-                 SELECT_BITS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr, PREFETCH: tl.constexpr,
-                 PDL: tl.constexpr):
+                 SELECT_BITS: tl.constexpr, COARSE_LIST: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
+                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Step 1 over one split of a row. FUSED (one split per row): steps 2-3 follow in the same program,
     while the row's maxima are fresh. A split row's first split resets the row's arrival count, which the
     count launch (after this one) uses. PDL: the count launch may start once every scan program has."""
@@ -541,7 +581,7 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
                      counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
                      out_ptr + row.to(tl.int64) * k, length, k, 0, tiles_per_split * (TILE // G), 1, G, C,
                      UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True, BITS, TAU_HISTS,
-                     TAU_LINEAR, SELECT_BITS)
+                     TAU_LINEAR, SELECT_BITS, COARSE_LIST)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
@@ -550,7 +590,7 @@ def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, 
                   TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                   CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
                   SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr,
-                  SELECT_BITS: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):
+                  SELECT_BITS: tl.constexpr, COARSE_LIST: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):
     """Steps 2-3 for one split of a row, after the scan launch stored every maximum of the row (PDL: the
     program may start before that, so it waits for the scan launch to finish before reading its results)."""
     row = tl.program_id(0)
@@ -563,7 +603,7 @@ def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, 
                  cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits), place_ptr + row.to(tl.int64) * (CAP + n_splits),
                  out_ptr + row.to(tl.int64) * k, length, k, tl.program_id(1), tiles_per_split * (TILE // G),
                  n_splits, G, C, UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, SINGLE, BITS,
-                 TAU_HISTS, TAU_LINEAR, SELECT_BITS)
+                 TAU_HISTS, TAU_LINEAR, SELECT_BITS, COARSE_LIST)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -595,7 +635,8 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                  prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
                  radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS, fused: bool = _FUSED,
                  unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS, count_merge: int = _COUNT_MERGE,
-                 maxnreg: int | None = None, pdl: bool = _PDL, tau_linear: bool = _TAU_LINEAR) -> torch.Tensor:
+                 maxnreg: int | None = None, pdl: bool = _PDL, tau_linear: bool = _TAU_LINEAR,
+                 coarse_list: bool = _COARSE_LIST) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
     rows, n_cols = scores.shape
     device = scores.device
@@ -628,7 +669,8 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     place = torch.empty((rows if count_splits > 1 else 0, cap + count_splits), dtype=torch.int32, device=device)
     blocks = dict(G=group, C=coarse, TILE=tile, UNIT_BLOCK=unit_block, GM_BLOCK=gm_block, GATHER=gather, CAP=cap,
                   K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, BITS=radix_bits,
-                  TAU_HISTS=triton.cdiv(tau_bits, radix_bits), TAU_LINEAR=tau_linear, SELECT_BITS=select_bits)
+                  TAU_HISTS=triton.cdiv(tau_bits, radix_bits), TAU_LINEAR=tau_linear, SELECT_BITS=select_bits,
+                  COARSE_LIST=coarse_list)
     limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
     pdl = pdl and launches_dependents_early(device)
     head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)

@@ -93,7 +93,7 @@ def test_bad_arguments_fail_loudly(topk):
 
 def test_kernels_take_no_shape_as_constexpr(topk):
     allowed = {"G", "C", "TILE", "UNIT_BLOCK", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE",
-               "FUSED", "SPLIT_BLOCK", "PREFETCH", "BITS", "TAU_HISTS", "SELECT_BITS", "PDL", "TAU_LINEAR"}
+               "FUSED", "SPLIT_BLOCK", "PREFETCH", "BITS", "TAU_HISTS", "SELECT_BITS", "PDL", "TAU_LINEAR", "COARSE_LIST"}
     for kernel in (topk._scan_kernel, topk._count_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
@@ -114,7 +114,9 @@ def test_rows_split_over_many_programs_equal_reference(topk):
                   dict(tile=512, programs_per_sm=8, radix_bits=6, unit_block=64, units_per_k=8),
                   dict(tile=512, programs_per_sm=8, count_merge=3, select_bits=8),
                   dict(tile=512, programs_per_sm=8, count_merge=64, select_bits=6),
-                  dict(tile=512, programs_per_sm=8, tau_linear=True), dict(tile=1024, programs_per_sm=1, tau_linear=True)):
+                  dict(tile=512, programs_per_sm=8, tau_linear=True), dict(tile=1024, programs_per_sm=1, tau_linear=True),
+                  dict(tile=512, programs_per_sm=8, coarse_list=True), dict(tile=1024, programs_per_sm=1, coarse_list=True),
+                  dict(tile=512, programs_per_sm=8, coarse_list=True, gm_block=64, units_per_k=8)):
         scores = scores * 2.0  # the same order, other keys: a workspace left from the last call cannot pass
         got = topk._topk_triton(scores, lengths, 16, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, 16))
@@ -138,7 +140,9 @@ def test_one_finite_entry_per_coarse_group_is_exact(topk):
     lengths = torch.tensor([cols, cols - span // 2, 40 * span])
     for knobs in (dict(tile=1024, programs_per_sm=1, gather=64), dict(tile=1024, programs_per_sm=1, unit_block=16),
                   dict(tile=1024, programs_per_sm=4, radix_bits=8, unit_block=16),
-                  dict(tile=1024, programs_per_sm=1, tau_linear=True), dict(tile=1024, programs_per_sm=4, tau_linear=True)):
+                  dict(tile=1024, programs_per_sm=1, tau_linear=True), dict(tile=1024, programs_per_sm=4, tau_linear=True),
+                  dict(tile=1024, programs_per_sm=1, coarse_list=True), dict(tile=1024, programs_per_sm=4, coarse_list=True),
+                  dict(tile=1024, programs_per_sm=4, coarse_list=True, gm_block=32)):
         scores = scores * 2.0  # the same order, other keys: a workspace left from the last call cannot pass
         got = topk._topk_triton(scores, lengths, k, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))
