@@ -30,8 +30,9 @@ def traced_module():
         ("def _count_kernel(scores_ptr,", "def _count_kernel(trace_ptr, scores_ptr,"),
         ("](*head, tiles_per_split", "](TRACE, *head, tiles_per_split"),
         ("](*head, count_tiles", "](TRACE, *head, count_tiles"),
-        ("    tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)\n",
-         "    tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)\n" + mark(2, "    ")),
+        ("        tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)\n",
+         "        tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)\n"
+         + mark(2, "        ")),
         ("    tl.debug_barrier()\n    split_cand", mark(3, "    ") + "    split_cand"),
         ("    tl.store(counts_row + split, found)\n    tl.debug_barrier()\n",
          "    tl.store(counts_row + split, found)\n" + mark(4, "    ")),
