@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 timeout 120 python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_gpu_kernels.py -k "not indexer" \
   tests/engine/test_engine_gpu.py 2>&1 | tail -n 15
-timeout 300 python3 -c "import sys; from ds4.bench.kernels import main; sys.exit(main(sys.argv[1:]))" \
+timeout 340 python3 -c "import sys; from ds4.bench.kernels import main; sys.exit(main(sys.argv[1:]))" \
   --skip-indexer --all-tiles --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 sed -n '/top-k rows x cols/,$p' "$OUT/bench.log" | grep -v '^compiled' | cut -c1-200
