@@ -1,7 +1,8 @@
 """Where a top-k call's time goes, program by program: runs a copy of ds4/kernels/topk.py with globaltimer
 stamps at each step (written to a trace buffer) and prints each step's median and worst duration.
 
-Run on the GPU from the repo root: python scripts/topk_trace.py [knob=value ...]"""
+Run on the GPU from the repo root: python scripts/topk_trace.py [ROWSxCOLS ...] [knob=value ...]
+(the shapes default to 1x1048576 64x131072 2048x65536; k is 512)."""
 
 import importlib.util
 import pathlib
@@ -79,9 +80,10 @@ def report(trace: torch.Tensor, label: str):
 
 
 def main(argv):
-    knobs = {k: (v == "True" if v in ("True", "False") else int(v)) for k, v in (a.split("=") for a in argv)}
+    knobs = {k: (v == "True" if v in ("True", "False") else int(v)) for k, v in (a.split("=") for a in argv if "=" in a)}
+    shapes = [tuple(int(v) for v in a.split("x")) for a in argv if "=" not in a]
     tk = traced_module()
-    for rows, cols in ((1, 1048576), (64, 131072), (2048, 65536)):
+    for rows, cols in shapes or ((1, 1048576), (64, 131072), (2048, 65536)):
         x = torch.randn(rows, cols, device="cuda")
         lengths = torch.full((rows,), cols, device="cuda", dtype=torch.int32)
         tk.TRACE = torch.zeros(rows * 1024 * 16, dtype=torch.int64, device="cuda")

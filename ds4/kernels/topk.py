@@ -236,9 +236,22 @@ def _row_scores(scores_ptr, row, stride_row, VEC: tl.constexpr):
 
 @triton.jit
 def _tile_scores(row_scores, off, limit, G: tl.constexpr, TILE: tl.constexpr):
-    """The scores of the tile at column `off` as [TILE // G, G] (one group a row), zero from column `limit` on."""
+    """The scores of the tile at column `off` as [TILE // G, G] (one group a row), -inf from column `limit` on."""
     cols = off + tl.arange(0, TILE // G)[:, None] * G + tl.arange(0, G)[None, :]
-    return tl.load(row_scores + cols, mask=cols < limit, other=0.0)
+    return tl.load(row_scores + cols, mask=cols < limit, other=float("-inf"))
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _group_max_keys(x):
+    """The order key of each row of x's largest entry: the key of a NaN-propagating float maximum, which is the
+    largest key (keys rise with the value, NaN's is the largest, and -0.0 and +0.0 share one), at one
+    instruction an entry instead of a key each."""
+    return _order_key(tl.reduce(x, 1, _nan_max))
 
 
 @triton.jit
@@ -271,16 +284,14 @@ def _scan_split(row_scores, row_gm, row_cm, length, first, tiles_per_split, G: t
         for t in range(first, full):
             x = ahead
             ahead = _tile_scores(row_scores, (t + 1) * TILE, full * TILE, G, TILE)
-            _store_maxima(row_gm, row_cm, t, tl.max(_order_key(x), axis=1), length, G, C, TILE, False)
+            _store_maxima(row_gm, row_cm, t, _group_max_keys(x), length, G, C, TILE, False)
     else:
         for t in range(first, full):
             x = _tile_scores(row_scores, t * TILE, full * TILE, G, TILE)
-            _store_maxima(row_gm, row_cm, t, tl.max(_order_key(x), axis=1), length, G, C, TILE, False)
+            _store_maxima(row_gm, row_cm, t, _group_max_keys(x), length, G, C, TILE, False)
     if full < end:
-        x = _tile_scores(row_scores, full * TILE, length, G, TILE)
-        cols = full * TILE + tl.arange(0, TILE // G)[:, None] * G + tl.arange(0, G)[None, :]
-        key = tl.where(cols < length, _order_key(x), INT_MIN)
-        _store_maxima(row_gm, row_cm, full, tl.max(key, axis=1), length, G, C, TILE, True)
+        x = _tile_scores(row_scores, full * TILE, length, G, TILE)  # a group's entries past the row are -inf
+        _store_maxima(row_gm, row_cm, full, _group_max_keys(x), length, G, C, TILE, True)
 
 
 @triton.jit

@@ -27,7 +27,21 @@ def data(kind, rows, cols, g):
         x[u < 0.2] = float("inf")
         x[u > 0.7] = float("-inf")
         return x
+    if kind == "nan":  # NaNs of both signs among randn, and a few infinities
+        x = torch.randn(rows, cols, device="cuda", generator=g)
+        u = torch.rand(rows, cols, device="cuda", generator=g)
+        x[u < 0.001] = float("nan")
+        x[u > 0.999] = -float("nan")
+        x[(u > 0.5) & (u < 0.5005)] = float("inf")
+        return x
     raise ValueError(kind)
+
+
+KINDS = ["randn", "equal", "ten", "low_bits", "inf", "nan"]
+
+
+def same_values(a, b):
+    return torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
 
 
 def assert_exact(scores, lengths, k, got):
@@ -43,10 +57,10 @@ def assert_exact(scores, lengths, k, got):
         if m:
             assert 0 <= int(idx.min()) and int(idx.max()) < int(n[row])
             expect = torch.topk(scores[row, : int(n[row])], m).values.sort().values
-            assert torch.equal(scores[row, idx].sort().values, expect)
+            assert same_values(scores[row, idx].sort().values, expect)  # both sorted: NaNs last on each side
 
 
-@pytest.mark.parametrize("kind", ["randn", "equal", "ten", "low_bits", "inf"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [512, 1024, 2048])
 def test_exact_over_lengths(kind, k):
     g = torch.Generator(device="cuda").manual_seed(k)
@@ -56,6 +70,22 @@ def test_exact_over_lengths(kind, k):
     got = tk.topk_indices(scores, lengths, k)
     assert_exact(scores, lengths, k, got)
     assert torch.equal(tk.topk_indices(scores, lengths, k), got)  # deterministic
+
+
+@pytest.mark.parametrize("k", [512, 2048])
+def test_batches_of_one_program_a_row_are_exact(k):
+    """Enough rows that each row gets one program (the scan program selects too): every kind of input, and
+    lengths around k and the group sizes, in one batch."""
+    g = torch.Generator(device="cuda").manual_seed(5 + k)
+    rows = 4 * torch.cuda.get_device_properties(0).multi_processor_count + 8
+    cols = 40000
+    kinds = [data(kind, rows, cols, g) for kind in KINDS]
+    scores = torch.stack([kinds[row % len(KINDS)][row] for row in range(rows)])
+    lengths = torch.randint(0, cols + 1, (rows,), device="cuda", generator=g)
+    lengths[: 3 * len(KINDS)] = torch.tensor([k - 1, k, k + 1], device="cuda").repeat_interleave(len(KINDS))
+    lengths[3 * len(KINDS): 4 * len(KINDS)] = cols
+    lengths[-3:] = torch.tensor([0, 1, 8 * k + 3], device="cuda")
+    assert_exact(scores, lengths, k, tk.topk_indices(scores, lengths, k))
 
 
 def test_short_rows_batch_and_row_stride():
