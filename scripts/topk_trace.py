@@ -51,9 +51,9 @@ def traced_module():
     assert src.count(scan_head) == 1
     src = src.replace(scan_head, program + mark(0, "    ") + scan_head)
     src = src.replace("                G, C, TILE, PREFETCH)\n", "                G, C, TILE, PREFETCH)\n" + mark(1, "    "))
-    count_head = "    if PDL:\n        tl.extra.cuda.gdc_wait()\n    row_gm"
+    count_head = "    if PDL:\n        tl.extra.cuda.gdc_wait()\n"
     assert src.count(count_head) == 1
-    src = src.replace(count_head, count_head[:-len("    row_gm")] + program + mark(8, "    ") + "    row_gm")
+    src = src.replace(count_head, count_head + program + mark(8, "    "))
     path = pathlib.Path(tempfile.mkdtemp()) / "topk_traced.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("topk_traced", path)
