@@ -20,11 +20,11 @@ but the shapes sizes the workspaces (no host sync, graph-safe).
   1. scan (rows x splits): one read of the row in 16-byte loads; each group's and each coarse group's
      maximum order key go to a workspace. Nothing else: the read runs at copy speed.
   2. count (rows x count splits; the scan program itself when a row has one): every program derives the
-     row's threshold tau, a lower bound of the k-th largest coarse maximum, by a radix select over
-     them (knob tau_linear: two histograms of them placed linearly in their range). Each maximum is a
-     distinct entry, so at least k entries are >= tau; the top k are among them, and they can only sit
-     in groups whose maximum reaches tau. The program lists its split's hot groups (knob coarse_list:
-     checking only the groups of coarse groups that reach tau), re-reads only those, and writes their
+     row's threshold tau, a lower bound of the k-th largest coarse maximum, from two histograms of them
+     placed linearly in their range (split rows) or a radix select over them (one-program rows). Each
+     maximum is a distinct entry, so at least k entries are >= tau; the top k are among them, and they can
+     only sit in groups whose maximum reaches tau. The program lists its split's hot groups (one-program
+     rows check only the groups of coarse groups that reach tau), re-reads only those, and writes their
      entries >= tau in column order to its split's own candidate area (CAP slots; more are only counted).
   3. finish, by the row's last split to arrive (an atomic count): the splits' areas are joined into
      one column-ordered block (each slot's split found by a running maximum over the splits' first
@@ -59,8 +59,6 @@ _EXACT_TILE = 1024  # entries per step of the rare whole-row fallback (small, so
 _PROGRAMS_PER_SM = 4  # scan programs per SM when a batch has few rows
 _SCAN_WARPS = 4
 _COUNT_WARPS = 8  # the count launch: its programs are latency-bound chains of block-wide steps
-_FUSED_WARPS = 4  # scan and count in one program: the read wants more programs, not wider ones
-_PREFETCH = True  # issue the next tile's load before the current one is reduced
 _FUSED = True  # a row with one program selects in the scan program, while its maxima are fresh
 _UNITS_PER_K = 4  # tau comes from >= 4k coarse group maxima (about 1.15 k candidates on spread-out data)
 _UNIT_BLOCK = 2048  # coarse maxima held in registers at once (more are streamed, once per digit)
@@ -68,9 +66,18 @@ _RADIX_BITS = 5  # bits per radix digit: 32 bins cost a third of 256 per bit of 
 _TAU_BITS = 15  # tau's precision in key bits below the ones all units share
 _SELECT_BITS = 5  # bits per radix digit of the final select over the candidates
 _COUNT_MERGE = 2  # scan splits per count program (fewer programs join each row's candidates)
-_TAU_LINEAR = False  # tau from two histograms of the maxima placed linearly in their range, not a radix select
-_COARSE_LIST = False  # hot groups listed from the coarse groups that reach tau: fewer maxima read
 _PDL = True  # the count launch starts while the scan's last programs run, and waits for them on the device
+# Settings that differ between rows split over several programs (a scan launch, then a count launch) and rows
+# of one program each (many-row batches: the scan program selects too). tile: entries per streaming step of
+# the scan; prefetch: the next tile's load is issued before the current one is reduced; tau_linear: tau from
+# two histograms of the coarse maxima placed linearly in their range rather than a radix select;
+# coarse_list: hot groups listed from the coarse groups that reach tau (fewer maxima read). The one-program
+# launch has more of its work after the read, so it takes more warps and fewer registers (a cap: four
+# programs an SM) and keeps no tile in flight past the one being reduced.
+_SPLIT_SETTINGS = dict(tile=_TILE, prefetch=True, tau_linear=True, coarse_list=False)
+_ONE_PROGRAM_SETTINGS = dict(tile=_TILE, prefetch=False, tau_linear=False, coarse_list=True)
+_FUSED_WARPS = 8
+_FUSED_MAXNREG = 64
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
@@ -156,6 +163,11 @@ def _max_and_min(max_a, min_a, max_b, min_b):
 
 
 @triton.jit
+def _count_max_min_min(count_a, max_a, min_a, other_min_a, count_b, max_b, min_b, other_min_b):
+    return count_a + count_b, tl.maximum(max_a, max_b), tl.minimum(min_a, min_b), tl.minimum(other_min_a, other_min_b)
+
+
+@triton.jit
 def _threshold_bin(hist, rank):
     """Highest bin b whose count together with all higher bins reaches `rank`, the count above b, and the
     count at or above b. Those counts fall with the bin, so b is one less than the number of bins that
@@ -220,10 +232,16 @@ def _linear_threshold(keys, live, rank, BITS: tl.constexpr):
     live finite keys' extremes (2 * BITS bits of that range; keys outside it are clamped to its ends):
     the smallest live key in the finest bin that, with all above it, holds `rank` keys. A key's bin never
     falls as the key grows, so every key in those bins is >= t. Cheaper than a radix select when digits
-    far from the data's spread (the exponent's) would cost a histogram each."""
+    far from the data's spread (the exponent's) would cost a histogram each. The range starts at the smallest
+    non-negative key when at least `rank` keys are non-negative: the keys of -1.0 and 1.0 lie about 2^31 apart,
+    those of 1.0 and 2.0 only 2^23, so a range across both signs would leave a few bins to the keys that
+    matter."""
     NB: tl.constexpr = 1 << BITS
     finite = live & (keys > NEG_INF_KEY) & (keys < POS_INF_KEY)
-    hi, lo = tl.reduce((tl.where(finite, keys, INT_MIN), tl.where(finite, keys, INT_MAX)), 0, _max_and_min)
+    n_nonneg, hi, lo, lo_nonneg = tl.reduce(((live & (keys >= 0)).to(tl.int32), tl.where(finite, keys, INT_MIN),
+                                             tl.where(finite, keys, INT_MAX),
+                                             tl.where(finite & (keys >= 0), keys, INT_MAX)), 0, _count_max_min_min)
+    lo = tl.where(n_nonneg >= rank, lo_nonneg, lo)
     lo = tl.minimum(lo, hi).to(tl.float32)
     scale = (NB * NB) / (tl.maximum(hi.to(tl.float32) - lo, 0.0) + 1.0)
     place = tl.minimum(tl.maximum((keys.to(tl.float32) - lo) * scale, 0.0), NB * NB - 1).to(tl.int32)
@@ -658,16 +676,18 @@ def _coarse_size(n_cols: int, k: int, group: int, tile: int, units_per_k: int = 
     return c
 
 
-def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int = _TILE,
+def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int | None = None,
                  programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
                  count_warps: int = _COUNT_WARPS, fused_warps: int = _FUSED_WARPS, gm_block: int = _GM_BLOCK,
-                 gather: int = _GATHER,
-                 prefetch: bool = _PREFETCH, groups_per_k: int = _GROUPS_PER_K, units_per_k: int = _UNITS_PER_K,
-                 radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS, fused: bool = _FUSED,
-                 unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS, count_merge: int = _COUNT_MERGE,
-                 maxnreg: int | None = None, pdl: bool = _PDL, tau_linear: bool = _TAU_LINEAR,
-                 coarse_list: bool = _COARSE_LIST) -> torch.Tensor:
-    """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them)."""
+                 gather: int = _GATHER, prefetch: bool | None = None, groups_per_k: int = _GROUPS_PER_K,
+                 units_per_k: int = _UNITS_PER_K, radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS,
+                 fused: bool = _FUSED, unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS,
+                 count_merge: int = _COUNT_MERGE, maxnreg: int | None = None,
+                 fused_maxnreg: int | None = _FUSED_MAXNREG, pdl: bool = _PDL, tau_linear: bool | None = None,
+                 coarse_list: bool | None = None) -> torch.Tensor:
+    """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them). Knobs left at None
+    take the value of the row layout's settings (_SPLIT_SETTINGS or _ONE_PROGRAM_SETTINGS); maxnreg caps the
+    count launch's registers, fused_maxnreg the one-program launch's."""
     rows, n_cols = scores.shape
     device = scores.device
     out = torch.empty((rows, k), dtype=torch.int32, device=device)
@@ -675,12 +695,18 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
         return out
     if n_cols == 0:
         return out.fill_(-1)
+    wave = programs_per_sm * num_sms(device)
+    fused = fused and (rows >= wave or n_cols <= (tile or _TILE))  # then every row has one program
+    chosen = dict(tile=tile, prefetch=prefetch, tau_linear=tau_linear, coarse_list=coarse_list)
+    settings = {name: (default if chosen[name] is None else chosen[name])
+                for name, default in (_ONE_PROGRAM_SETTINGS if fused else _SPLIT_SETTINGS).items()}
+    tile = settings["tile"]
     k_pad = triton.next_power_of_2(k)
     cap = max(_CAP_PER_K * k_pad, _MIN_CAP)
     group = _group_size(n_cols, k, groups_per_k)
     coarse = _coarse_size(n_cols, k, group, tile, units_per_k)
     tiles = triton.cdiv(n_cols, tile)
-    splits = max(1, min(tiles, triton.cdiv(programs_per_sm * num_sms(device), rows)))
+    splits = 1 if fused else max(1, min(tiles, triton.cdiv(wave, rows)))
     tiles_per_split = triton.cdiv(tiles, splits)
     n_splits = triton.cdiv(tiles, tiles_per_split)
     fused = fused and n_splits == 1
@@ -699,18 +725,19 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     place = torch.empty((rows if count_splits > 1 else 0, cap + count_splits), dtype=torch.int32, device=device)
     blocks = dict(G=group, C=coarse, TILE=tile, UNIT_BLOCK=unit_block, GM_BLOCK=gm_block, GATHER=gather, CAP=cap,
                   K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, BITS=radix_bits,
-                  TAU_HISTS=triton.cdiv(tau_bits, radix_bits), TAU_LINEAR=tau_linear, SELECT_BITS=select_bits,
-                  COARSE_LIST=coarse_list)
-    limits = {} if maxnreg is None else dict(maxnreg=maxnreg)
+                  TAU_HISTS=triton.cdiv(tau_bits, radix_bits), TAU_LINEAR=settings["tau_linear"],
+                  SELECT_BITS=select_bits, COARSE_LIST=settings["coarse_list"])
+    cap_registers = fused_maxnreg if fused else None
     pdl = pdl and launches_dependents_early(device)
     head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)
     _scan_kernel[(rows, n_splits)](*head, tiles_per_split, n_splits, **blocks, SINGLE=count_splits == 1,
-                                   FUSED=fused, PREFETCH=prefetch, PDL=pdl and not fused,
+                                   FUSED=fused, PREFETCH=settings["prefetch"], PDL=pdl and not fused,
                                    num_warps=fused_warps if fused else scan_warps,
-                                   **(limits if fused else {}))
+                                   **({} if cap_registers is None else dict(maxnreg=cap_registers)))
     if not fused:
         _count_kernel[(rows, count_splits)](*head, count_tiles, count_splits, **blocks, SINGLE=count_splits == 1,
-                                            PDL=pdl, num_warps=count_warps, launch_pdl=pdl, **limits)
+                                            PDL=pdl, num_warps=count_warps, launch_pdl=pdl,
+                                            **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     return out
 
 

@@ -114,8 +114,8 @@ def test_rows_split_over_many_programs_equal_reference(topk):
                   dict(tile=512, programs_per_sm=8, radix_bits=6, unit_block=64, units_per_k=8),
                   dict(tile=512, programs_per_sm=8, count_merge=3, select_bits=8),
                   dict(tile=512, programs_per_sm=8, count_merge=64, select_bits=6),
-                  dict(tile=512, programs_per_sm=8, tau_linear=True), dict(tile=1024, programs_per_sm=1, tau_linear=True),
-                  dict(tile=512, programs_per_sm=8, coarse_list=True), dict(tile=1024, programs_per_sm=1, coarse_list=True),
+                  dict(tile=512, programs_per_sm=8, tau_linear=False), dict(tile=1024, programs_per_sm=1, tau_linear=True),
+                  dict(tile=512, programs_per_sm=8, coarse_list=True), dict(tile=1024, programs_per_sm=1, coarse_list=False),
                   dict(tile=512, programs_per_sm=8, coarse_list=True, gm_block=64, units_per_k=8)):
         scores = scores * 2.0  # the same order, other keys: a workspace left from the last call cannot pass
         got = topk._topk_triton(scores, lengths, 16, **knobs)
@@ -127,7 +127,8 @@ def test_one_finite_entry_per_coarse_group_is_exact(topk):
     """The tightest case for tau: each coarse group holds a single finite entry (the rest -inf), so exactly
     the k largest maxima are the answer and a threshold one rank too high, or a hot group skipped by the
     gather's pipeline (a few groups a step here), would lose one. Both tau paths: maxima held in registers
-    (radix or linear bins), and streamed in blocks."""
+    (radix or linear bins), and streamed in blocks; rows split over programs, and one program a row (the
+    16384 tile)."""
     k, cols = 16, 9000
     group = topk._group_size(cols, k)
     span = group * topk._coarse_size(cols, k, group, 1024)
@@ -140,9 +141,9 @@ def test_one_finite_entry_per_coarse_group_is_exact(topk):
     lengths = torch.tensor([cols, cols - span // 2, 40 * span])
     for knobs in (dict(tile=1024, programs_per_sm=1, gather=64), dict(tile=1024, programs_per_sm=1, unit_block=16),
                   dict(tile=1024, programs_per_sm=4, radix_bits=8, unit_block=16),
-                  dict(tile=1024, programs_per_sm=1, tau_linear=True), dict(tile=1024, programs_per_sm=4, tau_linear=True),
+                  dict(tile=1024, programs_per_sm=1, tau_linear=False), dict(tile=1024, programs_per_sm=4, tau_linear=False),
                   dict(tile=1024, programs_per_sm=1, coarse_list=True), dict(tile=1024, programs_per_sm=4, coarse_list=True),
-                  dict(tile=1024, programs_per_sm=4, coarse_list=True, gm_block=32)):
+                  dict(tile=1024, programs_per_sm=4, coarse_list=True, gm_block=32), dict(tile=16384, gather=64)):
         scores = scores * 2.0  # the same order, other keys: a workspace left from the last call cannot pass
         got = topk._topk_triton(scores, lengths, k, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))
