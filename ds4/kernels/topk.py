@@ -73,9 +73,9 @@ _PDL = True  # the count launch starts while the scan's last programs run, and w
 # two histograms of the coarse maxima placed linearly in their range rather than a radix select;
 # coarse_list: hot groups listed from the coarse groups that reach tau (fewer maxima read). The one-program
 # launch has more of its work after the read, so it takes more warps and fewer registers (a cap: four
-# programs an SM) and keeps no tile in flight past the one being reduced.
+# programs an SM), and keeps its loads in flight with a larger tile rather than a second one in registers.
 _SPLIT_SETTINGS = dict(tile=_TILE, prefetch=True, tau_linear=True, coarse_list=False)
-_ONE_PROGRAM_SETTINGS = dict(tile=_TILE, prefetch=False, tau_linear=False, coarse_list=True)
+_ONE_PROGRAM_SETTINGS = dict(tile=2 * _TILE, prefetch=False, tau_linear=False, coarse_list=True)
 _FUSED_WARPS = 8
 _FUSED_MAXNREG = 64
 
