@@ -148,3 +148,16 @@ def test_one_finite_entry_per_coarse_group_is_exact(topk):
         got = topk._topk_triton(scores, lengths, k, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))
         check_against_torch(scores, lengths, k, got)
+
+
+def test_benchmark_sweep_variants_are_exact(topk):
+    """Every knob set `ds4 bench kernels --all-tiles` times names real knobs and stays exact, on rows split
+    over programs (two rows longer than a tile) and on rows of one program each (rows of a tile or less)."""
+    from ds4.bench.kernels import TOPK_VARIANTS
+
+    long_rows = hard_rows(5000)[[0, 2]]
+    short_rows = hard_rows(300)[[1, 3, 4, 5]]
+    for knobs in TOPK_VARIANTS:
+        for batch, lengths in ((long_rows, torch.tensor([5000, 4321])), (short_rows, torch.tensor([300, 299, 9, 7]))):
+            got = topk._topk_triton(batch, lengths, 8, **knobs)
+            assert torch.equal(got, topk.topk_indices_reference(batch, lengths, 8)), knobs
