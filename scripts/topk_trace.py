@@ -6,6 +6,7 @@ Run on the GPU from the repo root: python scripts/topk_trace.py [ROWSxCOLS ...] 
 
 import importlib.util
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -31,9 +32,9 @@ def traced_module():
         ("def _count_kernel(scores_ptr,", "def _count_kernel(trace_ptr, scores_ptr,"),
         ("](*head, tiles_per_split", "](TRACE, *head, tiles_per_split"),
         ("](*head, count_tiles", "](TRACE, *head, count_tiles"),
-        ("        tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)\n",
-         "        tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)\n"
-         + mark(2, "        ")),
+        ("def _row_tau_and_hot_groups(row_gm,", "def _row_tau_and_hot_groups(trace, row_gm,"),
+        ("_row_tau_and_hot_groups(row_gm, cm_offset,", "_row_tau_and_hot_groups(trace, row_gm, cm_offset,"),
+        ("        hot = real & (unit_keys >= tau)\n", mark(2, "        ") + "        hot = real & (unit_keys >= tau)\n"),
         ("    tl.debug_barrier()\n    split_cand", mark(3, "    ") + "    split_cand"),
         ("    tl.store(counts_row + split, found)\n    tl.debug_barrier()\n",
          "    tl.store(counts_row + split, found)\n" + mark(4, "    ")),
@@ -46,10 +47,13 @@ def traced_module():
     for old, new in edits:
         assert old in src, old
         src = src.replace(old, new)
+    tau_line = re.compile(r"^( +)(tau = _row_tau\(row_gm, cm_offset, .*\)\n)", re.M)
+    assert tau_line.search(src)
+    src = tau_line.sub(lambda m: m.group(0) + mark(2, m.group(1)), src)
     program = "    trace = trace_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 16\n"
-    scan_head = "    row = tl.program_id(0)\n    length = _row_length(lengths_ptr, row, n_cols)\n    row_scores"
+    scan_head = "        _stagger_start(row, length, stagger_rows, stagger_sms, stagger_ns_per_entry)\n"
     assert src.count(scan_head) == 1
-    src = src.replace(scan_head, program + mark(0, "    ") + scan_head)
+    src = src.replace(scan_head, scan_head + program + mark(0, "    "))  # the scan starts after the stagger
     src = src.replace("                G, C, TILE, PREFETCH)\n", "                G, C, TILE, PREFETCH)\n" + mark(1, "    "))
     count_head = "    if PDL:\n        tl.extra.cuda.gdc_wait()\n"
     assert src.count(count_head) == 1

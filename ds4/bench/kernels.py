@@ -85,7 +85,7 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
 TOPK_VARIANTS = [{},  # the defaults
                  dict(tau_linear=True), dict(tau_linear=False), dict(coarse_list=False), dict(prefetch=True),
                  dict(tile=8192), dict(fused_warps=4, fused_maxnreg=128), dict(pdl=False), dict(count_merge=1),
-                 dict(fused=False, count_warps=4, maxnreg=64)]
+                 dict(fused=False, count_warps=4, maxnreg=64), dict(stagger=0.0)]
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512), (128, 32768, 512)]
 
 

@@ -16,7 +16,8 @@ full-length row has >= 16k groups), groups into coarse groups of C (so it has >=
 rows are few, into splits that separate programs work on. One launch per call when each row has one
 program, two when rows are split (on sm_90+ the count launch starts while the scan's last programs run and
 waits for them on the device: programmatic dependent launch); no program ever waits on another, and nothing
-but the shapes sizes the workspaces (no host sync, graph-safe).
+but the shapes sizes the workspaces (no host sync, graph-safe). When each row has one program, the first
+wave's programs start a fraction of a row's read apart, so that on each SM some read while others count.
   1. scan (rows x splits): one read of the row in 16-byte loads; each group's and each coarse group's
      maximum order key go to a workspace. Nothing else: the read runs at copy speed.
   2. count (rows x count splits; the scan program itself when a row has one): every program derives the
@@ -24,8 +25,9 @@ but the shapes sizes the workspaces (no host sync, graph-safe).
      placed linearly in their range (split rows) or a radix select over them (one-program rows). Each
      maximum is a distinct entry, so at least k entries are >= tau; the top k are among them, and they can
      only sit in groups whose maximum reaches tau. The program lists its split's hot groups (one-program
-     rows check only the groups of coarse groups that reach tau), re-reads only those, and writes their
-     entries >= tau in column order to its split's own candidate area (CAP slots; more are only counted).
+     rows check only the groups of coarse groups that reach tau, found from the same load of the coarse
+     maxima as tau), re-reads only those, and writes their entries >= tau in column order to its split's
+     own candidate area (CAP slots; more are only counted).
   3. finish, by the row's last split to arrive (an atomic count): the splits' areas are joined into
      one column-ordered block (each slot's split found by a running maximum over the splits' first
      slots), then an exact radix select over it in registers (and a second one over column numbers
@@ -78,6 +80,12 @@ _SPLIT_SETTINGS = dict(tile=_TILE, prefetch=True, tau_linear=True, coarse_list=F
 _ONE_PROGRAM_SETTINGS = dict(tile=2 * _TILE, prefetch=False, tau_linear=False, coarse_list=True)
 _FUSED_WARPS = 8
 _FUSED_MAXNREG = 64
+# One-program rows: program p of the first wave starts late by (p // SMs) * _STAGGER times the time one row
+# for every SM takes to read at _READ_BYTES_PER_NS (the H200's measured copy rate; on slower memory the
+# offsets come out shorter than that time, and still set the programs apart). 2048 x 65536: 0.2524 ->
+# 0.2441 ms (0.5: 0.2493, 1.5: 0.2510); no shape measured was slower.
+_STAGGER = 1.0
+_READ_BYTES_PER_NS = 4200
 
 INT_MIN = tl.constexpr(-(2**31))
 INT_MAX = tl.constexpr(2**31 - 1)
@@ -411,6 +419,14 @@ def _list_hot_groups_by_coarse(row_gm, row_cm, hot_list, g_first, g_end, n_coars
         tl.store(hot_coarse + n_hot + _running_count(hot.to(tl.int32)) - 1, c, mask=hot)
         n_hot += tl.sum(hot.to(tl.int32), axis=0)
     tl.debug_barrier()
+    return _list_groups_of_hot_coarse(row_gm, hot_list, hot_coarse, n_hot, g_end, tau, C, GM_BLOCK)
+
+
+@triton.jit
+def _list_groups_of_hot_coarse(row_gm, hot_list, hot_coarse, n_hot, g_end, tau, C: tl.constexpr,
+                               GM_BLOCK: tl.constexpr):
+    """Lists, ascending, the groups below g_end whose maximum reaches tau among the n_hot coarse groups
+    numbered at hot_coarse (ascending); returns how many there are."""
     STEP: tl.constexpr = GM_BLOCK // C
     j = tl.arange(0, STEP)
     hot_count = n_hot * 0
@@ -423,6 +439,37 @@ def _list_hot_groups_by_coarse(row_gm, row_cm, hot_list, g_first, g_end, n_coars
         tl.store(hot_list + slot, tl.reshape(g, [GM_BLOCK]), mask=hot)
         hot_count += tl.sum(hot.to(tl.int32), axis=0)
     return hot_count
+
+
+@triton.jit
+def _row_tau_and_hot_groups(row_gm, cm_offset, hot_list, length, k, G: tl.constexpr, C: tl.constexpr,
+                            UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, BITS: tl.constexpr,
+                            TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr):
+    """tau and the hot groups of a whole row (_row_tau, then _list_hot_groups_by_coarse) with one load of the
+    coarse maxima when they fit in a block: tau and the hot coarse groups both come from it."""
+    row_cm = row_gm + cm_offset
+    n_groups = (length + G - 1) // G
+    n_coarse = (length + G * C - 1) // (G * C)
+    tau = n_coarse * 0
+    hot_count = n_coarse * 0
+    if n_coarse > k and n_coarse <= UNIT_BLOCK:
+        u = tl.arange(0, UNIT_BLOCK)
+        real = u < n_coarse
+        unit_keys = tl.load(row_cm + u, mask=real, other=INT_MIN)
+        if TAU_LINEAR:
+            tau = _linear_threshold(unit_keys, real, k, BITS)
+        else:
+            tau = _radix_select(unit_keys, real, k, BITS, TAU_HISTS)[0]
+        hot = real & (unit_keys >= tau)
+        hot_coarse = row_cm + n_coarse
+        tl.store(hot_coarse + _running_count(hot.to(tl.int32)) - 1, u, mask=hot)
+        tl.debug_barrier()
+        hot_count = _list_groups_of_hot_coarse(row_gm, hot_list, hot_coarse, tl.sum(hot.to(tl.int32), axis=0),
+                                               n_groups, tau, C, GM_BLOCK)
+    else:
+        tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
+        hot_count = _list_hot_groups_by_coarse(row_gm, row_cm, hot_list, 0, n_groups, n_coarse, tau, C, GM_BLOCK)
+    return tau, hot_count
 
 
 @triton.jit
@@ -576,9 +623,13 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
     g_end = tl.maximum(g_first, tl.minimum(g_first + groups_per_split, (length + G - 1) // G))
     g = g_first + tl.arange(0, GM_BLOCK)
     if COARSE_LIST and C > 1 and C <= GM_BLOCK:
-        tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
-        hot_count = _list_hot_groups_by_coarse(row_gm, row_gm + cm_offset, row_hot + g_first, g_first, g_end,
-                                               (length + G * C - 1) // (G * C), tau, C, GM_BLOCK)
+        if SINGLE:
+            tau, hot_count = _row_tau_and_hot_groups(row_gm, cm_offset, row_hot, length, k, G, C, UNIT_BLOCK,
+                                                     GM_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
+        else:
+            tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
+            hot_count = _list_hot_groups_by_coarse(row_gm, row_gm + cm_offset, row_hot + g_first, g_first, g_end,
+                                                   (length + G * C - 1) // (G * C), tau, C, GM_BLOCK)
     else:
         if not SINGLE:  # in flight while tau is found (a whole row's first block would cost registers instead)
             first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
@@ -599,14 +650,28 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
                 SPLIT_BLOCK, SINGLE, SELECT_BITS)
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
+@triton.jit
+def _stagger_start(row, length, stagger_rows, sms, ns_per_entry):
+    """Program p of the first stagger_rows waits (p // sms) * length * ns_per_entry. Programs p and p + sms
+    usually share an SM, so its programs then read and count out of step (some read while others count)
+    instead of all reading and then all counting while the memory idles; the programs that later take the
+    places of ended ones keep the offsets."""
+    if row < stagger_rows:
+        until = tl.extra.cuda.globaltimer() + ((row // sms) * length * ns_per_entry).to(tl.uint64)
+        while tl.extra.cuda.globaltimer() < until:
+            pass
+
+
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits",
+                               "stagger_rows", "stagger_sms"])
 def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, arrivals_ptr, counts_ptr,
-                 cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, C: tl.constexpr,
+                 cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, stagger_rows, stagger_sms,
+                 stagger_ns_per_entry, G: tl.constexpr, C: tl.constexpr,
                  TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
                  CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr,
                  SELECT_BITS: tl.constexpr, COARSE_LIST: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
-                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 PREFETCH: tl.constexpr, PDL: tl.constexpr, STAGGER: tl.constexpr):
     """Step 1 over one split of a row. FUSED (one split per row): steps 2-3 follow in the same program,
     while the row's maxima are fresh. A split row's first split resets the row's arrival count, which the
     count launch (after this one) uses. PDL: the count launch may start once every scan program has."""
@@ -614,6 +679,8 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
+    if STAGGER:
+        _stagger_start(row, length, stagger_rows, stagger_sms, stagger_ns_per_entry)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
     stride_gm = tl.multiple_of(stride_gm, 16)  # the workspace rows are whole 64-byte lines
     row_gm = gm_ptr + row.to(tl.int64) * (2 * stride_gm)
@@ -684,7 +751,7 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
                  fused: bool = _FUSED, unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS,
                  count_merge: int = _COUNT_MERGE, maxnreg: int | None = None,
                  fused_maxnreg: int | None = _FUSED_MAXNREG, pdl: bool = _PDL, tau_linear: bool | None = None,
-                 coarse_list: bool | None = None) -> torch.Tensor:
+                 coarse_list: bool | None = None, stagger: float = _STAGGER) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them). Knobs left at None
     take the value of the row layout's settings (_SPLIT_SETTINGS or _ONE_PROGRAM_SETTINGS); maxnreg caps the
     count launch's registers, fused_maxnreg the one-program launch's."""
@@ -729,8 +796,11 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     cap_registers = fused_maxnreg if fused else None
     pdl = pdl and launches_dependents_early(device)
     head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)
-    _scan_kernel[(rows, n_splits)](*head, tiles_per_split, n_splits, **blocks, SINGLE=count_splits == 1,
-                                   FUSED=fused, PREFETCH=settings["prefetch"], PDL=pdl and not fused,
+    staggered = stagger > 0 and fused and device.type == "cuda"  # the interpreter has no timer (nor overlap)
+    ns_per_entry = stagger * num_sms(device) * scores.element_size() / _READ_BYTES_PER_NS
+    _scan_kernel[(rows, n_splits)](*head, tiles_per_split, n_splits, wave, num_sms(device), ns_per_entry, **blocks,
+                                   SINGLE=count_splits == 1, FUSED=fused, PREFETCH=settings["prefetch"],
+                                   PDL=pdl and not fused, STAGGER=staggered,
                                    num_warps=fused_warps if fused else scan_warps,
                                    **({} if cap_registers is None else dict(maxnreg=cap_registers)))
     if not fused:

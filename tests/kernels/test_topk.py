@@ -93,7 +93,8 @@ def test_bad_arguments_fail_loudly(topk):
 
 def test_kernels_take_no_shape_as_constexpr(topk):
     allowed = {"G", "C", "TILE", "UNIT_BLOCK", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE",
-               "FUSED", "SPLIT_BLOCK", "PREFETCH", "BITS", "TAU_HISTS", "SELECT_BITS", "PDL", "TAU_LINEAR", "COARSE_LIST"}
+               "FUSED", "SPLIT_BLOCK", "PREFETCH", "BITS", "TAU_HISTS", "SELECT_BITS", "PDL", "TAU_LINEAR", "COARSE_LIST",
+               "STAGGER"}
     for kernel in (topk._scan_kernel, topk._count_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
@@ -105,7 +106,7 @@ def test_rows_split_over_many_programs_equal_reference(topk):
     overflow (ties) and rows shorter than one split; one program per row with small blocks, with the count
     in the scan program or launched after it; count programs that take several scan splits, or a whole row;
     other digit widths; tau from more maxima than fit in registers at once; rows too short for coarse maxima
-    (1500: tau from the group maxima)."""
+    (1500: tau from the group maxima); one program a row (the 16384 tile) with more coarse maxima than a block."""
     scores = hard_rows(9000)
     lengths = torch.tensor([9000, 8999, 5000, 1, 17, 1500])
     for knobs in (dict(tile=512, programs_per_sm=8), dict(tile=512, programs_per_sm=8, prefetch=False),
@@ -116,7 +117,8 @@ def test_rows_split_over_many_programs_equal_reference(topk):
                   dict(tile=512, programs_per_sm=8, count_merge=64, select_bits=6),
                   dict(tile=512, programs_per_sm=8, tau_linear=False), dict(tile=1024, programs_per_sm=1, tau_linear=True),
                   dict(tile=512, programs_per_sm=8, coarse_list=True), dict(tile=1024, programs_per_sm=1, coarse_list=False),
-                  dict(tile=512, programs_per_sm=8, coarse_list=True, gm_block=64, units_per_k=8)):
+                  dict(tile=512, programs_per_sm=8, coarse_list=True, gm_block=64, units_per_k=8),
+                  dict(tile=16384, unit_block=32)):
         scores = scores * 2.0  # the same order, other keys: a workspace left from the last call cannot pass
         got = topk._topk_triton(scores, lengths, 16, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, 16))
@@ -128,7 +130,7 @@ def test_one_finite_entry_per_coarse_group_is_exact(topk):
     the k largest maxima are the answer and a threshold one rank too high, or a hot group skipped by the
     gather's pipeline (a few groups a step here), would lose one. Both tau paths: maxima held in registers
     (radix or linear bins), and streamed in blocks; rows split over programs, and one program a row (the
-    16384 tile)."""
+    16384 tile; tau and the hot coarse groups from one load of the maxima, or streamed)."""
     k, cols = 16, 9000
     group = topk._group_size(cols, k)
     span = group * topk._coarse_size(cols, k, group, 1024)
@@ -143,7 +145,8 @@ def test_one_finite_entry_per_coarse_group_is_exact(topk):
                   dict(tile=1024, programs_per_sm=4, radix_bits=8, unit_block=16),
                   dict(tile=1024, programs_per_sm=1, tau_linear=False), dict(tile=1024, programs_per_sm=4, tau_linear=False),
                   dict(tile=1024, programs_per_sm=1, coarse_list=True), dict(tile=1024, programs_per_sm=4, coarse_list=True),
-                  dict(tile=1024, programs_per_sm=4, coarse_list=True, gm_block=32), dict(tile=16384, gather=64)):
+                  dict(tile=1024, programs_per_sm=4, coarse_list=True, gm_block=32), dict(tile=16384, gather=64),
+                  dict(tile=16384, gather=64, unit_block=16)):
         scores = scores * 2.0  # the same order, other keys: a workspace left from the last call cannot pass
         got = topk._topk_triton(scores, lengths, k, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))
