@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ds4-installed
 # No CUDA here: the CPU build of torch (on machines with a GPU pip picks the CUDA build of torch>=2.11).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.11' || echo 'torch==2.13.0')
 
-.PHONY: venv serve test bench-kernels clean
+.PHONY: venv serve test lint format clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,14 @@ serve: venv
 
 test: venv
 	$(BIN)/python -m pytest tests
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: venv
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 clean:
 	rm -rf $(VENV)

@@ -53,8 +53,13 @@ def _generate(args: argparse.Namespace) -> int:
     from ds4.engine.llm import LLM
     from ds4.engine.sampling_params import SamplingParams
 
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              **engine_flags_from_args(args))
+    llm = LLM(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        **engine_flags_from_args(args),
+    )
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     prompt = args.prompt
     if args.chat:

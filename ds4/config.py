@@ -101,14 +101,20 @@ class ModelConfig:
             d["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.yarn)}
         if self.fp8_block is not None:
             d["quantization_config"] = {
-                "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                "scale_fmt": "ue8m0", "weight_block_size": list(self.fp8_block),
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "quant_method": "fp8",
+                "scale_fmt": "ue8m0",
+                "weight_block_size": list(self.fp8_block),
             }
         if self.expert_dtype is not None:
             d["expert_dtype"] = self.expert_dtype
         for kind, ratio in zip(self.layer_kinds, self.compress_ratios):
             if (kind == CSA) != (ratio == _CSA_RATIO):
-                raise ConfigError(f"compress_ratios: the official format reads ratio 4 as CSA, so {kind} ratio {ratio} cannot be written")
+                raise ConfigError(
+                    f"compress_ratios: the official format reads ratio 4 as CSA, "
+                    f"so {kind} ratio {ratio} cannot be written"
+                )
         return {**d, **self.extra}
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -118,12 +124,38 @@ class ModelConfig:
         rope_parameters: dict[str, Any] = {"rope_type": "default"}
         if self.yarn is not None:
             rope_parameters = {"rope_type": "yarn", **dataclasses.asdict(self.yarn)}
-        keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
-                "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts",
-                "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "routed_scaling_factor",
-                "scoring_func", "norm_topk_prob", "sliding_window", "swiglu_limit", "hc_mult", "hc_sinkhorn_iters",
-                "hc_eps", "rms_norm_eps", "rope_theta", "compress_rope_theta", "max_position_embeddings",
-                "bos_token_id", "eos_token_id", "num_nextn_predict_layers")
+        keep = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "head_dim",
+            "q_lora_rank",
+            "o_groups",
+            "o_lora_rank",
+            "index_n_heads",
+            "index_head_dim",
+            "index_topk",
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_shared_experts",
+            "moe_intermediate_size",
+            "routed_scaling_factor",
+            "scoring_func",
+            "norm_topk_prob",
+            "sliding_window",
+            "swiglu_limit",
+            "hc_mult",
+            "hc_sinkhorn_iters",
+            "hc_eps",
+            "rms_norm_eps",
+            "rope_theta",
+            "compress_rope_theta",
+            "max_position_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "num_nextn_predict_layers",
+        )
         d = {k: getattr(self, k) for k in keep}
         d.update(
             model_type="deepseek_v4",
@@ -179,8 +211,10 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError("num_key_value_heads: DeepSeek-V4 attention has exactly one KV head")
     index_head_dim = r.int("index_head_dim", default=128, minimum=2)
     if index_head_dim <= rope_dim:
-        raise ConfigError(f"index_head_dim: {index_head_dim} must exceed qk_rope_head_dim {rope_dim} "
-                          "(the indexer rotates its last qk_rope_head_dim channels)")
+        raise ConfigError(
+            f"index_head_dim: {index_head_dim} must exceed qk_rope_head_dim {rope_dim} "
+            "(the indexer rotates its last qk_rope_head_dim channels)"
+        )
     n_experts = r.int("n_routed_experts", minimum=1)
     top_k = r.int("num_experts_per_tok", minimum=1)
     if top_k > n_experts:
@@ -417,13 +451,51 @@ def _quantisation(raw: dict[str, Any]) -> tuple[tuple[int, int] | None, str | No
 
 
 _KNOWN_KEYS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
-    "qk_rope_head_dim", "partial_rotary_factor", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim",
-    "index_topk", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
-    "routed_scaling_factor", "compress_ratios", "layer_types", "compress_rates", "num_hash_layers",
-    "mlp_layer_types", "num_nextn_predict_layers", "scoring_func", "norm_topk_prob", "sliding_window",
-    "swiglu_limit", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps", "rope_theta", "compress_rope_theta",
-    "rope_scaling", "rope_parameters", "max_position_embeddings", "bos_token_id", "eos_token_id", "torch_dtype",
-    "dtype", "quantization_config", "expert_dtype", "num_key_value_heads", "model_type", "architectures",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "head_dim",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "partial_rotary_factor",
+    "o_groups",
+    "o_lora_rank",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "moe_intermediate_size",
+    "routed_scaling_factor",
+    "compress_ratios",
+    "layer_types",
+    "compress_rates",
+    "num_hash_layers",
+    "mlp_layer_types",
+    "num_nextn_predict_layers",
+    "scoring_func",
+    "norm_topk_prob",
+    "sliding_window",
+    "swiglu_limit",
+    "hc_mult",
+    "hc_sinkhorn_iters",
+    "hc_eps",
+    "rms_norm_eps",
+    "rope_theta",
+    "compress_rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "torch_dtype",
+    "dtype",
+    "quantization_config",
+    "expert_dtype",
+    "num_key_value_heads",
+    "model_type",
+    "architectures",
     "tie_word_embeddings",
 )

@@ -20,8 +20,11 @@ def test_generate_prints_the_greedy_completion_of_the_built_in_model(capsys):
 
     assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "4", "--max-num-seqs", "2"]) == 0
     printed = capsys.readouterr().out.rstrip("\n")
-    expected = LLM(max_num_seqs=2).generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
-                                            use_tqdm=False)[0].text
+    expected = (
+        LLM(max_num_seqs=2)
+        .generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+        .text
+    )
     assert printed == expected
 
 

@@ -39,18 +39,49 @@ def test_official_pro_config(pro_raw):
 def test_transformers_spelling_parses_to_the_same_config(pro_raw):
     transformers = pytest.importorskip("transformers")
     hf = transformers.DeepseekV4Config(
-        vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, head_dim=512,
-        q_lora_rank=1536, partial_rotary_factor=64 / 512, o_groups=16, o_lora_rank=1024, index_n_heads=64,
-        index_head_dim=128, index_topk=1024, n_routed_experts=384, num_experts_per_tok=6, n_shared_experts=1,
-        moe_intermediate_size=3072, routed_scaling_factor=2.5, scoring_func="sqrtsoftplus",
+        vocab_size=129280,
+        hidden_size=7168,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        head_dim=512,
+        q_lora_rank=1536,
+        partial_rotary_factor=64 / 512,
+        o_groups=16,
+        o_lora_rank=1024,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=1024,
+        n_routed_experts=384,
+        num_experts_per_tok=6,
+        n_shared_experts=1,
+        moe_intermediate_size=3072,
+        routed_scaling_factor=2.5,
+        scoring_func="sqrtsoftplus",
         layer_types=["heavily_compressed_attention"] * 2
-        + ["compressed_sparse_attention", "heavily_compressed_attention"] * 29 + ["compressed_sparse_attention"],
+        + ["compressed_sparse_attention", "heavily_compressed_attention"] * 29
+        + ["compressed_sparse_attention"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 58, sliding_window=128, swiglu_limit=10.0, hc_mult=4,
-        hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
-        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32.0, "beta_slow": 1.0},
-        max_position_embeddings=1048576, bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=1, dtype="bfloat16",
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 58,
+        sliding_window=128,
+        swiglu_limit=10.0,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        hc_eps=1e-6,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        max_position_embeddings=1048576,
+        bos_token_id=0,
+        eos_token_id=1,
+        num_nextn_predict_layers=1,
+        dtype="bfloat16",
     ).to_dict()
     official = dataclasses.replace(load_config(pro_raw), fp8_block=None, expert_dtype=None)
     assert load_config(hf) == official
@@ -60,8 +91,11 @@ def test_to_hf_dict_is_accepted_by_transformers(pro_raw):
     transformers = pytest.importorskip("transformers")
     cfg = dataclasses.replace(load_config(pro_raw), fp8_block=None, expert_dtype=None)
     hf = transformers.DeepseekV4Config(**cfg.to_hf_dict())
-    assert hf.layer_types[:3] == ["heavily_compressed_attention", "heavily_compressed_attention",
-                                  "compressed_sparse_attention"]
+    assert hf.layer_types[:3] == [
+        "heavily_compressed_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ]
     assert load_config(hf.to_dict()) == cfg
 
 
@@ -118,21 +152,33 @@ def test_bad_official_field_is_named(pro_raw, field, mutate):
 
 
 HF_BASE = {
-    "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 128,
-    "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64, "partial_rotary_factor": 0.5,
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "head_dim": 128,
+    "q_lora_rank": 64,
+    "o_groups": 2,
+    "o_lora_rank": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "partial_rotary_factor": 0.5,
     "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
     "mlp_layer_types": ["hash_moe", "moe", "moe"],
 }
 
 
-@pytest.mark.parametrize("field,value", [
-    ("layer_types", ["sliding_attention", "full_attention", "sliding_attention"]),
-    ("layer_types", ["sliding_attention"]),
-    ("mlp_layer_types", ["moe", "hash_moe", "moe"]),
-    ("mlp_layer_types", ["dense", "moe", "moe"]),
-    ("partial_rotary_factor", 0.3),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("layer_types", ["sliding_attention", "full_attention", "sliding_attention"]),
+        ("layer_types", ["sliding_attention"]),
+        ("mlp_layer_types", ["moe", "hash_moe", "moe"]),
+        ("mlp_layer_types", ["dense", "moe", "moe"]),
+        ("partial_rotary_factor", 0.3),
+    ],
+)
 def test_bad_transformers_field_is_named(field, value):
     assert load_config(HF_BASE).layer_kinds == (WINDOW, CSA, HCA, WINDOW)
     with pytest.raises(ConfigError, match=f"^{field}:"):

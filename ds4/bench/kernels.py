@@ -76,16 +76,36 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
     torch_ms = _median_ms(theirs) / sets
     torch_graph_ms = _graph_ms(theirs) / sets
     roof_ms = rows * cols * 4 / bandwidth * 1e3
-    return {"rows": rows, "cols": cols, "k": k, "exact": exact, "ds4_ms": ds4_ms, "ds4_graph_ms": graph_ms,
-            "torch_topk_ms": torch_ms, "torch_topk_graph_ms": torch_graph_ms, "speedup_vs_torch": torch_ms / ds4_ms,
-            "speedup_vs_torch_graph": torch_graph_ms / graph_ms, "roofline_ms": roof_ms,
-            "roofline_fraction": roof_ms / ds4_ms, "roofline_fraction_graph": roof_ms / graph_ms}
+    return {
+        "rows": rows,
+        "cols": cols,
+        "k": k,
+        "exact": exact,
+        "ds4_ms": ds4_ms,
+        "ds4_graph_ms": graph_ms,
+        "torch_topk_ms": torch_ms,
+        "torch_topk_graph_ms": torch_graph_ms,
+        "speedup_vs_torch": torch_ms / ds4_ms,
+        "speedup_vs_torch_graph": torch_graph_ms / graph_ms,
+        "roofline_ms": roof_ms,
+        "roofline_fraction": roof_ms / ds4_ms,
+        "roofline_fraction_graph": roof_ms / graph_ms,
+    }
 
 
-TOPK_VARIANTS = [{},  # the defaults
-                 dict(tau_linear=True), dict(tau_linear=False), dict(coarse_list=False), dict(prefetch=True),
-                 dict(tile=8192), dict(fused_warps=4, fused_maxnreg=128), dict(pdl=False), dict(count_merge=1),
-                 dict(fused=False, count_warps=4, maxnreg=64), dict(stagger=0.0)]
+TOPK_VARIANTS = [
+    {},  # the defaults
+    dict(tau_linear=True),
+    dict(tau_linear=False),
+    dict(coarse_list=False),
+    dict(prefetch=True),
+    dict(tile=8192),
+    dict(fused_warps=4, fused_maxnreg=128),
+    dict(pdl=False),
+    dict(count_merge=1),
+    dict(fused=False, count_warps=4, maxnreg=64),
+    dict(stagger=0.0),
+]
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512), (128, 32768, 512)]
 
 
@@ -157,17 +177,30 @@ def bench_indexer_prefill(queries: int, n_keys: int, gemm_rate: float, tiles) ->
         except Exception as err:  # a tile that does not fit (shared memory) is reported, not fatal
             runs.append({"tile": list(tile), "error": str(err)[:200]})
             continue
-        runs.append({"tile": list(tile), "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12,
-                     "gemm_fraction": flops / (ms * 1e-3) / gemm_rate,
-                     "regs": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None)})
+        runs.append(
+            {
+                "tile": list(tile),
+                "ms": ms,
+                "tflops": flops / (ms * 1e-3) / 1e12,
+                "gemm_fraction": flops / (ms * 1e-3) / gemm_rate,
+                "regs": getattr(compiled, "n_regs", None),
+                "spills": getattr(compiled, "n_spills", None),
+            }
+        )
     sample = slice(0, 256)
     ref = ix.indexer_logits_reference(q[sample], w[sample], cache, table, key_end[sample], 256, max_keys)
     got = ix.indexer_logits(q[sample], w[sample], cache, table, key_end[sample], 256, max_keys)
     finite = torch.isfinite(ref)
     err = float((got[finite] - ref[finite]).norm() / ref[finite].norm())
     fused_ms = _median_ms(lambda: ix.indexer_topk(q, w, cache, table, key_end, queries, max_keys, 512))
-    return {"queries": queries, "keys": n_keys, "useful_flops": flops, "rel_err_vs_fp32": err, "tiles": runs,
-            "indexer_topk_ms_k512": fused_ms}
+    return {
+        "queries": queries,
+        "keys": n_keys,
+        "useful_flops": flops,
+        "rel_err_vs_fp32": err,
+        "tiles": runs,
+        "indexer_topk_ms_k512": fused_ms,
+    }
 
 
 def bench_indexer_decode(requests: int, rows_per_request: int, n_keys: int, bandwidth: float) -> dict:
@@ -180,9 +213,16 @@ def bench_indexer_decode(requests: int, rows_per_request: int, n_keys: int, band
     ms, graph_ms = _median_ms(fn), _graph_ms(fn)
     rows = requests * rows_per_request
     moved = requests * n_keys * ix.ENTRY_BYTES + rows * max_keys * 4 + q.numel()
-    return {"requests": requests, "rows_per_request": rows_per_request, "keys": n_keys, "ms": ms,
-            "graph_ms": graph_ms, "bytes_moved": moved, "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth,
-            "bandwidth_fraction_graph": moved / (graph_ms * 1e-3) / bandwidth}
+    return {
+        "requests": requests,
+        "rows_per_request": rows_per_request,
+        "keys": n_keys,
+        "ms": ms,
+        "graph_ms": graph_ms,
+        "bytes_moved": moved,
+        "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth,
+        "bandwidth_fraction_graph": moved / (graph_ms * 1e-3) / bandwidth,
+    }
 
 
 def compiled_resources(kernels: dict) -> list[dict]:
@@ -192,22 +232,35 @@ def compiled_resources(kernels: dict) -> list[dict]:
         for cache in kernel.device_caches.values():
             for compiled in cache[0].values():
                 meta = compiled.metadata
-                found.append({"kernel": name, "warps": meta.num_warps, "stages": meta.num_stages,
-                              "regs": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
-                              "shared": meta.shared})
+                found.append(
+                    {
+                        "kernel": name,
+                        "warps": meta.num_warps,
+                        "stages": meta.num_stages,
+                        "regs": getattr(compiled, "n_regs", None),
+                        "spills": getattr(compiled, "n_spills", None),
+                        "shared": meta.shared,
+                    }
+                )
     return found
 
 
 def _print_table(report: dict) -> None:
-    print(f"\n{report['device']}  copy {report['copy_bandwidth_tbps']:.2f} TB/s  "
-          f"fp8 gemm {report['fp8_gemm_tflops']:.0f} TFLOP/s")
-    print(f"{'top-k rows x cols, k':>26} {'ds4 ms':>8} {'graph':>8} {'torch':>8} {'t.graph':>8} {'x torch':>8} "
-          f"{'x(graph)':>8} {'roof%':>6} {'roof%g':>6} exact")
+    print(
+        f"\n{report['device']}  copy {report['copy_bandwidth_tbps']:.2f} TB/s  "
+        f"fp8 gemm {report['fp8_gemm_tflops']:.0f} TFLOP/s"
+    )
+    print(
+        f"{'top-k rows x cols, k':>26} {'ds4 ms':>8} {'graph':>8} {'torch':>8} {'t.graph':>8} {'x torch':>8} "
+        f"{'x(graph)':>8} {'roof%':>6} {'roof%g':>6} exact"
+    )
     for r in report["topk"]:
-        print(f"{r['rows']:>10} x {r['cols']:>8}, {r['k']:>4} {r['ds4_ms']:8.4f} {r['ds4_graph_ms']:8.4f} "
-              f"{r['torch_topk_ms']:8.4f} {r['torch_topk_graph_ms']:8.4f} {r['speedup_vs_torch']:8.2f} "
-              f"{r['speedup_vs_torch_graph']:8.2f} "
-              f"{100 * r['roofline_fraction']:6.1f} {100 * r['roofline_fraction_graph']:6.1f} {r['exact']}")
+        print(
+            f"{r['rows']:>10} x {r['cols']:>8}, {r['k']:>4} {r['ds4_ms']:8.4f} {r['ds4_graph_ms']:8.4f} "
+            f"{r['torch_topk_ms']:8.4f} {r['torch_topk_graph_ms']:8.4f} {r['speedup_vs_torch']:8.2f} "
+            f"{r['speedup_vs_torch_graph']:8.2f} "
+            f"{100 * r['roofline_fraction']:6.1f} {100 * r['roofline_fraction_graph']:6.1f} {r['exact']}"
+        )
     for name in ("topk_kernel_us_2048x65536", "topk_kernel_us_64x131072", "topk_kernel_us_1x1048576"):
         print(name, {key[:24]: round(us, 1) for key, us in report[name].items()})
     for case in report.get("topk_sweep", []):
@@ -217,18 +270,24 @@ def _print_table(report: dict) -> None:
             print(f"   {knobs}: {r['ms']:.4f} / {r['graph_ms']:.4f}{'' if r['exact'] else ' INEXACT'}")
     if "indexer_prefill" in report:
         p = report["indexer_prefill"]
-        print(f"indexer prefill {p['queries']} x {p['keys']} (rel err {p['rel_err_vs_fp32']:.1e}), "
-              f"indexer_topk k=512 {p['indexer_topk_ms_k512']:.2f} ms")
+        print(
+            f"indexer prefill {p['queries']} x {p['keys']} (rel err {p['rel_err_vs_fp32']:.1e}), "
+            f"indexer_topk k=512 {p['indexer_topk_ms_k512']:.2f} ms"
+        )
         for t in p["tiles"]:
             if "ms" in t:
-                print(f"  tile {t['tile']}: {t['ms']:.3f} ms {t['tflops']:.0f} TFLOP/s "
-                      f"{100 * t['gemm_fraction']:.1f}% of fp8 gemm, regs/spills {t['regs']}/{t['spills']}")
+                print(
+                    f"  tile {t['tile']}: {t['ms']:.3f} ms {t['tflops']:.0f} TFLOP/s "
+                    f"{100 * t['gemm_fraction']:.1f}% of fp8 gemm, regs/spills {t['regs']}/{t['spills']}"
+                )
             else:
                 print(f"  tile {t['tile']}: {t['error']}")
     for d in report.get("indexer_decode", []):
-        print(f"indexer decode {d['requests']} x {d['rows_per_request']} rows, {d['keys']} keys: {d['ms']:.3f} ms "
-              f"(graph {d['graph_ms']:.3f}), {100 * d['bandwidth_fraction']:.1f}% "
-              f"({100 * d['bandwidth_fraction_graph']:.1f}%) of copy bandwidth")
+        print(
+            f"indexer decode {d['requests']} x {d['rows_per_request']} rows, {d['keys']} keys: {d['ms']:.3f} ms "
+            f"(graph {d['graph_ms']:.3f}), {100 * d['bandwidth_fraction']:.1f}% "
+            f"({100 * d['bandwidth_fraction_graph']:.1f}%) of copy bandwidth"
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -242,27 +301,43 @@ def main(argv: list[str]) -> int:
         return 2
     bandwidth = copy_bandwidth()
     gemm = fp8_gemm_rate()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "copy_bandwidth_tbps": bandwidth / 1e12, "fp8_gemm_tflops": gemm / 1e12}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_bandwidth_tbps": bandwidth / 1e12,
+        "fp8_gemm_tflops": gemm / 1e12,
+    }
     sections = [("topk", lambda: [bench_topk(r, c, k, bandwidth) for r, c, k in TOPK_CASES])]
-    sections += [(f"topk_kernel_us_{r}x{c}", lambda r=r, c=c: topk_kernel_breakdown(r, c, 512))
-                 for r, c in ((2048, 65536), (64, 131072), (1, 1048576))]
+    sections += [
+        (f"topk_kernel_us_{r}x{c}", lambda r=r, c=c: topk_kernel_breakdown(r, c, 512))
+        for r, c in ((2048, 65536), (64, 131072), (1, 1048576))
+    ]
     if args.all_tiles:
-        sections.append(("topk_sweep", lambda: [{"rows": r, "cols": c, "k": k, "runs": sweep_topk(r, c, k)}
-                                                for r, c, k in TOPK_SWEEP_CASES]))
+        sections.append(
+            (
+                "topk_sweep",
+                lambda: [{"rows": r, "cols": c, "k": k, "runs": sweep_topk(r, c, k)} for r, c, k in TOPK_SWEEP_CASES],
+            )
+        )
     if not args.skip_indexer:
         tiles = PREFILL_TILES if args.all_tiles else PREFILL_TILES[:1]
         sections.append(("indexer_prefill", lambda: bench_indexer_prefill(8192, 65536, gemm, tiles)))
-        sections.append(("indexer_decode", lambda: [bench_indexer_decode(64, 2, 65536, bandwidth),
-                                                    bench_indexer_decode(256, 1, 16384, bandwidth)]))
+        sections.append(
+            (
+                "indexer_decode",
+                lambda: [bench_indexer_decode(64, 2, 65536, bandwidth), bench_indexer_decode(256, 1, 16384, bandwidth)],
+            )
+        )
     for name, run in sections:  # each section is printed and saved as it lands, so a timeout keeps the rest
         report[name] = run()
         print(name, json.dumps(report[name]), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
-    report["compiled"] = compiled_resources({"scan": tk._scan_kernel, "count": tk._count_kernel,
-                                             "indexer": ix._indexer_logits_kernel})
+    report["compiled"] = compiled_resources(
+        {"scan": tk._scan_kernel, "count": tk._count_kernel, "indexer": ix._indexer_logits_kernel}
+    )
     _print_table(report)
     for entry in report["compiled"]:
         print("compiled", entry)

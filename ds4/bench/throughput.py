@@ -57,13 +57,19 @@ def run(args: argparse.Namespace, engine_flags: dict) -> dict:
     from ds4.engine.engine import LLMEngine
     from ds4.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                       kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, **engine_flags)
+    engine = LLMEngine.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        seed=args.seed,
+        **engine_flags,
+    )
     vocab = engine.model.cfg.vocab_size
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
     # Keep every request within max_model_len, where it would stop early.
     limit = engine.max_model_len
-    requests = [(prompt[:limit - 1], min(out, limit - len(prompt[:limit - 1]))) for prompt, out in requests]
+    requests = [(prompt[: limit - 1], min(out, limit - len(prompt[: limit - 1]))) for prompt, out in requests]
 
     def params(max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
@@ -109,14 +115,16 @@ def run(args: argparse.Namespace, engine_flags: dict) -> dict:
 
 
 def table(result: dict) -> str:
-    rows = [("requests", f"{result['num_prompts']}"),
-            ("input / output tokens", f"{result['input_tokens']} / {result['output_tokens']}"),
-            ("elapsed", f"{result['elapsed_s']:.2f} s"),
-            ("requests/s", f"{result['requests_per_s']:.2f}"),
-            ("output tok/s", f"{result['output_tokens_per_s']:.1f}"),
-            ("total tok/s", f"{result['total_tokens_per_s']:.1f}"),
-            ("steps / preemptions", f"{result['num_steps']} / {result['num_preemptions']}"),
-            ("device", result["device"])]
+    rows = [
+        ("requests", f"{result['num_prompts']}"),
+        ("input / output tokens", f"{result['input_tokens']} / {result['output_tokens']}"),
+        ("elapsed", f"{result['elapsed_s']:.2f} s"),
+        ("requests/s", f"{result['requests_per_s']:.2f}"),
+        ("output tok/s", f"{result['output_tokens_per_s']:.1f}"),
+        ("total tok/s", f"{result['total_tokens_per_s']:.1f}"),
+        ("steps / preemptions", f"{result['num_steps']} / {result['num_preemptions']}"),
+        ("device", result["device"]),
+    ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
@@ -134,8 +142,9 @@ def _device_name(device: torch.device) -> str:
 
 def _commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 

@@ -64,7 +64,7 @@ def saved_to_official(name: str) -> str:
     """An on-disk `save_pretrained` name -> the official name."""
     if not name.startswith("model."):
         return name
-    return _rename(name[len("model."):], _SAVED_TO_OFFICIAL)
+    return _rename(name[len("model.") :], _SAVED_TO_OFFICIAL)
 
 
 def official_to_saved(name: str) -> str:
@@ -88,7 +88,7 @@ def memory_state_to_official(state: dict[str, torch.Tensor]) -> dict[str, torch.
     """transformers' in-memory `state_dict()` -> official names, splitting the merged expert tensors."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        short = name[len("model."):] if name.startswith("model.") else name
+        short = name[len("model.") :] if name.startswith("model.") else name
         if short == "lm_head.weight":
             out["head.weight"] = tensor
             continue

@@ -58,6 +58,7 @@ def power_of_two_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
 # ---- FP8 e4m3, block-scaled ----
 
+
 def fp8_scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
 
@@ -77,8 +78,9 @@ def fp8_block_quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     return q, float_to_e8m0(scale)
 
 
-def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fp8_block_dequantize(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """(float8_e4m3fn [out, in], float8_e8m0fnu [ceil(out/b0), ceil(in/b1)]) -> weight * scale in `dtype`."""
     if weight.dtype != torch.float8_e4m3fn:
         raise QuantFormatError(f"FP8 weight dtype {weight.dtype}; expected torch.float8_e4m3fn")

@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from ds4.checkpoint import hf_names
 from ds4.checkpoint.quant import QuantFormatError, fp8_block_dequantize, mxfp4_dequantize
-from ds4.config import ModelConfig, load_config
 from ds4.checkpoint.weights_spec import EXPERT, FP8_LINEAR, FP32, INDEX, expected_parameter_shapes, stored_tensor_specs
+from ds4.config import ModelConfig, load_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,10 +34,22 @@ OFFICIAL, HF = "official", "hf"
 MTP_PREFIX = "mtp."
 
 _DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
 _HF_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -103,7 +115,9 @@ def load_checkpoint(
     weight_map = _weight_map(model_dir)
     fmt = _format_of(weight_map)
     if with_mtp and cfg.num_mtp_layers < 1:
-        raise CheckpointError(f"{model_dir}: with_mtp=True, but the config has no MTP layer (num_nextn_predict_layers 0)")
+        raise CheckpointError(
+            f"{model_dir}: with_mtp=True, but the config has no MTP layer (num_nextn_predict_layers 0)"
+        )
     logical = expected_parameter_shapes(cfg, with_mtp=with_mtp)
     expected = _expected_stored(cfg, fmt, with_mtp)
     stats = stats if stats is not None else ReadStats()
@@ -135,8 +149,9 @@ def _expected_stored(cfg: ModelConfig, fmt: str, with_mtp: bool) -> dict[str, _E
     }
 
 
-def _materialise(cfg: ModelConfig, name: str, kind: str, raw: dict[str, torch.Tensor], dtype: torch.dtype,
-                 keep_quantized: bool) -> dict[str, torch.Tensor]:
+def _materialise(
+    cfg: ModelConfig, name: str, kind: str, raw: dict[str, torch.Tensor], dtype: torch.dtype, keep_quantized: bool
+) -> dict[str, torch.Tensor]:
     """The output tensor(s) for one logical name; raw tensors are dropped as used to bound peak memory."""
     t = raw.pop(name)
     if kind == INDEX:
@@ -173,8 +188,15 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
     raise CheckpointError(f"{model_dir}: no {INDEX_FILE} or {SINGLE_FILE}")
 
 
-def _read_all(model_dir: Path, weight_map: dict[str, str], expected: dict[str, _Expected], with_mtp: bool,
-              files: ExitStack, stats: ReadStats, progress: bool) -> dict[str, torch.Tensor]:
+def _read_all(
+    model_dir: Path,
+    weight_map: dict[str, str],
+    expected: dict[str, _Expected],
+    with_mtp: bool,
+    files: ExitStack,
+    stats: ReadStats,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
     """Validate everything from the index and headers, then read the needed tensors shard by shard."""
     problems: list[str] = []
     wanted = {n: s for n, s in weight_map.items() if with_mtp or not n.startswith(MTP_PREFIX)}
@@ -191,7 +213,9 @@ def _read_all(model_dir: Path, weight_map: dict[str, str], expected: dict[str, _
     for shard, names in sorted(by_shard.items()):
         path = model_dir / shard
         if not path.is_file():
-            problems.append(f"shard {shard} (listed in the index for {len(names)} tensors, e.g. {names[0]}) does not exist")
+            problems.append(
+                f"shard {shard} (listed in the index for {len(names)} tensors, e.g. {names[0]}) does not exist"
+            )
             continue
         f = files.enter_context(open(path, "rb"))
         stats.shards_opened.append(shard)

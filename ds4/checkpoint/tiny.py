@@ -8,12 +8,12 @@ MXFP4 experts. The `hf` format holds exactly the dequantised values of the `offi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import tempfile
 import zlib
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 from ds4.checkpoint import hf_names
 from ds4.checkpoint.quant import fp8_block_dequantize, fp8_block_quantize, mxfp4_dequantize, mxfp4_quantize
 from ds4.checkpoint.reader import INDEX_FILE, MTP_PREFIX
-from ds4.config import ModelConfig, load_config
 from ds4.checkpoint.weights_spec import EXPERT, FP8_LINEAR, FP32, INDEX, TensorSpec, expected_parameter_shapes
+from ds4.config import ModelConfig, load_config
 
 # Bump whenever the generated weights or config change, so cached default models are rebuilt.
 TINY_VERSION = 2
@@ -65,14 +65,23 @@ TINY_CONFIG: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "compress_rope_theta": 160000.0,
-    "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4,
+        "original_max_position_embeddings": 256,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
     "max_position_embeddings": 1048576,
     "bos_token_id": 0,
     "eos_token_id": 1,
     "torch_dtype": "bfloat16",
     "tie_word_embeddings": False,
     "quantization_config": {
-        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
         "weight_block_size": [128, 128],
     },
     "expert_dtype": "fp4",
@@ -84,8 +93,9 @@ def tiny_config(config_overrides: dict[str, Any] | None = None) -> ModelConfig:
     return load_config({**TINY_CONFIG, **(config_overrides or {})})
 
 
-def make_tiny(out_dir: str | Path, format: str = "official", seed: int = 0,
-              config_overrides: dict[str, Any] | None = None) -> Path:
+def make_tiny(
+    out_dir: str | Path, format: str = "official", seed: int = 0, config_overrides: dict[str, Any] | None = None
+) -> Path:
     """Write a tiny random DeepSeek-V4 model directory (config, sharded safetensors + index, tokenizer)."""
     if format not in FORMATS:
         raise ValueError(f"format: {format!r} is not one of {FORMATS}")
@@ -182,7 +192,7 @@ def _write_shards(out: Path, state: dict[str, torch.Tensor], num_layers: int) ->
         shards.setdefault(shard, {})[name] = tensor.contiguous()
     count = len(shards)
     weight_map, total = {}, 0
-    for i, (shard, tensors) in enumerate(sorted(shards.items())):
+    for i, (_shard, tensors) in enumerate(sorted(shards.items())):
         file = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
         save_file(tensors, out / file, metadata={"format": "pt"})
         for name, t in tensors.items():

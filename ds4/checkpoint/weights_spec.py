@@ -55,14 +55,16 @@ def expected_parameter_shapes(cfg: ModelConfig, with_mtp: bool = False) -> dict[
             raise ValueError("with_mtp: the config has no MTP layer (num_nextn_predict_layers is 0)")
         prefix = "mtp.0."
         specs.update(_block(prefix, cfg, cfg.num_hidden_layers))
-        specs.update({
-            prefix + "e_proj.weight": TensorSpec((d, d), FP8_LINEAR),
-            prefix + "h_proj.weight": TensorSpec((d, d), FP8_LINEAR),
-            prefix + "enorm.weight": TensorSpec((d,), BF16),
-            prefix + "hnorm.weight": TensorSpec((d,), BF16),
-            prefix + "norm.weight": TensorSpec((d,), BF16),
-            **_hc_head(prefix, cfg),
-        })
+        specs.update(
+            {
+                prefix + "e_proj.weight": TensorSpec((d, d), FP8_LINEAR),
+                prefix + "h_proj.weight": TensorSpec((d, d), FP8_LINEAR),
+                prefix + "enorm.weight": TensorSpec((d,), BF16),
+                prefix + "hnorm.weight": TensorSpec((d,), BF16),
+                prefix + "norm.weight": TensorSpec((d,), BF16),
+                **_hc_head(prefix, cfg),
+            }
+        )
     return specs
 
 

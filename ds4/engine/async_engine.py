@@ -44,8 +44,9 @@ class AsyncEngine:
         """The statistics after the latest step (a snapshot; never waits for the engine)."""
         return self._stats
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int],
-                          params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Check and queue a request; returns the iterator of its outputs. Raises ValueError at once for a
         request the engine would refuse (RequestRejected if it can never run)."""
         if self.error is not None:
@@ -144,5 +145,12 @@ class AsyncEngine:
 
 
 def _refused(request_id: str, prompt: list[int], error: Exception) -> RequestOutput:
-    return RequestOutput(request_id=request_id, new_token_ids=[], new_text="", finished=True, finish_reason="error",
-                         num_prompt_tokens=len(prompt), error=str(error))
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason="error",
+        num_prompt_tokens=len(prompt),
+        error=str(error),
+    )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4.engine.config import GiB, EngineConfig
+from ds4.engine.config import EngineConfig, GiB
 from ds4.model.batch import ForwardBatch
 from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot
 
@@ -40,8 +40,10 @@ class CachePlan:
         return self.num_pages * self.page_bytes + self.num_slots * self.slot_bytes
 
     def describe(self) -> str:
-        return (f"KV cache: {self.num_pages} pages x {self.page_size} tokens = {self.capacity_tokens} tokens of context, "
-                f"{self.num_slots} request slots, {self.total_bytes / GiB:.3f} GiB; max_model_len {self.max_model_len}")
+        return (
+            f"KV cache: {self.num_pages} pages x {self.page_size} tokens = {self.capacity_tokens} tokens of context, "
+            f"{self.num_slots} request slots, {self.total_bytes / GiB:.3f} GiB; max_model_len {self.max_model_len}"
+        )
 
 
 def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int) -> CachePlan:
@@ -56,7 +58,8 @@ def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int
     if num_pages < 1:
         raise ValueError(
             f"the cache budget of {budget} bytes does not cover {num_slots} request slots ({slot_bytes} bytes each) "
-            f"and one page ({page_bytes} bytes): give more memory or lower max_num_seqs")
+            f"and one page ({page_bytes} bytes): give more memory or lower max_num_seqs"
+        )
     wanted_len = config.max_model_len or cfg.max_position_embeddings
     num_pages = min(num_pages, config.max_num_seqs * -(-wanted_len // config.page_size))
     max_model_len = config.max_model_len or min(cfg.max_position_embeddings, num_pages * config.page_size)
@@ -76,7 +79,9 @@ def cuda_cache_budget(model, config: EngineConfig, device: torch.device) -> int:
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no room for the cache: "
-            f"{in_use / GiB:.1f} GiB in use, one step needs {peak / GiB:.1f} GiB of activations, device {total / GiB:.1f} GiB")
+            f"{in_use / GiB:.1f} GiB in use, one step needs {peak / GiB:.1f} GiB of activations, "
+            f"device {total / GiB:.1f} GiB"
+        )
     return budget
 
 
@@ -97,7 +102,7 @@ def _activation_peak(model, config: EngineConfig, device: torch.device) -> int:
         block_tables=torch.arange(pages, dtype=torch.int32, device=device).unsqueeze(0),
     )
     hidden = model.forward(batch, scratch)
-    model.compute_logits(hidden[-min(n, config.max_num_seqs):])
+    model.compute_logits(hidden[-min(n, config.max_num_seqs) :])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del scratch, hidden, batch

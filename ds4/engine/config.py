@@ -21,28 +21,41 @@ class EngineConfig:
     max_num_batched_tokens: int = _flag(8192, "tokens run through the model in one step (decodes plus prefill chunks)")
     max_num_seqs: int = _flag(256, "requests holding a cache slot at once (decoding or prefilling)")
     max_model_len: int | None = _flag(
-        None, "longest prompt + output (default: the model's limit, lowered to what the cache holds)")
+        None, "longest prompt + output (default: the model's limit, lowered to what the cache holds)"
+    )
     long_prefill_token_threshold: int = _flag(
-        0, "prompts with more tokens than this left to prefill are long and prefill in chunks of at most this "
-           "many (0: half of max_num_batched_tokens)")
+        0,
+        "prompts with more tokens than this left to prefill are long and prefill in chunks of at most this "
+        "many (0: half of max_num_batched_tokens)",
+    )
     max_num_partial_prefills: int = _flag(
-        4, "prompts that get prefill tokens in one step; short ones go first, so they never wait for a long one")
+        4, "prompts that get prefill tokens in one step; short ones go first, so they never wait for a long one"
+    )
     max_long_partial_prefills: int = _flag(1, "how many of those prompts may be long")
     gpu_memory_utilization: float = _flag(
-        0.9, "CUDA: fraction of the device's memory ds4 may use in all (weights, activations, caches)")
+        0.9, "CUDA: fraction of the device's memory ds4 may use in all (weights, activations, caches)"
+    )
     kv_cache_memory: int | None = _flag(
-        None, "bytes for the caches on any device; overrides gpu_memory_utilization (CPU default: 1 GiB)")
+        None, "bytes for the caches on any device; overrides gpu_memory_utilization (CPU default: 1 GiB)"
+    )
     page_size: int = _flag(256, "tokens per cache page; a multiple of every compression ratio of the model")
     enforce_eager: bool = _flag(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     max_cuda_graph_batch_size: int = _flag(
-        256, "CUDA: the largest decode batch captured as a graph (larger decode batches run eagerly)")
+        256, "CUDA: the largest decode batch captured as a graph (larger decode batches run eagerly)"
+    )
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        positive = ("max_num_batched_tokens", "max_num_seqs", "max_num_partial_prefills", "max_long_partial_prefills",
-                    "page_size", "max_cuda_graph_batch_size")
+        positive = (
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_num_partial_prefills",
+            "max_long_partial_prefills",
+            "page_size",
+            "max_cuda_graph_batch_size",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -50,15 +63,21 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise EngineConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
-                "so that every running request can decode in each step")
+                "so that every running request can decode in each step"
+            )
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise EngineConfigError(
                 f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
-                f"max_num_partial_prefills ({self.max_num_partial_prefills})")
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
+            )
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
-            raise EngineConfigError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}")
+            raise EngineConfigError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold!r}"
+            )
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise EngineConfigError(f"max_model_len must be an integer >= 2 (a prompt token and an output), got {self.max_model_len!r}")
+            raise EngineConfigError(
+                f"max_model_len must be an integer >= 2 (a prompt token and an output), got {self.max_model_len!r}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
@@ -70,7 +89,7 @@ class EngineConfig:
         return self.long_prefill_token_threshold or max(1, self.max_num_batched_tokens // 2)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Build from keyword arguments, naming any that is not an engine flag."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
@@ -83,9 +102,15 @@ def add_model_args(parser) -> None:
     """The flags that choose and place the model, shared by every command that loads one."""
     parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16 or float32")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
-                        help="fp8: the reference's FP8 KV-cache semantics (default: the compute dtype)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16 or float32"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8"),
+        help="fp8: the reference's FP8 KV-cache semantics (default: the compute dtype)",
+    )
 
 
 def add_engine_args(parser) -> None:

@@ -87,8 +87,10 @@ class DecodeGraphs:
         self._capture()
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return (batch.num_tokens == batch.num_requests <= self.sizes[-1]
-                and batch.block_tables.shape[1] <= self.page_buckets[-1])
+        return (
+            batch.num_tokens == batch.num_requests <= self.sizes[-1]
+            and batch.block_tables.shape[1] <= self.page_buckets[-1]
+        )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         r, width = batch.num_requests, batch.block_tables.shape[1]

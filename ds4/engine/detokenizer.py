@@ -29,8 +29,9 @@ class TokenBytes:
 
     def __init__(self, tokenizer: Tokenizer):
         if not isinstance(tokenizer.decoder, decoders.ByteLevel):
-            raise ValueError("incremental detokenizing needs a byte-level BPE tokenizer, "
-                             f"got decoder {tokenizer.decoder}")
+            raise ValueError(
+                f"incremental detokenizing needs a byte-level BPE tokenizer, got decoder {tokenizer.decoder}"
+            )
         alphabet = _byte_level_alphabet()
 
         def to_bytes(token: str) -> bytes:
@@ -41,8 +42,9 @@ class TokenBytes:
 
         size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bytes_of = [to_bytes(tokenizer.id_to_token(token_id) or "") for token_id in range(size)]
-        self.special_ids = frozenset(token_id for token_id, added in tokenizer.get_added_tokens_decoder().items()
-                                     if added.special)
+        self.special_ids = frozenset(
+            token_id for token_id, added in tokenizer.get_added_tokens_decoder().items() if added.special
+        )
 
 
 class IncrementalDetokenizer:

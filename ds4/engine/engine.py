@@ -1,10 +1,10 @@
 """LLMEngine: requests in, incremental outputs out; one `step()` = schedule -> run the model -> postprocess.
 
-    engine = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=8, kv_cache_memory=1 << 28)
-    engine.add_request("a", prompt_token_ids, SamplingParams(max_tokens=16))
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            ...  # out.new_token_ids, out.new_text, out.finished, out.finish_reason
+engine = LLMEngine.from_pretrained(model_dir, device="cpu", max_num_seqs=8, kv_cache_memory=1 << 28)
+engine.add_request("a", prompt_token_ids, SamplingParams(max_tokens=16))
+while engine.has_unfinished_requests():
+    for out in engine.step():
+        ...  # out.new_token_ids, out.new_text, out.finished, out.finish_reason
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 
 from ds4.engine.cache_plan import plan_cache
 from ds4.engine.config import EngineConfig
-from ds4.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from ds4.engine.cuda_graphs import DecodeGraphs
+from ds4.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from ds4.engine.model_runner import ChunkResult, ModelRunner
 from ds4.engine.page_allocator import PageAllocator
 from ds4.engine.sampler import Sampler, TokenLogprobs
@@ -73,7 +73,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, seed: int | None = None):
-        """`model` a loaded DeepseekV4Model; `tokenizer` (DSV4Tokenizer or tokenizers.Tokenizer) for text and stop strings."""
+        """`model` a loaded DeepseekV4Model; `tokenizer` (DSV4Tokenizer or tokenizers.Tokenizer) for text and stops."""
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -92,17 +92,31 @@ class LLMEngine:
         graphs = None
         if use_graphs:
             batch_size = min(self.config.max_cuda_graph_batch_size, self.config.max_num_seqs)
-            graphs = DecodeGraphs(model, self.cache, batch_size, self.allocator.pages_for(self.plan.max_model_len),
-                                  padding_slot=self.config.max_num_seqs, device=self.device)
+            graphs = DecodeGraphs(
+                model,
+                self.cache,
+                batch_size,
+                self.allocator.pages_for(self.plan.max_model_len),
+                padding_slot=self.config.max_num_seqs,
+                device=self.device,
+            )
         self.runner = ModelRunner(model, self.cache, self.sampler, self.device, graphs)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._prompt_tokens = self._generation_tokens = self._steps = self._finished = 0
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path | None = None, *, device: str | None = None, dtype: str = "auto",
-                        kv_cache_dtype: str = "auto", seed: int | None = None, **engine_flags) -> "LLMEngine":
-        """Load a checkpoint (default: the built-in tiny model) and its tokenizer; engine_flags are EngineConfig fields."""
+    def from_pretrained(
+        cls,
+        model_dir: str | Path | None = None,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
+        seed: int | None = None,
+        **engine_flags,
+    ) -> LLMEngine:
+        """Load a checkpoint (default: the built-in tiny model) and its tokenizer; engine_flags: EngineConfig fields."""
         from ds4.checkpoint.reader import load_checkpoint
         from ds4.checkpoint.tiny import default_model_dir
         from ds4.config import load_config
@@ -140,7 +154,8 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestRejected(
                 f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
-                f"{self.max_model_len} (prompt plus at least one output token)")
+                f"{self.max_model_len} (prompt plus at least one output token)"
+            )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         """Queue a request; raises RequestRejected (a ValueError) if it can never run, ValueError on bad input."""
@@ -153,8 +168,10 @@ class LLMEngine:
         seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         seq.arrival_time = time.monotonic()
         if self._token_bytes is not None:
-            seq.detokenizer = (IncrementalDetokenizer(self._token_bytes, params.skip_special_tokens),
-                               StopChecker(params.stop, params.include_stop_str_in_output))
+            seq.detokenizer = (
+                IncrementalDetokenizer(self._token_bytes, params.skip_special_tokens),
+                StopChecker(params.stop, params.include_stop_str_in_output),
+            )
         self.scheduler.add(seq)
         self.requests[request_id] = seq
 

@@ -37,16 +37,28 @@ class LLM:
     Engine flags (max_num_batched_tokens=, max_num_seqs=, kv_cache_memory=, ...) are keyword arguments.
     """
 
-    def __init__(self, model: str | Path | None = None, *, device: str | None = None, dtype: str = "auto",
-                 kv_cache_dtype: str = "auto", seed: int | None = None, **engine_flags):
-        self.engine = LLMEngine.from_pretrained(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                                                seed=seed, **engine_flags)
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
+        seed: int | None = None,
+        **engine_flags,
+    ):
+        self.engine = LLMEngine.from_pretrained(
+            model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, seed=seed, **engine_flags
+        )
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
-    def generate(self, prompts: list[str] | list[list[int]] | str,
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[CompletionOutput]:
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
         """Complete every prompt (text, or token ids); outputs come back in the prompts' order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

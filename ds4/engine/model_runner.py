@@ -55,7 +55,7 @@ class ModelRunner:
         if prompt_rows:
             targets = torch.tensor([t for _, _, t in prompt_rows], device=logits.device)
             num_top = [chunks[i].seq.params.prompt_logprobs for _, i, _ in prompt_rows]
-            entries = compute_logprobs(logits[len(sample_rows):], targets, num_top)
+            entries = compute_logprobs(logits[len(sample_rows) :], targets, num_top)
             for (_, i, _), entry in zip(prompt_rows, entries):
                 results[i].prompt_logprobs.append(entry)
         return results

@@ -13,7 +13,9 @@ from collections import deque
 class PageAllocator:
     def __init__(self, num_pages: int, num_slots: int, page_size: int):
         if num_pages < 1 or num_slots < 1 or page_size < 1:
-            raise ValueError(f"need at least one page, one slot and page_size >= 1, got {num_pages=}, {num_slots=}, {page_size=}")
+            raise ValueError(
+                f"need at least one page, one slot and page_size >= 1, got {num_pages=}, {num_slots=}, {page_size=}"
+            )
         self.num_pages = num_pages
         self.num_slots = num_slots
         self.page_size = page_size

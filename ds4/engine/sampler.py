@@ -102,8 +102,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[RequestSampling]) -> SamplerOutput:
         if logits.dim() != 2 or logits.dtype != torch.float32:
-            raise ValueError(f"logits must be a [batch, vocab] float32 tensor, "
-                             f"got {logits.dtype} {tuple(logits.shape)}")
+            raise ValueError(
+                f"logits must be a [batch, vocab] float32 tensor, got {logits.dtype} {tuple(logits.shape)}"
+            )
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
         # Grammar masks first; raw logprobs below still read the unmasked logits.
@@ -135,8 +136,9 @@ class Sampler:
         return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                  requests: Sequence[RequestSampling]) -> list[TokenLogprobs | None]:
+    def _logprobs(
+        logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[RequestSampling]
+    ) -> list[TokenLogprobs | None]:
         wanted = [row for row, request in enumerate(requests) if request.params.logprobs is not None]
         out: list[TokenLogprobs | None] = [None] * len(requests)
         if wanted:
@@ -187,8 +189,7 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[RequestSampling]) -
 def sample_random(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
     """One inverse-CDF draw per row of the warped distribution, from the row's own request generator."""
     cdf = warp_logits(logits, [request.params for request in requests]).softmax(dim=-1).double().cumsum(dim=-1)
-    uniforms = torch.tensor([request.draw_uniform() for request in requests], dtype=torch.float64,
-                            device=logits.device)
+    uniforms = torch.tensor([request.draw_uniform() for request in requests], dtype=torch.float64, device=logits.device)
     # right=True picks the first token whose cdf exceeds the target, so never a zero-probability token.
     targets = (uniforms * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
@@ -233,8 +234,10 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seq
     most = max(num_top, default=0)
     top_values, top_ids = logprobs.topk(most, dim=-1) if most else (logprobs[:, :0], logprobs[:, :0].long())
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    return [TokenLogprobs(token_id, chosen[row], dict(zip(top_ids[row][:n], top_values[row][:n])))
-            for row, (token_id, n) in enumerate(zip(token_ids.tolist(), num_top))]
+    return [
+        TokenLogprobs(token_id, chosen[row], dict(zip(top_ids[row][:n], top_values[row][:n])))
+        for row, (token_id, n) in enumerate(zip(token_ids.tolist(), num_top))
+    ]
 
 
 def _ids_tensor(ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:

@@ -51,8 +51,11 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         # JSON object keys arrive as strings: {"50256": -100}.
-        self.logit_bias = {} if self.logit_bias is None else {_as_int("logit_bias key", k): float(v)
-                                                              for k, v in self.logit_bias.items()}
+        self.logit_bias = (
+            {}
+            if self.logit_bias is None
+            else {_as_int("logit_bias key", k): float(v) for k, v in self.logit_bias.items()}
+        )
         self.validate()
 
     @property
@@ -72,25 +75,33 @@ class SamplingParams:
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         _check(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-               f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty, got {self.stop!r}")
-        _check(-2.0 <= self.presence_penalty <= 2.0,
-               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+        )
         _check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or value >= 0, f"{name} must be >= 0, got {value}")
         for token_id, bias in self.logit_bias.items():
-            _check(-_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS,
-                   f"logit_bias for token {token_id} must be in [-100, 100], got {bias}")
+            _check(
+                -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS,
+                f"logit_bias for token {token_id} must be in [-100, 100], got {bias}",
+            )
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
             for token_id in ids:
                 _check(isinstance(token_id, int) and token_id >= 0, f"{name}: token id {token_id!r} must be >= 0")
-                _check(vocab_size is None or token_id < vocab_size,
-                       f"{name}: token id {token_id} is outside the vocabulary (size {vocab_size})")
+                _check(
+                    vocab_size is None or token_id < vocab_size,
+                    f"{name}: token id {token_id} is outside the vocabulary (size {vocab_size})",
+                )
 
 
 def _check(ok: bool, message: str) -> None:

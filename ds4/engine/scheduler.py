@@ -60,7 +60,8 @@ class Scheduler:
         if allocator.pages_for(max_model_len) > allocator.num_pages:
             raise RequestRejected(
                 f"the cache holds {allocator.capacity_tokens} tokens, less than max_model_len={max_model_len}: "
-                "give the cache more memory or lower max_model_len")
+                "give the cache more memory or lower max_model_len"
+            )
         if allocator.num_slots < config.max_num_seqs:
             raise ValueError(f"{allocator.num_slots} slots for max_num_seqs={config.max_num_seqs}")
         self.config = config
@@ -79,7 +80,8 @@ class Scheduler:
         if seq.num_tokens >= self.max_model_len:
             raise RequestRejected(
                 f"request {seq.request_id!r}: the prompt has {seq.num_tokens} tokens, but max_model_len is "
-                f"{self.max_model_len} (prompt plus at least one output token)")
+                f"{self.max_model_len} (prompt plus at least one output token)"
+            )
 
     def add(self, seq: Sequence) -> None:
         self.check(seq)

@@ -65,9 +65,11 @@ class Sequence:
         if stop <= prompt_len:
             return self.prompt_token_ids[start:stop]
         if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len:stop - prompt_len]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - prompt_len]
+            return self.output_token_ids[start - prompt_len : stop - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, pages={len(self.page_table)}, slot={self.slot})")
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, pages={len(self.page_table)}, slot={self.slot})"
+        )

@@ -18,8 +18,9 @@ from ds4.engine.sampling_params import SamplingParams
 STOP, LENGTH = "stop", "length"
 
 
-def token_finish_reason(token_id: int, num_output_tokens: int, params: SamplingParams,
-                        eos_token_ids: Collection[int]) -> str | None:
+def token_finish_reason(
+    token_id: int, num_output_tokens: int, params: SamplingParams, eos_token_ids: Collection[int]
+) -> str | None:
     """Whether output token number `num_output_tokens` (1-based, `token_id`) ends the request.
 
     Stops count once the request has min_tokens outputs; a stop token wins over max_tokens.
@@ -62,10 +63,10 @@ class StopChecker:
             start, stop_string = match
             self.stopped_by = stop_string
             self._held = ""
-            return text[:start + len(stop_string)] if self.include_stop_str_in_output else text[:start]
+            return text[: start + len(stop_string)] if self.include_stop_str_in_output else text[:start]
         keep = self._longest_partial_tail(text)
-        self._held = text[len(text) - keep:]
-        return text[:len(text) - keep]
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep]
 
     def flush(self) -> str:
         """When the request ends for another reason: the held-back text, which is no stop string."""

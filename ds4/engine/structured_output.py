@@ -59,16 +59,17 @@ class GrammarSpec:
     payload: str = ""  # compact JSON
 
     @classmethod
-    def json_object(cls) -> "GrammarSpec":
+    def json_object(cls) -> GrammarSpec:
         return cls("json_object")
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any]) -> "GrammarSpec":
+    def json_schema(cls, schema: dict[str, Any]) -> GrammarSpec:
         return cls("json_schema", _canonical(schema))
 
     @classmethod
-    def tool_calls(cls, tools: list[dict[str, Any]], tool_choice: str | dict[str, Any],
-                   parallel_tool_calls: bool = True) -> "GrammarSpec":
+    def tool_calls(
+        cls, tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], parallel_tool_calls: bool = True
+    ) -> GrammarSpec:
         """OpenAI `tools` + `tool_choice` ("auto", "required" or {"type": "function", "function": {"name"}}).
 
         With "auto" only tools marked `strict: true` get their arguments constrained (OpenAI semantics);
@@ -78,8 +79,10 @@ class GrammarSpec:
             tools = [_with_strict(tool, _function(tool).get("strict") is True) for tool in tools]
         else:
             tools = [_with_strict(tool, True) for tool in tools]
-        return cls("tool_calls", _canonical({"tools": tools, "tool_choice": tool_choice,
-                                             "parallel_tool_calls": bool(parallel_tool_calls)}))
+        return cls(
+            "tool_calls",
+            _canonical({"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": bool(parallel_tool_calls)}),
+        )
 
 
 class GrammarError(ValueError):
@@ -89,8 +92,14 @@ class GrammarError(ValueError):
 class GrammarCache:
     """Compiles grammars in a small thread pool; the same spec compiles once, concurrent askers share the result."""
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo, *, max_whitespace: int = DEFAULT_MAX_WHITESPACE,
-                 max_threads: int = 2, max_entries: int = 256):
+    def __init__(
+        self,
+        tokenizer_info: xgr.TokenizerInfo,
+        *,
+        max_whitespace: int = DEFAULT_MAX_WHITESPACE,
+        max_threads: int = 2,
+        max_entries: int = 256,
+    ):
         if max_whitespace < 1:
             raise ValueError(f"max_whitespace must be >= 1, got {max_whitespace}")
         self.tokenizer_info = tokenizer_info
@@ -129,11 +138,13 @@ class GrammarCache:
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         try:
             if spec.kind == "json_object":
-                return self._compiler.compile_json_schema({"type": "object"}, strict_mode=False,
-                                                          max_whitespace_cnt=self.max_whitespace)
+                return self._compiler.compile_json_schema(
+                    {"type": "object"}, strict_mode=False, max_whitespace_cnt=self.max_whitespace
+                )
             if spec.kind == "json_schema":
-                return self._compiler.compile_json_schema(spec.payload, strict_mode=True,
-                                                          max_whitespace_cnt=self.max_whitespace)
+                return self._compiler.compile_json_schema(
+                    spec.payload, strict_mode=True, max_whitespace_cnt=self.max_whitespace
+                )
             if spec.kind == "tool_calls":
                 return self._compiler.compile_structural_tag(self._tool_call_tag(json.loads(spec.payload)))
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses for bad schemas
@@ -143,8 +154,13 @@ class GrammarCache:
     def _tool_call_tag(self, payload: dict[str, Any]):
         # Reasoning is left out of the grammar: StructuredOutput itself waits for </think>.
         return xgr.get_model_structural_tag(
-            "deepseek_v4", tools=payload["tools"], tool_choice=payload["tool_choice"], reasoning="disabled",
-            parallel_tool_calls=payload["parallel_tool_calls"], max_whitespace_cnt=self.max_whitespace)
+            "deepseek_v4",
+            tools=payload["tools"],
+            tool_choice=payload["tool_choice"],
+            reasoning="disabled",
+            parallel_tool_calls=payload["parallel_tool_calls"],
+            max_whitespace_cnt=self.max_whitespace,
+        )
 
 
 # What one accepted token did, so rollback can undo it.
@@ -160,8 +176,7 @@ class StructuredOutput:
     allowed next tokens into one bitmask row.
     """
 
-    def __init__(self, compiled: xgr.CompiledGrammar, *, reasoning: bool, think_end_token_id: int,
-                 eos_token_id: int):
+    def __init__(self, compiled: xgr.CompiledGrammar, *, reasoning: bool, think_end_token_id: int, eos_token_id: int):
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[eos_token_id])
         self._reasoning = reasoning
         self._think_end = think_end_token_id
@@ -215,8 +230,8 @@ class StructuredOutput:
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= len(self._history):
             raise ValueError(f"cannot roll back {num_tokens} of {len(self._history)} tokens")
-        undone = self._history[len(self._history) - num_tokens:]
-        del self._history[len(self._history) - num_tokens:]
+        undone = self._history[len(self._history) - num_tokens :]
+        del self._history[len(self._history) - num_tokens :]
         grammar = undone.count(_GRAMMAR)
         if grammar:
             self._matcher.rollback(grammar)
@@ -231,7 +246,7 @@ class StructuredOutput:
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
         """Accept the output tokens this state has not seen yet."""
-        for token_id in output_token_ids[self.num_tokens:]:
+        for token_id in output_token_ids[self.num_tokens :]:
             if not self.accept(token_id):
                 return
 
@@ -257,8 +272,9 @@ def apply_structured_output(logits: torch.Tensor, requests: Sequence[Any]) -> to
     Each request (a RequestSampling) may carry `params.structured_output`; it is first caught up with
     `request.output_token_ids`, the tokens the request kept.
     """
-    states = [(row, getattr(request.params, "structured_output", None), request)
-              for row, request in enumerate(requests)]
+    states = [
+        (row, getattr(request.params, "structured_output", None), request) for row, request in enumerate(requests)
+    ]
     states = [(row, state, request) for row, state, request in states if state is not None]
     if not states:
         return logits
@@ -272,8 +288,9 @@ def apply_structured_output(logits: torch.Tensor, requests: Sequence[Any]) -> to
     if not rows:
         return logits
     masked = logits.clone()
-    xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device), vocab_size=min(vocab_size, logits.shape[1]),
-                                    indices=rows)
+    xgr.apply_token_bitmask_inplace(
+        masked, bitmask.to(logits.device), vocab_size=min(vocab_size, logits.shape[1]), indices=rows
+    )
     if logits.shape[1] > vocab_size:
         masked[rows, vocab_size:] = float("-inf")
     return masked

@@ -16,7 +16,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -28,7 +28,7 @@ def num_sms(device: torch.device) -> int:
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

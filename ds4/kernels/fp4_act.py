@@ -28,7 +28,7 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     return (x.float() @ h * n**-0.5).to(x.dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _e2m1_grid(device: torch.device) -> torch.Tensor:
     # Made once per device, on the first (eager) call: a host-to-device copy cannot be captured in a CUDA graph.
     return torch.tensor(_E2M1_GRID, device=device)

@@ -44,8 +44,11 @@ FP8_MAX = 448.0
 # ----------------------------------------------------------------------------------------------
 
 
-def new_indexer_cache(num_pages: int, device: torch.device | str = "cpu", entries_per_page: int = PAGE,
-                      ) -> torch.Tensor:
+def new_indexer_cache(
+    num_pages: int,
+    device: torch.device | str = "cpu",
+    entries_per_page: int = PAGE,
+) -> torch.Tensor:
     """An empty paged indexer key cache: uint8 [num_pages, entries_per_page * ENTRY_BYTES]."""
     return torch.zeros((num_pages, entries_per_page * ENTRY_BYTES), dtype=torch.uint8, device=device)
 
@@ -53,8 +56,10 @@ def new_indexer_cache(num_pages: int, device: torch.device | str = "cpu", entrie
 def page_entries(cache: torch.Tensor) -> int:
     """Entries a page of the cache holds (its row of bytes over ENTRY_BYTES); rejects what is not a cache."""
     if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] % ENTRY_BYTES or not cache.is_contiguous():
-        raise ValueError(f"indexer cache must be contiguous uint8 [pages, entries * {ENTRY_BYTES}], got "
-                         f"{cache.dtype} {tuple(cache.shape)}")
+        raise ValueError(
+            f"indexer cache must be contiguous uint8 [pages, entries * {ENTRY_BYTES}], got "
+            f"{cache.dtype} {tuple(cache.shape)}"
+        )
     return cache.shape[1] // ENTRY_BYTES
 
 
@@ -99,9 +104,16 @@ def _fold_scale(weights: torch.Tensor, q_scale: torch.Tensor | None) -> torch.Te
     return w if q_scale is None else w * q_scale.float().expand_as(w)
 
 
-def indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                             key_end: torch.Tensor, rows_per_request: int, max_keys: int,
-                             q_scale: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_logits_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    key_end: torch.Tensor,
+    rows_per_request: int,
+    max_keys: int,
+    q_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """fp32 [R, max_keys]: the logits computed plainly from dequantised q and gathered keys."""
     vectors, scales = cache_views(cache)
     rows = q.shape[0]
@@ -126,26 +138,63 @@ def indexer_logits_reference(q: torch.Tensor, weights: torch.Tensor, cache: torc
 
 
 @triton.jit
-def _key_tile(vec_ptr, scale_ptr, table_row, keys, key_in, key_live, PAGE_: tl.constexpr, D: tl.constexpr,
-              DOT_F32: tl.constexpr):
+def _key_tile(
+    vec_ptr, scale_ptr, table_row, keys, key_in, key_live, PAGE_: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr
+):
     """The e4m3 vectors [keys, D] and fp32 scales of `keys`, read through the request's block table row
     (pages of PAGE_ entries: vectors first, then scales); keys not live read as zero."""
     page = tl.load(table_row + keys // PAGE_, mask=key_in, other=0).to(tl.int64)
     slot = keys % PAGE_
-    k = tl.load(vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + tl.arange(0, D)[None, :],
-                mask=key_live[:, None], other=0.0)
+    k = tl.load(
+        vec_ptr + (page * (PAGE_ * (D + 4)) + slot * D)[:, None] + tl.arange(0, D)[None, :],
+        mask=key_live[:, None],
+        other=0.0,
+    )
     k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live, other=0.0)
     if DOT_F32:
         k = k.to(tl.float32)
     return k, k_scale
 
 
-@triton.jit(do_not_specialize=["q_row16", "q_head16", "w_row4", "stride_bt", "rows_per_request",
-                               "query_blocks", "key_tiles", "n_heads", "max_keys", "stride_out"])
-def _indexer_logits_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, scale_ptr, bt_ptr, stride_bt,
-                           key_end_ptr, rows_per_request, query_blocks, key_tiles, n_heads, max_keys, out_ptr,
-                           stride_out, H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
-                           PAGE_: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
+@triton.jit(
+    do_not_specialize=[
+        "q_row16",
+        "q_head16",
+        "w_row4",
+        "stride_bt",
+        "rows_per_request",
+        "query_blocks",
+        "key_tiles",
+        "n_heads",
+        "max_keys",
+        "stride_out",
+    ]
+)
+def _indexer_logits_kernel(
+    q_ptr,
+    q_row16,
+    q_head16,
+    w_ptr,
+    w_row4,
+    vec_ptr,
+    scale_ptr,
+    bt_ptr,
+    stride_bt,
+    key_end_ptr,
+    rows_per_request,
+    query_blocks,
+    key_tiles,
+    n_heads,
+    max_keys,
+    out_ptr,
+    stride_out,
+    H: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PAGE_: tl.constexpr,
+    D: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     # One program: BLOCK_S keys of one request (the MMA's M) against up to BLOCK_Q of its query rows, one row
     # at a time with the row's heads as the MMA's N. The key tile is read once and reused for every row, and
     # the head sum of a row stays inside each thread's accumulator slice (plus a few lane shuffles).
@@ -176,15 +225,19 @@ def _indexer_logits_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, sca
 
     # the table covers max_keys, so its read need not wait for the rows' ends
     key_live = key_in & (keys < tl.max(ends, axis=0))
-    k, k_scale = _key_tile(vec_ptr, scale_ptr, bt_ptr + request.to(tl.int64) * stride_bt, keys, key_in, key_live,
-                           PAGE_, D, DOT_F32)
+    k, k_scale = _key_tile(
+        vec_ptr, scale_ptr, bt_ptr + request.to(tl.int64) * stride_bt, keys, key_in, key_live, PAGE_, D, DOT_F32
+    )
     dims = tl.arange(0, D)
     heads = tl.arange(0, H)
     head_live = heads < n_heads
     for i in range(lo, hi):
         row = row0 + i
-        q = tl.load(q_ptr + row * q_row16 * 16 + (heads * q_head16 * 16)[:, None] + dims[None, :],
-                    mask=head_live[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + row * q_row16 * 16 + (heads * q_head16 * 16)[:, None] + dims[None, :],
+            mask=head_live[:, None],
+            other=0.0,
+        )
         w = tl.load(w_ptr + row * w_row4 * 4 + heads, mask=head_live, other=0.0)
         end = tl.load(key_end_ptr + row)
         if DOT_F32:
@@ -194,12 +247,45 @@ def _indexer_logits_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, sca
         tl.store(out_row + i * stride_out, tl.where(keys < end, logits, float("-inf")), mask=key_in)
 
 
-@triton.jit(do_not_specialize=["q_row16", "q_head16", "w_row4", "stride_bt", "rows_per_request",
-                               "tiles_per_program", "chunks", "n_heads", "max_keys", "stride_out"])
-def _indexer_decode_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, scale_ptr, bt_ptr, stride_bt,
-                           key_end_ptr, rows_per_request, tiles_per_program, chunks, n_heads, max_keys, out_ptr,
-                           stride_out, H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
-                           PAGE_: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr):
+@triton.jit(
+    do_not_specialize=[
+        "q_row16",
+        "q_head16",
+        "w_row4",
+        "stride_bt",
+        "rows_per_request",
+        "tiles_per_program",
+        "chunks",
+        "n_heads",
+        "max_keys",
+        "stride_out",
+    ]
+)
+def _indexer_decode_kernel(
+    q_ptr,
+    q_row16,
+    q_head16,
+    w_ptr,
+    w_row4,
+    vec_ptr,
+    scale_ptr,
+    bt_ptr,
+    stride_bt,
+    key_end_ptr,
+    rows_per_request,
+    tiles_per_program,
+    chunks,
+    n_heads,
+    max_keys,
+    out_ptr,
+    stride_out,
+    H: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PAGE_: tl.constexpr,
+    D: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     # One program: all rows of one request (1, or 1 + MTP drafts; their heads side by side are the MMA's
     # N = BLOCK_Q * H) held on chip while `tiles_per_program` key tiles stream past them in a pipelined loop.
     # A decode step has few rows and many keys, so reading the keys is the whole cost.
@@ -214,8 +300,11 @@ def _indexer_decode_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, sca
     which = cols // H
     live = (head < n_heads) & (which < rows_per_request)
     dims = tl.arange(0, D)
-    q = tl.load(q_ptr + ((row0 + which) * q_row16 * 16 + head * q_head16 * 16)[:, None] + dims[None, :],
-                mask=live[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + ((row0 + which) * q_row16 * 16 + head * q_head16 * 16)[:, None] + dims[None, :],
+        mask=live[:, None],
+        other=0.0,
+    )
     w = tl.load(w_ptr + (row0 + which) * w_row4 * 4 + head, mask=live, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
@@ -227,16 +316,28 @@ def _indexer_decode_kernel(q_ptr, q_row16, q_head16, w_ptr, w_row4, vec_ptr, sca
     row_in = r[None, :] < rows_per_request
     for t in range(first, busy):
         keys = t * BLOCK_S + tl.arange(0, BLOCK_S)
-        k, k_scale = _key_tile(vec_ptr, scale_ptr, bt_ptr + request.to(tl.int64) * stride_bt, keys, keys < max_keys,
-                               keys < end_max, PAGE_, D, DOT_F32)
+        k, k_scale = _key_tile(
+            vec_ptr,
+            scale_ptr,
+            bt_ptr + request.to(tl.int64) * stride_bt,
+            keys,
+            keys < max_keys,
+            keys < end_max,
+            PAGE_,
+            D,
+            DOT_F32,
+        )
         dots = tl.dot(k, qt)  # [BLOCK_S, BLOCK_Q * H]
         sums = tl.sum(tl.reshape(tl.maximum(dots, 0.0) * w[None, :], [BLOCK_S, BLOCK_Q, H]), axis=2)
         logits = tl.where(keys[:, None] < ends[None, :], sums * k_scale[:, None], float("-inf"))
         tl.store(out_rows + keys[:, None], logits, mask=(keys[:, None] < max_keys) & row_in)
     for t in range(busy, stop):
         keys = t * BLOCK_S + tl.arange(0, BLOCK_S)
-        tl.store(out_rows + keys[:, None], tl.full([BLOCK_S, BLOCK_Q], float("-inf"), tl.float32),
-                 mask=(keys[:, None] < max_keys) & row_in)
+        tl.store(
+            out_rows + keys[:, None],
+            tl.full([BLOCK_S, BLOCK_Q], float("-inf"), tl.float32),
+            mask=(keys[:, None] < max_keys) & row_in,
+        )
 
 
 # Launch shapes (measured on the H200, see BENCHMARKS.md). Prefill: keys per program, query rows per
@@ -259,8 +360,9 @@ def _streams(rows_per_request: int, n_heads: int) -> bool:
 def _check_inputs(q, weights, cache, block_table, key_end, rows_per_request, max_keys):
     rows = q.shape[0]
     if q.dtype != torch.float8_e4m3fn or q.dim() != 3 or q.shape[2] != HEAD_DIM or q.stride(2) != 1:
-        raise ValueError(f"q must be e4m3 [rows, heads, {HEAD_DIM}] with a contiguous last dim, got {q.dtype} "
-                         f"{tuple(q.shape)}")
+        raise ValueError(
+            f"q must be e4m3 [rows, heads, {HEAD_DIM}] with a contiguous last dim, got {q.dtype} {tuple(q.shape)}"
+        )
     if weights.shape != q.shape[:2] or weights.dtype != torch.float32 or weights.stride(1) != 1:
         raise ValueError(f"weights must be fp32 {tuple(q.shape[:2])} with a contiguous last dim")
     if rows_per_request < 1 or rows % rows_per_request:
@@ -268,15 +370,25 @@ def _check_inputs(q, weights, cache, block_table, key_end, rows_per_request, max
     if block_table.dim() != 2 or block_table.shape[0] < rows // rows_per_request or block_table.stride(1) != 1:
         raise ValueError("block_table must be int32 [requests, pages] with a contiguous last dim")
     if block_table.shape[1] * page_entries(cache) < max_keys:
-        raise ValueError(f"block_table covers {block_table.shape[1] * page_entries(cache)} keys, fewer than "
-                         f"max_keys={max_keys}")
+        raise ValueError(
+            f"block_table covers {block_table.shape[1] * page_entries(cache)} keys, fewer than max_keys={max_keys}"
+        )
     if key_end.shape != (rows,):
         raise ValueError(f"key_end must have shape ({rows},)")
 
 
-def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                   key_end: torch.Tensor, rows_per_request: int, max_keys: int, q_scale: torch.Tensor | None = None,
-                   impl: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    key_end: torch.Tensor,
+    rows_per_request: int,
+    max_keys: int,
+    q_scale: torch.Tensor | None = None,
+    impl: str = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """fp32 [R, max_keys] logits (-inf past each row's key_end); see the module docstring for the layout.
 
     q: e4m3 [R, H, 128]; weights: fp32 [R, H]; q_scale: optional positive fp32 [R, H] (or broadcastable);
@@ -313,7 +425,7 @@ def _wide_operands(q, w):
 
 
 def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile):
-    """Runs the prefill kernel with tile = (keys, query rows, warps, stages) per program; returns the compiled kernel."""
+    """Runs the prefill kernel with tile = (keys, query rows, warps, stages) a program; returns the compiled kernel."""
     rows, n_heads, _ = q.shape
     q, w = _wide_operands(q, w)
     block_s, block_q, warps, stages = tile
@@ -323,10 +435,32 @@ def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, 
     table = block_table.to(torch.int32)
     grid = (rows // rows_per_request * query_blocks * key_tiles,)
     return _indexer_logits_kernel[grid](
-        q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn),
-        cache.view(torch.float32), table, table.stride(0), key_end.to(torch.int32), rows_per_request, query_blocks,
-        key_tiles, n_heads, max_keys, out, out.stride(0), H=_padded_heads(n_heads), BLOCK_Q=block_q, BLOCK_S=block_s,
-        PAGE_=page_entries(cache), D=HEAD_DIM, DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
+        q,
+        q.stride(0) // 16,
+        q.stride(1) // 16,
+        w,
+        w.stride(0) // 4,
+        cache.view(torch.float8_e4m3fn),
+        cache.view(torch.float32),
+        table,
+        table.stride(0),
+        key_end.to(torch.int32),
+        rows_per_request,
+        query_blocks,
+        key_tiles,
+        n_heads,
+        max_keys,
+        out,
+        out.stride(0),
+        H=_padded_heads(n_heads),
+        BLOCK_Q=block_q,
+        BLOCK_S=block_s,
+        PAGE_=page_entries(cache),
+        D=HEAD_DIM,
+        DOT_F32=interpreting(),
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
 def _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile):
@@ -337,17 +471,47 @@ def _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys
     chunks = triton.cdiv(triton.cdiv(max_keys, block_s), per_program)
     table = block_table.to(torch.int32)
     return _indexer_decode_kernel[(rows // rows_per_request * chunks,)](
-        q, q.stride(0) // 16, q.stride(1) // 16, w, w.stride(0) // 4, cache.view(torch.float8_e4m3fn),
-        cache.view(torch.float32), table, table.stride(0), key_end.to(torch.int32), rows_per_request, per_program,
-        chunks, n_heads, max_keys, out, out.stride(0), H=_padded_heads(n_heads),
-        BLOCK_Q=triton.next_power_of_2(rows_per_request), BLOCK_S=block_s, PAGE_=page_entries(cache), D=HEAD_DIM,
-        DOT_F32=interpreting(), num_warps=warps, num_stages=stages)
+        q,
+        q.stride(0) // 16,
+        q.stride(1) // 16,
+        w,
+        w.stride(0) // 4,
+        cache.view(torch.float8_e4m3fn),
+        cache.view(torch.float32),
+        table,
+        table.stride(0),
+        key_end.to(torch.int32),
+        rows_per_request,
+        per_program,
+        chunks,
+        n_heads,
+        max_keys,
+        out,
+        out.stride(0),
+        H=_padded_heads(n_heads),
+        BLOCK_Q=triton.next_power_of_2(rows_per_request),
+        BLOCK_S=block_s,
+        PAGE_=page_entries(cache),
+        D=HEAD_DIM,
+        DOT_F32=interpreting(),
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
-def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                 key_end: torch.Tensor, rows_per_request: int, max_keys: int, k: int,
-                 q_scale: torch.Tensor | None = None, impl: str = "auto",
-                 max_scratch_bytes: int = 1 << 30) -> torch.Tensor:
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    key_end: torch.Tensor,
+    rows_per_request: int,
+    max_keys: int,
+    k: int,
+    q_scale: torch.Tensor | None = None,
+    impl: str = "auto",
+    max_scratch_bytes: int = 1 << 30,
+) -> torch.Tensor:
     """int32 [R, k]: top-k key indices per row (ds4.kernels.topk order, -1 padded) with bounded scratch.
 
     Rows are scored in slices of whole requests (or of rows, for a single request) so that the
@@ -370,13 +534,22 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, bl
     for start in range(0, rows, slice_rows):
         stop = min(start + slice_rows, rows)
         if requests > 1:
-            table = block_table[start // rows_per_request: stop // rows_per_request]
+            table = block_table[start // rows_per_request : stop // rows_per_request]
             per_request = rows_per_request
         else:
             table = block_table
             per_request = stop - start
-        logits = indexer_logits(q[start:stop], weights[start:stop], cache, table, key_end[start:stop], per_request,
-                                max_keys, None if scale is None else scale[start:stop], impl=impl,
-                                out=scratch[: stop - start])
+        logits = indexer_logits(
+            q[start:stop],
+            weights[start:stop],
+            cache,
+            table,
+            key_end[start:stop],
+            per_request,
+            max_keys,
+            None if scale is None else scale[start:stop],
+            impl=impl,
+            out=scratch[: stop - start],
+        )
         out[start:stop] = topk_indices(logits, key_end[start:stop], k, impl=impl)
     return out

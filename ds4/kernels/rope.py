@@ -19,7 +19,7 @@ def rope_inv_freq(
     beta_fast: float = 32.0,
     beta_slow: float = 1.0,
 ) -> torch.Tensor:
-    """Per-pair angular frequency [rope_dim // 2] in fp32; YaRN blends in freq / factor below the slow band (no mscale)."""
+    """Per-pair angular frequency [rope_dim // 2] in fp32; YaRN blends in freq / factor below the slow band."""
     freqs = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
     if yarn_factor is None:
         return freqs

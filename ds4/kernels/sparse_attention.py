@@ -21,7 +21,9 @@ def sparse_attention(
     """q [T, H, D], key_sets [(kv [N_i, D], indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype."""
     for kv, idx in key_sets:
         if kv.dim() != 2 or kv.shape[1] != q.shape[2] or idx.shape[0] != q.shape[0]:
-            raise ValueError(f"sparse_attention: kv {tuple(kv.shape)} / indices {tuple(idx.shape)} do not fit q {tuple(q.shape)}")
+            raise ValueError(
+                f"sparse_attention: kv {tuple(kv.shape)} / indices {tuple(idx.shape)} do not fit q {tuple(q.shape)}"
+            )
     out = torch.empty_like(q)
     keys_per_token = sum(idx.shape[1] for _, idx in key_sets)
     piece = max(1, _PIECE_BYTES // max(1, keys_per_token * q.shape[2] * 4))

@@ -183,8 +183,9 @@ def _threshold_bin(hist, rank):
     smallest that does (one reduction for all three)."""
     at_or_above = tl.cumsum(hist, axis=0, reverse=True)
     reach = at_or_above >= rank
-    n_reach, above, at = tl.reduce((reach.to(tl.int32), tl.where(reach, 0, at_or_above),
-                                    tl.where(reach, at_or_above, INT_MAX)), 0, _bin_counts)
+    n_reach, above, at = tl.reduce(
+        (reach.to(tl.int32), tl.where(reach, 0, at_or_above), tl.where(reach, at_or_above, INT_MAX)), 0, _bin_counts
+    )
     return n_reach - 1, above, at
 
 
@@ -246,9 +247,16 @@ def _linear_threshold(keys, live, rank, BITS: tl.constexpr):
     matter."""
     NB: tl.constexpr = 1 << BITS
     finite = live & (keys > NEG_INF_KEY) & (keys < POS_INF_KEY)
-    n_nonneg, hi, lo, lo_nonneg = tl.reduce(((live & (keys >= 0)).to(tl.int32), tl.where(finite, keys, INT_MIN),
-                                             tl.where(finite, keys, INT_MAX),
-                                             tl.where(finite & (keys >= 0), keys, INT_MAX)), 0, _count_max_min_min)
+    n_nonneg, hi, lo, lo_nonneg = tl.reduce(
+        (
+            (live & (keys >= 0)).to(tl.int32),
+            tl.where(finite, keys, INT_MIN),
+            tl.where(finite, keys, INT_MAX),
+            tl.where(finite & (keys >= 0), keys, INT_MAX),
+        ),
+        0,
+        _count_max_min_min,
+    )
     lo = tl.where(n_nonneg >= rank, lo_nonneg, lo)
     lo = tl.minimum(lo, hi).to(tl.float32)
     scale = (NB * NB) / (tl.maximum(hi.to(tl.float32) - lo, 0.0) + 1.0)
@@ -297,8 +305,9 @@ def _group_max_keys(x):
 
 
 @triton.jit
-def _store_maxima(row_gm, row_cm, t, gmax, length, G: tl.constexpr, C: tl.constexpr, TILE: tl.constexpr,
-                  MASKED: tl.constexpr):
+def _store_maxima(
+    row_gm, row_cm, t, gmax, length, G: tl.constexpr, C: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr
+):
     """Stores tile t's group maxima and (C > 1) the maxima of its coarse groups of C groups."""
     group = t * (TILE // G) + tl.arange(0, TILE // G)
     coarse = t * (TILE // (G * C)) + tl.arange(0, TILE // (G * C))
@@ -315,8 +324,18 @@ def _store_maxima(row_gm, row_cm, t, gmax, length, G: tl.constexpr, C: tl.conste
 
 
 @triton.jit
-def _scan_split(row_scores, row_gm, row_cm, length, first, tiles_per_split, G: tl.constexpr, C: tl.constexpr,
-                TILE: tl.constexpr, PREFETCH: tl.constexpr):
+def _scan_split(
+    row_scores,
+    row_gm,
+    row_cm,
+    length,
+    first,
+    tiles_per_split,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    TILE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     """Step 1 over tiles [first, first + tiles_per_split) of a row: stores the group and coarse maxima.
     PREFETCH: the next tile's load is issued before this one is reduced."""
     end = tl.maximum(first, tl.minimum(first + tiles_per_split, (length + TILE - 1) // TILE))
@@ -338,8 +357,18 @@ def _scan_split(row_scores, row_gm, row_cm, length, first, tiles_per_split, G: t
 
 
 @triton.jit
-def _row_tau(row_gm, cm_offset, length, k, G: tl.constexpr, C: tl.constexpr, UNIT_BLOCK: tl.constexpr,
-             BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr):
+def _row_tau(
+    row_gm,
+    cm_offset,
+    length,
+    k,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    UNIT_BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    TAU_HISTS: tl.constexpr,
+    TAU_LINEAR: tl.constexpr,
+):
     """The row's collection threshold: a lower bound (TAU_HISTS digits precise) of the k-th largest of the
     row's coarse maxima (at row_gm + cm_offset; the group maxima when the row has k coarse groups or fewer).
     Each maximum is a distinct entry, so at least k entries reach it; INT_MIN when even the groups are k or
@@ -401,8 +430,9 @@ def _list_hot_groups(row_gm, hot_list, g_first, g_end, tau, first_block, GM_BLOC
 
 
 @triton.jit
-def _list_hot_groups_by_coarse(row_gm, row_cm, hot_list, g_first, g_end, n_coarse, tau, C: tl.constexpr,
-                               GM_BLOCK: tl.constexpr):
+def _list_hot_groups_by_coarse(
+    row_gm, row_cm, hot_list, g_first, g_end, n_coarse, tau, C: tl.constexpr, GM_BLOCK: tl.constexpr
+):
     """_list_hot_groups reading fewer maxima: a group's maximum is at most its coarse group's, so only the
     groups of coarse groups that reach tau are checked (about a quarter of them at the default sizes). The
     hot coarse groups' numbers go to the coarse maxima's unused tail (row_cm[n_coarse:], each split at its
@@ -423,8 +453,9 @@ def _list_hot_groups_by_coarse(row_gm, row_cm, hot_list, g_first, g_end, n_coars
 
 
 @triton.jit
-def _list_groups_of_hot_coarse(row_gm, hot_list, hot_coarse, n_hot, g_end, tau, C: tl.constexpr,
-                               GM_BLOCK: tl.constexpr):
+def _list_groups_of_hot_coarse(
+    row_gm, hot_list, hot_coarse, n_hot, g_end, tau, C: tl.constexpr, GM_BLOCK: tl.constexpr
+):
     """Lists, ascending, the groups below g_end whose maximum reaches tau among the n_hot coarse groups
     numbered at hot_coarse (ascending); returns how many there are."""
     STEP: tl.constexpr = GM_BLOCK // C
@@ -442,9 +473,20 @@ def _list_groups_of_hot_coarse(row_gm, hot_list, hot_coarse, n_hot, g_end, tau, 
 
 
 @triton.jit
-def _row_tau_and_hot_groups(row_gm, cm_offset, hot_list, length, k, G: tl.constexpr, C: tl.constexpr,
-                            UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, BITS: tl.constexpr,
-                            TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr):
+def _row_tau_and_hot_groups(
+    row_gm,
+    cm_offset,
+    hot_list,
+    length,
+    k,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    UNIT_BLOCK: tl.constexpr,
+    GM_BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    TAU_HISTS: tl.constexpr,
+    TAU_LINEAR: tl.constexpr,
+):
     """tau and the hot groups of a whole row (_row_tau, then _list_hot_groups_by_coarse) with one load of the
     coarse maxima when they fit in a block: tau and the hot coarse groups both come from it."""
     row_cm = row_gm + cm_offset
@@ -464,8 +506,9 @@ def _row_tau_and_hot_groups(row_gm, cm_offset, hot_list, length, k, G: tl.conste
         hot_coarse = row_cm + n_coarse
         tl.store(hot_coarse + _running_count(hot.to(tl.int32)) - 1, u, mask=hot)
         tl.debug_barrier()
-        hot_count = _list_groups_of_hot_coarse(row_gm, hot_list, hot_coarse, tl.sum(hot.to(tl.int32), axis=0),
-                                               n_groups, tau, C, GM_BLOCK)
+        hot_count = _list_groups_of_hot_coarse(
+            row_gm, hot_list, hot_coarse, tl.sum(hot.to(tl.int32), axis=0), n_groups, tau, C, GM_BLOCK
+        )
     else:
         tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
         hot_count = _list_hot_groups_by_coarse(row_gm, row_cm, hot_list, 0, n_groups, n_coarse, tau, C, GM_BLOCK)
@@ -473,8 +516,9 @@ def _row_tau_and_hot_groups(row_gm, cm_offset, hot_list, length, k, G: tl.conste
 
 
 @triton.jit
-def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G: tl.constexpr,
-                       GATHER: tl.constexpr, CAP: tl.constexpr):
+def _gather_candidates(
+    row_scores, hot_list, hot_count, length, tau, cand_row, G: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr
+):
     """Stores the entries >= tau of the listed groups as (order keys, columns) in column order at
     cand_row[0:CAP] and cand_row[CAP:2 CAP]; returns how many there are (those past CAP are only counted).
     Software-pipelined: each step's scores are loaded one step ahead and its group numbers two."""
@@ -482,8 +526,11 @@ def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G
     j = tl.arange(0, step)
     lane = tl.arange(0, G)[None, :]
     group = tl.load(hot_list + j, mask=j < hot_count, other=0)
-    x = tl.load(row_scores + group[:, None] * G + lane,
-                mask=(j < hot_count)[:, None] & (group[:, None] * G + lane < length), other=0.0)
+    x = tl.load(
+        row_scores + group[:, None] * G + lane,
+        mask=(j < hot_count)[:, None] & (group[:, None] * G + lane < length),
+        other=0.0,
+    )
     after = tl.load(hot_list + step + j, mask=step + j < hot_count, other=0)
     found = hot_count * 0
     for h0 in range(0, hot_count, step):
@@ -491,8 +538,11 @@ def _gather_candidates(row_scores, hot_list, hot_count, length, tau, cand_row, G
         key = _order_key(x)
         take = tl.reshape((h0 + j < hot_count)[:, None] & (cols < length) & (key >= tau), [GATHER]).to(tl.int32)
         group = after
-        x = tl.load(row_scores + group[:, None] * G + lane,
-                    mask=(h0 + step + j < hot_count)[:, None] & (group[:, None] * G + lane < length), other=0.0)
+        x = tl.load(
+            row_scores + group[:, None] * G + lane,
+            mask=(h0 + step + j < hot_count)[:, None] & (group[:, None] * G + lane < length),
+            other=0.0,
+        )
         after = tl.load(hot_list + h0 + 2 * step + j, mask=h0 + 2 * step + j < hot_count, other=0)
         slot = found + _running_count(take) - 1
         keep = (take != 0) & (slot < CAP)
@@ -591,9 +641,22 @@ def _gathered_candidates(counts_row, cand_row, place_row, n_splits, CAP: tl.cons
 
 
 @triton.jit
-def _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_splits, CAP: tl.constexpr,
-            K_PAD: tl.constexpr, EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr,
-            BITS: tl.constexpr):
+def _finish(
+    row_scores,
+    length,
+    k,
+    counts_row,
+    cand_row,
+    place_row,
+    out_row,
+    n_splits,
+    CAP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    EXACT_TILE: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BITS: tl.constexpr,
+):
     """Step 3: the row's answer from its candidates, or from the whole row when they overflowed."""
     rank = tl.minimum(k, length)
     if SINGLE:
@@ -611,12 +674,37 @@ def _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_s
 
 
 @triton.jit
-def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, cand_row, place_row, out_row, length, k,
-                 split, groups_per_split, n_splits, G: tl.constexpr, C: tl.constexpr, UNIT_BLOCK: tl.constexpr,
-                 GM_BLOCK: tl.constexpr, GATHER: tl.constexpr, CAP: tl.constexpr, K_PAD: tl.constexpr,
-                 EXACT_TILE: tl.constexpr, SPLIT_BLOCK: tl.constexpr, SINGLE: tl.constexpr, BITS: tl.constexpr,
-                 TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr, SELECT_BITS: tl.constexpr,
-                 COARSE_LIST: tl.constexpr):
+def _count_split(
+    row_scores,
+    row_gm,
+    cm_offset,
+    row_hot,
+    arrivals,
+    counts_row,
+    cand_row,
+    place_row,
+    out_row,
+    length,
+    k,
+    split,
+    groups_per_split,
+    n_splits,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    UNIT_BLOCK: tl.constexpr,
+    GM_BLOCK: tl.constexpr,
+    GATHER: tl.constexpr,
+    CAP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    EXACT_TILE: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BITS: tl.constexpr,
+    TAU_HISTS: tl.constexpr,
+    TAU_LINEAR: tl.constexpr,
+    SELECT_BITS: tl.constexpr,
+    COARSE_LIST: tl.constexpr,
+):
     """Steps 2-3 for one split (SINGLE: the row's only one): the row's tau, the split's hot groups and its
     candidates (in column order, in its own area); the row's last split to get there then finishes the row."""
     g_first = split * groups_per_split
@@ -624,12 +712,22 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
     g = g_first + tl.arange(0, GM_BLOCK)
     if COARSE_LIST and C > 1 and C <= GM_BLOCK:
         if SINGLE:
-            tau, hot_count = _row_tau_and_hot_groups(row_gm, cm_offset, row_hot, length, k, G, C, UNIT_BLOCK,
-                                                     GM_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
+            tau, hot_count = _row_tau_and_hot_groups(
+                row_gm, cm_offset, row_hot, length, k, G, C, UNIT_BLOCK, GM_BLOCK, BITS, TAU_HISTS, TAU_LINEAR
+            )
         else:
             tau = _row_tau(row_gm, cm_offset, length, k, G, C, UNIT_BLOCK, BITS, TAU_HISTS, TAU_LINEAR)
-            hot_count = _list_hot_groups_by_coarse(row_gm, row_gm + cm_offset, row_hot + g_first, g_first, g_end,
-                                                   (length + G * C - 1) // (G * C), tau, C, GM_BLOCK)
+            hot_count = _list_hot_groups_by_coarse(
+                row_gm,
+                row_gm + cm_offset,
+                row_hot + g_first,
+                g_first,
+                g_end,
+                (length + G * C - 1) // (G * C),
+                tau,
+                C,
+                GM_BLOCK,
+            )
     else:
         if not SINGLE:  # in flight while tau is found (a whole row's first block would cost registers instead)
             first_block = tl.load(row_gm + g, mask=g < g_end, other=INT_MIN)
@@ -646,8 +744,22 @@ def _count_split(row_scores, row_gm, cm_offset, row_hot, arrivals, counts_row, c
     if not SINGLE:
         last = tl.atomic_add(arrivals, 1, sem="acq_rel") == n_splits - 1
     if last:
-        _finish(row_scores, length, k, counts_row, cand_row, place_row, out_row, n_splits, CAP, K_PAD, EXACT_TILE,
-                SPLIT_BLOCK, SINGLE, SELECT_BITS)
+        _finish(
+            row_scores,
+            length,
+            k,
+            counts_row,
+            cand_row,
+            place_row,
+            out_row,
+            n_splits,
+            CAP,
+            K_PAD,
+            EXACT_TILE,
+            SPLIT_BLOCK,
+            SINGLE,
+            SELECT_BITS,
+        )
 
 
 @triton.jit
@@ -662,16 +774,59 @@ def _stagger_start(row, length, stagger_rows, sms, ns_per_entry):
             pass
 
 
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits",
-                               "stagger_rows", "stagger_sms"])
-def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, arrivals_ptr, counts_ptr,
-                 cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, stagger_rows, stagger_sms,
-                 stagger_ns_per_entry, G: tl.constexpr, C: tl.constexpr,
-                 TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
-                 CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
-                 SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr,
-                 SELECT_BITS: tl.constexpr, COARSE_LIST: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
-                 PREFETCH: tl.constexpr, PDL: tl.constexpr, STAGGER: tl.constexpr):
+@triton.jit(
+    do_not_specialize=[
+        "stride_row",
+        "n_cols",
+        "stride_gm",
+        "k",
+        "tiles_per_split",
+        "n_splits",
+        "stagger_rows",
+        "stagger_sms",
+    ]
+)
+def _scan_kernel(
+    scores_ptr,
+    stride_row,
+    lengths_ptr,
+    n_cols,
+    gm_ptr,
+    hot_ptr,
+    stride_gm,
+    arrivals_ptr,
+    counts_ptr,
+    cand_ptr,
+    place_ptr,
+    out_ptr,
+    k,
+    tiles_per_split,
+    n_splits,
+    stagger_rows,
+    stagger_sms,
+    stagger_ns_per_entry,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    TILE: tl.constexpr,
+    UNIT_BLOCK: tl.constexpr,
+    GM_BLOCK: tl.constexpr,
+    GATHER: tl.constexpr,
+    CAP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    VEC: tl.constexpr,
+    EXACT_TILE: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    TAU_HISTS: tl.constexpr,
+    TAU_LINEAR: tl.constexpr,
+    SELECT_BITS: tl.constexpr,
+    COARSE_LIST: tl.constexpr,
+    SINGLE: tl.constexpr,
+    FUSED: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+    STAGGER: tl.constexpr,
+):
     """Step 1 over one split of a row. FUSED (one split per row): steps 2-3 follow in the same program,
     while the row's maxima are fresh. A split row's first split resets the row's arrival count, which the
     count launch (after this one) uses. PDL: the count launch may start once every scan program has."""
@@ -684,27 +839,92 @@ def _scan_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, s
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
     stride_gm = tl.multiple_of(stride_gm, 16)  # the workspace rows are whole 64-byte lines
     row_gm = gm_ptr + row.to(tl.int64) * (2 * stride_gm)
-    _scan_split(row_scores, row_gm, row_gm + stride_gm, length, tl.program_id(1) * tiles_per_split, tiles_per_split,
-                G, C, TILE, PREFETCH)
+    _scan_split(
+        row_scores,
+        row_gm,
+        row_gm + stride_gm,
+        length,
+        tl.program_id(1) * tiles_per_split,
+        tiles_per_split,
+        G,
+        C,
+        TILE,
+        PREFETCH,
+    )
     if not SINGLE:
         if tl.program_id(1) == 0:
             tl.store(arrivals_ptr + row, 0)
     if FUSED:
         tl.debug_barrier()
-        _count_split(row_scores, row_gm, stride_gm, hot_ptr + row.to(tl.int64) * stride_gm, arrivals_ptr,
-                     counts_ptr + row.to(tl.int64), cand_ptr + row.to(tl.int64) * (2 * CAP), place_ptr,
-                     out_ptr + row.to(tl.int64) * k, length, k, 0, tiles_per_split * (TILE // G), 1, G, C,
-                     UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, True, BITS, TAU_HISTS,
-                     TAU_LINEAR, SELECT_BITS, COARSE_LIST)
+        _count_split(
+            row_scores,
+            row_gm,
+            stride_gm,
+            hot_ptr + row.to(tl.int64) * stride_gm,
+            arrivals_ptr,
+            counts_ptr + row.to(tl.int64),
+            cand_ptr + row.to(tl.int64) * (2 * CAP),
+            place_ptr,
+            out_ptr + row.to(tl.int64) * k,
+            length,
+            k,
+            0,
+            tiles_per_split * (TILE // G),
+            1,
+            G,
+            C,
+            UNIT_BLOCK,
+            GM_BLOCK,
+            GATHER,
+            CAP,
+            K_PAD,
+            EXACT_TILE,
+            SPLIT_BLOCK,
+            True,
+            BITS,
+            TAU_HISTS,
+            TAU_LINEAR,
+            SELECT_BITS,
+            COARSE_LIST,
+        )
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
-def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, stride_gm, arrivals_ptr, counts_ptr,
-                  cand_ptr, place_ptr, out_ptr, k, tiles_per_split, n_splits, G: tl.constexpr, C: tl.constexpr,
-                  TILE: tl.constexpr, UNIT_BLOCK: tl.constexpr, GM_BLOCK: tl.constexpr, GATHER: tl.constexpr,
-                  CAP: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr, EXACT_TILE: tl.constexpr,
-                  SPLIT_BLOCK: tl.constexpr, BITS: tl.constexpr, TAU_HISTS: tl.constexpr, TAU_LINEAR: tl.constexpr,
-                  SELECT_BITS: tl.constexpr, COARSE_LIST: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):
+def _count_kernel(
+    scores_ptr,
+    stride_row,
+    lengths_ptr,
+    n_cols,
+    gm_ptr,
+    hot_ptr,
+    stride_gm,
+    arrivals_ptr,
+    counts_ptr,
+    cand_ptr,
+    place_ptr,
+    out_ptr,
+    k,
+    tiles_per_split,
+    n_splits,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    TILE: tl.constexpr,
+    UNIT_BLOCK: tl.constexpr,
+    GM_BLOCK: tl.constexpr,
+    GATHER: tl.constexpr,
+    CAP: tl.constexpr,
+    K_PAD: tl.constexpr,
+    VEC: tl.constexpr,
+    EXACT_TILE: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    TAU_HISTS: tl.constexpr,
+    TAU_LINEAR: tl.constexpr,
+    SELECT_BITS: tl.constexpr,
+    COARSE_LIST: tl.constexpr,
+    SINGLE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Steps 2-3 for one split of a row, after the scan launch stored every maximum of the row (PDL: the
     program may start before that, so it waits for the scan launch to finish before reading its results)."""
     row = tl.program_id(0)
@@ -713,12 +933,37 @@ def _count_kernel(scores_ptr, stride_row, lengths_ptr, n_cols, gm_ptr, hot_ptr, 
         tl.extra.cuda.gdc_wait()
     stride_gm = tl.multiple_of(stride_gm, 16)  # the workspace rows are whole 64-byte lines
     row_gm = gm_ptr + row.to(tl.int64) * (2 * stride_gm)
-    _count_split(_row_scores(scores_ptr, row, stride_row, VEC), row_gm, stride_gm,
-                 hot_ptr + row.to(tl.int64) * stride_gm, arrivals_ptr + row, counts_ptr + row.to(tl.int64) * n_splits,
-                 cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits), place_ptr + row.to(tl.int64) * (CAP + n_splits),
-                 out_ptr + row.to(tl.int64) * k, length, k, tl.program_id(1), tiles_per_split * (TILE // G),
-                 n_splits, G, C, UNIT_BLOCK, GM_BLOCK, GATHER, CAP, K_PAD, EXACT_TILE, SPLIT_BLOCK, SINGLE, BITS,
-                 TAU_HISTS, TAU_LINEAR, SELECT_BITS, COARSE_LIST)
+    _count_split(
+        _row_scores(scores_ptr, row, stride_row, VEC),
+        row_gm,
+        stride_gm,
+        hot_ptr + row.to(tl.int64) * stride_gm,
+        arrivals_ptr + row,
+        counts_ptr + row.to(tl.int64) * n_splits,
+        cand_ptr + row.to(tl.int64) * (2 * CAP * n_splits),
+        place_ptr + row.to(tl.int64) * (CAP + n_splits),
+        out_ptr + row.to(tl.int64) * k,
+        length,
+        k,
+        tl.program_id(1),
+        tiles_per_split * (TILE // G),
+        n_splits,
+        G,
+        C,
+        UNIT_BLOCK,
+        GM_BLOCK,
+        GATHER,
+        CAP,
+        K_PAD,
+        EXACT_TILE,
+        SPLIT_BLOCK,
+        SINGLE,
+        BITS,
+        TAU_HISTS,
+        TAU_LINEAR,
+        SELECT_BITS,
+        COARSE_LIST,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -743,15 +988,33 @@ def _coarse_size(n_cols: int, k: int, group: int, tile: int, units_per_k: int = 
     return c
 
 
-def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int | None = None,
-                 programs_per_sm: int = _PROGRAMS_PER_SM, scan_warps: int = _SCAN_WARPS,
-                 count_warps: int = _COUNT_WARPS, fused_warps: int = _FUSED_WARPS, gm_block: int = _GM_BLOCK,
-                 gather: int = _GATHER, prefetch: bool | None = None, groups_per_k: int = _GROUPS_PER_K,
-                 units_per_k: int = _UNITS_PER_K, radix_bits: int = _RADIX_BITS, select_bits: int = _SELECT_BITS,
-                 fused: bool = _FUSED, unit_block: int = _UNIT_BLOCK, tau_bits: int = _TAU_BITS,
-                 count_merge: int = _COUNT_MERGE, maxnreg: int | None = None,
-                 fused_maxnreg: int | None = _FUSED_MAXNREG, pdl: bool = _PDL, tau_linear: bool | None = None,
-                 coarse_list: bool | None = None, stagger: float = _STAGGER) -> torch.Tensor:
+def _topk_triton(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    tile: int | None = None,
+    programs_per_sm: int = _PROGRAMS_PER_SM,
+    scan_warps: int = _SCAN_WARPS,
+    count_warps: int = _COUNT_WARPS,
+    fused_warps: int = _FUSED_WARPS,
+    gm_block: int = _GM_BLOCK,
+    gather: int = _GATHER,
+    prefetch: bool | None = None,
+    groups_per_k: int = _GROUPS_PER_K,
+    units_per_k: int = _UNITS_PER_K,
+    radix_bits: int = _RADIX_BITS,
+    select_bits: int = _SELECT_BITS,
+    fused: bool = _FUSED,
+    unit_block: int = _UNIT_BLOCK,
+    tau_bits: int = _TAU_BITS,
+    count_merge: int = _COUNT_MERGE,
+    maxnreg: int | None = None,
+    fused_maxnreg: int | None = _FUSED_MAXNREG,
+    pdl: bool = _PDL,
+    tau_linear: bool | None = None,
+    coarse_list: bool | None = None,
+    stagger: float = _STAGGER,
+) -> torch.Tensor:
     """The Triton path; the keyword arguments are tuning knobs (the benchmark sweeps them). Knobs left at None
     take the value of the row layout's settings (_SPLIT_SETTINGS or _ONE_PROGRAM_SETTINGS); maxnreg caps the
     count launch's registers, fused_maxnreg the one-program launch's."""
@@ -765,8 +1028,10 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     wave = programs_per_sm * num_sms(device)
     fused = fused and (rows >= wave or n_cols <= (tile or _TILE))  # then every row has one program
     chosen = dict(tile=tile, prefetch=prefetch, tau_linear=tau_linear, coarse_list=coarse_list)
-    settings = {name: (default if chosen[name] is None else chosen[name])
-                for name, default in (_ONE_PROGRAM_SETTINGS if fused else _SPLIT_SETTINGS).items()}
+    settings = {
+        name: (default if chosen[name] is None else chosen[name])
+        for name, default in (_ONE_PROGRAM_SETTINGS if fused else _SPLIT_SETTINGS).items()
+    }
     tile = settings["tile"]
     k_pad = triton.next_power_of_2(k)
     cap = max(_CAP_PER_K * k_pad, _MIN_CAP)
@@ -789,24 +1054,57 @@ def _topk_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int, tile: int 
     counts = torch.empty((rows, count_splits), dtype=torch.int32, device=device)
     cand = torch.empty((rows, count_splits, 2, cap), dtype=torch.int32, device=device)
     place = torch.empty((rows if count_splits > 1 else 0, cap + count_splits), dtype=torch.int32, device=device)
-    blocks = dict(G=group, C=coarse, TILE=tile, UNIT_BLOCK=unit_block, GM_BLOCK=gm_block, GATHER=gather, CAP=cap,
-                  K_PAD=k_pad, VEC=vec, EXACT_TILE=_EXACT_TILE, SPLIT_BLOCK=_SPLIT_BLOCK, BITS=radix_bits,
-                  TAU_HISTS=triton.cdiv(tau_bits, radix_bits), TAU_LINEAR=settings["tau_linear"],
-                  SELECT_BITS=select_bits, COARSE_LIST=settings["coarse_list"])
+    blocks = dict(
+        G=group,
+        C=coarse,
+        TILE=tile,
+        UNIT_BLOCK=unit_block,
+        GM_BLOCK=gm_block,
+        GATHER=gather,
+        CAP=cap,
+        K_PAD=k_pad,
+        VEC=vec,
+        EXACT_TILE=_EXACT_TILE,
+        SPLIT_BLOCK=_SPLIT_BLOCK,
+        BITS=radix_bits,
+        TAU_HISTS=triton.cdiv(tau_bits, radix_bits),
+        TAU_LINEAR=settings["tau_linear"],
+        SELECT_BITS=select_bits,
+        COARSE_LIST=settings["coarse_list"],
+    )
     cap_registers = fused_maxnreg if fused else None
     pdl = pdl and launches_dependents_early(device)
     head = (scores, stride, lengths, n_cols, gm, hot, gm_stride, arrivals, counts, cand, place, out, k)
     staggered = stagger > 0 and fused and device.type == "cuda"  # the interpreter has no timer (nor overlap)
     ns_per_entry = stagger * num_sms(device) * scores.element_size() / _READ_BYTES_PER_NS
-    _scan_kernel[(rows, n_splits)](*head, tiles_per_split, n_splits, wave, num_sms(device), ns_per_entry, **blocks,
-                                   SINGLE=count_splits == 1, FUSED=fused, PREFETCH=settings["prefetch"],
-                                   PDL=pdl and not fused, STAGGER=staggered,
-                                   num_warps=fused_warps if fused else scan_warps,
-                                   **({} if cap_registers is None else dict(maxnreg=cap_registers)))
+    _scan_kernel[(rows, n_splits)](
+        *head,
+        tiles_per_split,
+        n_splits,
+        wave,
+        num_sms(device),
+        ns_per_entry,
+        **blocks,
+        SINGLE=count_splits == 1,
+        FUSED=fused,
+        PREFETCH=settings["prefetch"],
+        PDL=pdl and not fused,
+        STAGGER=staggered,
+        num_warps=fused_warps if fused else scan_warps,
+        **({} if cap_registers is None else dict(maxnreg=cap_registers)),
+    )
     if not fused:
-        _count_kernel[(rows, count_splits)](*head, count_tiles, count_splits, **blocks, SINGLE=count_splits == 1,
-                                            PDL=pdl, num_warps=count_warps, launch_pdl=pdl,
-                                            **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+        _count_kernel[(rows, count_splits)](
+            *head,
+            count_tiles,
+            count_splits,
+            **blocks,
+            SINGLE=count_splits == 1,
+            PDL=pdl,
+            num_warps=count_warps,
+            launch_pdl=pdl,
+            **({} if maxnreg is None else dict(maxnreg=maxnreg)),
+        )
     return out
 
 

@@ -50,8 +50,10 @@ class ForwardBatch:
         Costs host syncs; for tests and debugging."""
         t, r = self.num_tokens, self.num_requests
         if self.positions.shape != (t,) or self.query_start_loc.shape != (r + 1,):
-            raise ValueError(f"ForwardBatch: positions {tuple(self.positions.shape)} / query_start_loc "
-                             f"{tuple(self.query_start_loc.shape)} do not fit {t} tokens of {r} requests")
+            raise ValueError(
+                f"ForwardBatch: positions {tuple(self.positions.shape)} / query_start_loc "
+                f"{tuple(self.query_start_loc.shape)} do not fit {t} tokens of {r} requests"
+            )
         if int(self.query_start_loc[0]) != 0 or int(self.query_start_loc[-1]) != t:
             raise ValueError("ForwardBatch: query_start_loc must start at 0 and end at the token count")
         if self.slots.shape != (r,) or self.block_tables.dim() != 2 or self.block_tables.shape[0] != r:
@@ -65,7 +67,9 @@ class ForwardBatch:
         if page_size is not None and t:
             page = (self.positions.long() // page_size)[:, None]
             table = self.block_tables.long()[req]
-            if bool((page >= table.shape[1]).any()) or bool((table.gather(1, page.clamp(max=table.shape[1] - 1)) < 0).any()):
+            if bool((page >= table.shape[1]).any()) or bool(
+                (table.gather(1, page.clamp(max=table.shape[1] - 1)) < 0).any()
+            ):
                 raise ValueError("ForwardBatch: a token's page is missing from its request's block table")
 
 

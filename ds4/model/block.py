@@ -29,7 +29,9 @@ class Block(nn.Module):
         self.hc_attn_base, self.hc_ffn_base = fp32_param(mix, device=device), fp32_param(mix, device=device)
         self.hc_attn_scale, self.hc_ffn_scale = fp32_param(3, device=device), fp32_param(3, device=device)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, layout: StepLayout | None, cache: LayerCache) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, batch: ForwardBatch, layout: StepLayout | None, cache: LayerCache
+    ) -> torch.Tensor:
         """h: the hc_mult residual streams [T, hc, D]; layout None for a decode_only batch (the capturable path)."""
         x, post, comb = self._pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         x = self.attn(rms_norm(x, self.attn_norm.weight, self.eps), batch, layout, cache)

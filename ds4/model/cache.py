@@ -81,8 +81,9 @@ def packed_index_keys(cfg: ModelConfig, kv_cache_dtype: str) -> bool:
     return kv_cache_dtype == "fp8" and cfg.index_head_dim == HEAD_DIM
 
 
-def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, with_mtp: bool = False,
-                   kv_cache_dtype: str = "auto") -> int:
+def bytes_per_page(
+    cfg: ModelConfig, page_size: int, dtype: torch.dtype, with_mtp: bool = False, kv_cache_dtype: str = "auto"
+) -> int:
     """Bytes one page of page_size tokens takes across every paged pool."""
     check_page_size(cfg, page_size, with_mtp)
     item = torch.empty((), dtype=dtype).element_size()
@@ -150,7 +151,9 @@ class ModelCache:
 
     def _layer(self, cfg: ModelConfig, i: int, dtype: torch.dtype, device: torch.device) -> LayerCache:
         kind, ratio = cfg.layer_kinds[i], cfg.compress_ratios[i]
-        layer = LayerCache(kind, ratio, torch.zeros(self.num_slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device))
+        layer = LayerCache(
+            kind, ratio, torch.zeros(self.num_slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
+        )
         if kind == WINDOW:
             return layer
         entries, pages = self.page_size // ratio, self.num_pages + SCRATCH_PAGES

@@ -108,7 +108,9 @@ class Compressor(nn.Module):
         store_entries(pool, target, entries)
 
     def _request(self, kv: torch.Tensor, score: torch.Tensor, start: int, slot: int, state: CompressorState):
-        """Pool the windows one request completes; update its state. Returns (entries [m, head_dim] | None, first index)."""
+        """Pool the windows one request completes; update its state.
+
+        Returns (entries [m, head_dim] | None, first index)."""
         ratio = self.ratio
         cur = ratio if self.overlap else 0
         filled = start % ratio

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds4.checkpoint.weights_spec import expected_parameter_shapes
 from ds4.config import ModelConfig
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.batch import ForwardBatch, StepLayout
@@ -16,7 +17,6 @@ from ds4.model.cache import ModelCache, check_kv_cache_dtype
 from ds4.model.hyper_connection import hc_head
 from ds4.model.linear import Norm, fp32_param
 from ds4.model.mtp import MTPBlock
-from ds4.checkpoint.weights_spec import expected_parameter_shapes
 
 _EXPERT_NAME = re.compile(r"^(.*\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
 
@@ -52,7 +52,9 @@ class DeepseekV4Model(nn.Module):
 
     def new_cache(self, num_slots: int, num_pages: int, page_size: int) -> ModelCache:
         device = self.embed.weight.device
-        return ModelCache(self.cfg, num_slots, num_pages, page_size, self.dtype, device, self.kv_cache_dtype, self.with_mtp)
+        return ModelCache(
+            self.cfg, num_slots, num_pages, page_size, self.dtype, device, self.kv_cache_dtype, self.with_mtp
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> torch.Tensor:
@@ -99,7 +101,9 @@ class DeepseekV4Model(nn.Module):
         unexpected = sorted(set(tensors) - set(spec))
         if missing or unexpected:
             raise ValueError(f"load_weights: missing {_few(missing)}; unexpected {_few(unexpected)}")
-        wrong = [f"{n}: {tuple(t.shape)} != {spec[n].shape}" for n, t in tensors.items() if tuple(t.shape) != spec[n].shape]
+        wrong = [
+            f"{n}: {tuple(t.shape)} != {spec[n].shape}" for n, t in tensors.items() if tuple(t.shape) != spec[n].shape
+        ]
         if wrong:
             raise ValueError(f"load_weights: wrong shapes: {_few(wrong)}")
         targets = {**dict(self.named_parameters()), **dict(self.named_buffers())}

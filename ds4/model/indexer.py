@@ -25,7 +25,6 @@ from ds4.model.compressor import Compressor
 from ds4.model.linear import Linear
 from ds4.model.paging import entry_rows, visible_entry_rows
 
-
 # Per-head scores are formed for a piece of tokens at a time, at most this many bytes.
 _PIECE_BYTES = 1 << 28
 
@@ -79,9 +78,17 @@ class Indexer(nn.Module):
                 continue
             rows = entry_rows(batch.block_tables[r], torch.arange(n_entries, device=x.device), per_page)
             if packed:
-                picked = indexer_topk(q8[tokens], weights[tokens], pool, batch.block_tables[r : r + 1],
-                                      (batch.positions[tokens] + 1) // self.ratio, layout.counts[r], n_entries,
-                                      min(self.topk, n_entries), q_scale=q_scale[tokens]).long()
+                picked = indexer_topk(
+                    q8[tokens],
+                    weights[tokens],
+                    pool,
+                    batch.block_tables[r : r + 1],
+                    (batch.positions[tokens] + 1) // self.ratio,
+                    layout.counts[r],
+                    n_entries,
+                    min(self.topk, n_entries),
+                    q_scale=q_scale[tokens],
+                ).long()
                 per_request.append(torch.where(picked >= 0, rows[picked.clamp_min(0)], -1))
             else:
                 keys = pool.view(-1, self.head_dim)[rows].float()
@@ -119,20 +126,30 @@ class Indexer(nn.Module):
         else:
             keys = pool.view(-1, self.head_dim)
             piece = max(1, _PIECE_BYTES // (4 * max(1, rows.shape[1]) * (self.heads + self.head_dim)))
-            scores = torch.cat([
-                (torch.einsum("thd,tsd->ths", q[i : i + piece], keys[rows[i : i + piece].clamp_min(0)].float()).relu()
-                 * weights[i : i + piece, :, None]).sum(dim=1)
-                for i in range(0, q.shape[0], piece)
-            ])
+            scores = torch.cat(
+                [
+                    (
+                        torch.einsum(
+                            "thd,tsd->ths", q[i : i + piece], keys[rows[i : i + piece].clamp_min(0)].float()
+                        ).relu()
+                        * weights[i : i + piece, :, None]
+                    ).sum(dim=1)
+                    for i in range(0, q.shape[0], piece)
+                ]
+            )
             picked = top_entries(scores.masked_fill(rows < 0, float("-inf")), k)
         return torch.where(picked >= 0, rows.gather(1, picked.clamp_min(0)), -1)
 
     def _select(self, q, weights, keys, rows, positions) -> torch.Tensor:
         piece = max(1, _PIECE_BYTES // (4 * self.heads * keys.shape[0]))
-        scores = torch.cat([
-            (torch.einsum("thd,sd->ths", q[i : i + piece], keys).relu() * weights[i : i + piece, :, None]).sum(dim=1)
-            for i in range(0, q.shape[0], piece)
-        ])
+        scores = torch.cat(
+            [
+                (torch.einsum("thd,sd->ths", q[i : i + piece], keys).relu() * weights[i : i + piece, :, None]).sum(
+                    dim=1
+                )
+                for i in range(0, q.shape[0], piece)
+            ]
+        )
         visible = (positions + 1) // self.ratio
         entry = torch.arange(keys.shape[0], device=q.device)
         scores = scores.masked_fill(entry[None, :] >= visible[:, None], float("-inf"))

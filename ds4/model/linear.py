@@ -10,7 +10,9 @@ from torch import nn
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight)

@@ -12,13 +12,15 @@ from ds4.model.linear import Linear
 
 
 class Gate(nn.Module):
-    """Routing: hash layers take experts from tid2eid[token]; others the top-k of score + bias. Weights come from score."""
+    """Routing: hash layers take experts from tid2eid[token], others the top-k of score + bias; weights from score."""
 
     def __init__(self, cfg: ModelConfig, hashed: bool, device: torch.device):
         super().__init__()
         self.topk, self.score_func = cfg.num_experts_per_tok, cfg.scoring_func
         self.route_scale = cfg.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(cfg.n_routed_experts, cfg.hidden_size, device=device), requires_grad=False
+        )
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.topk, dtype=torch.long, device=device))
             self.bias = None

@@ -1,4 +1,4 @@
-"""Where compressed entries of a request live in a paged pool (one page = page_size tokens = page_size // ratio entries)."""
+"""Where compressed entries of a request live in a paged pool (a page: page_size tokens, page_size // ratio entries)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def table_entry_rows(block_tables: torch.Tensor, entries: torch.Tensor, entries_
 
 
 def visible_entry_rows(block_tables: torch.Tensor, positions: torch.Tensor, ratio: int, entries_per_page: int):
-    """Decode (token r of request r): rows of every entry i < (position + 1) // ratio, [R, max_pages * entries_per_page].
+    """Decode (token r of request r): rows of every entry i < (position + 1) // ratio,
+    [R, max_pages * entries_per_page].
 
     The width is fixed by the table, not by the longest context, so the shape never depends on the data.
     """

@@ -15,5 +15,10 @@ def layer_inv_freq(cfg: ModelConfig, layer: int) -> torch.Tensor:
         return rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta)
     y = cfg.yarn
     return rope_inv_freq(
-        cfg.qk_rope_head_dim, cfg.compress_rope_theta, y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow
+        cfg.qk_rope_head_dim,
+        cfg.compress_rope_theta,
+        y.factor,
+        y.original_max_position_embeddings,
+        y.beta_fast,
+        y.beta_slow,
     )

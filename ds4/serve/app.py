@@ -23,14 +23,27 @@ from ds4.serve.state import ServerState
 logger = logging.getLogger(__name__)
 
 _OPEN_PATHS = ("/health", "/metrics")
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-              "/detokenize")
+_ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+)
 # How often a non-streaming request checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
 
 
-def create_app(engine, *, served_model_names: list[str] | str = "ds4", api_key: str | None = None,
-               grammar_cache: GrammarCache | None = None, drain_timeout_s: float = 30.0) -> FastAPI:
+def create_app(
+    engine,
+    *,
+    served_model_names: list[str] | str = "ds4",
+    api_key: str | None = None,
+    grammar_cache: GrammarCache | None = None,
+    drain_timeout_s: float = 30.0,
+) -> FastAPI:
     """`engine`: an AsyncEngine. `grammar_cache`: share one across apps (tests); by default the app builds its own."""
     names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
     state = ServerState(engine, names, api_key, grammar_cache)
@@ -67,8 +80,9 @@ def create_app(engine, *, served_model_names: list[str] | str = "ds4", api_key: 
         request_id, outputs = await state.generate("chatcmpl", turn.prompt_ids, turn.params)
         if body.stream:
             return _stream(chat.stream_response(state, turn, request_id, outputs), outputs)
-        return JSONResponse(await _unless_disconnected(
-            request, chat.full_response(state, turn, request_id, outputs), outputs))
+        return JSONResponse(
+            await _unless_disconnected(request, chat.full_response(state, turn, request_id, outputs), outputs)
+        )
 
     @app.post("/v1/completions")
     async def text_completions(request: Request):
@@ -78,14 +92,25 @@ def create_app(engine, *, served_model_names: list[str] | str = "ds4", api_key: 
         request_id, outputs = await state.generate("cmpl", turn.prompt_ids, turn.params)
         if body.stream:
             return _stream(completions.stream_response(state, turn, request_id, outputs), outputs)
-        return JSONResponse(await _unless_disconnected(
-            request, completions.full_response(state, turn, request_id, outputs), outputs))
+        return JSONResponse(
+            await _unless_disconnected(request, completions.full_response(state, turn, request_id, outputs), outputs)
+        )
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "ds4",
-             "max_model_len": state.max_model_len} for name in state.served_model_names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "ds4",
+                    "max_model_len": state.max_model_len,
+                }
+                for name in state.served_model_names
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -149,8 +174,9 @@ class _AuthAndCount:
 
         key = self.state.api_key
         if key and path not in _OPEN_PATHS and _authorization(scope) != f"Bearer {key}":
-            response = APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
-                                code="invalid_api_key").response()
+            response = APIError(
+                401, "invalid or missing API key (send `Authorization: Bearer <key>`)", code="invalid_api_key"
+            ).response()
             return await response(scope, receive, counting_send)
         await self.app(scope, receive, counting_send)
 
@@ -184,8 +210,9 @@ def _stream(chunks: AsyncIterator[str], outputs) -> StreamingResponse:
         finally:  # also when the client went away: closing the outputs aborts the request
             await outputs.aclose()
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 async def _unless_disconnected(request: Request, response, outputs) -> dict:

@@ -11,8 +11,15 @@ from ds4.engine.structured_output import GrammarError, GrammarSpec, StructuredOu
 from ds4.serve.chat_encoding import ChatFormatError, encode_chat_request
 from ds4.serve.errors import APIError, bad_request
 from ds4.serve.output_parser import (
-    ContentDelta, OutputParser, ParseError, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
-    validate_tool_call)
+    ContentDelta,
+    OutputParser,
+    ParseError,
+    ReasoningDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    validate_tool_call,
+)
 from ds4.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from ds4.serve.sampling import chat_logprobs, sampling_params, sse, usage
 from ds4.serve.state import ServerState
@@ -29,16 +36,21 @@ class ChatTurn:
         self.tool_choice = request.tool_choice or ("auto" if tools else "none")
         self.tools = tools if self.tool_choice != "none" else []
         try:
-            prompt = encode_chat_request(request.messages, self.tools or None, request.chat_template_kwargs,
-                                         request.reasoning_effort,
-                                         continue_final_message=request.continue_final_message)
+            prompt = encode_chat_request(
+                request.messages,
+                self.tools or None,
+                request.chat_template_kwargs,
+                request.reasoning_effort,
+                continue_final_message=request.continue_final_message,
+            )
         except ChatFormatError as e:
             raise bad_request(str(e), param="messages") from e
         self.thinking = prompt.output_starts_in_reasoning
         self.prompt_ids = state.tokenizer.encode(prompt.text)
         state.check_prompt_length(len(self.prompt_ids), request.output_limit)
-        self.params = sampling_params(request, request.output_limit,
-                                      request.top_logprobs or 0 if request.logprobs else None)
+        self.params = sampling_params(
+            request, request.output_limit, request.top_logprobs or 0 if request.logprobs else None
+        )
         self.grammar = self._grammar_spec()
 
     def _grammar_spec(self) -> GrammarSpec | None:
@@ -55,8 +67,9 @@ class ChatTurn:
         if response_format is None or response_format.type == "text":
             return tools_spec
         if tools_spec is not None:
-            raise bad_request("response_format cannot be combined with a required, named or strict tool call",
-                              param="response_format")
+            raise bad_request(
+                "response_format cannot be combined with a required, named or strict tool call", param="response_format"
+            )
         if response_format.type == "json_object":
             return GrammarSpec.json_object()
         return GrammarSpec.json_schema(response_format.json_schema.json_schema)
@@ -70,8 +83,9 @@ class ChatTurn:
         except GrammarError as e:
             raise bad_request(str(e), param="response_format" if self.grammar.kind != "tool_calls" else "tools") from e
         special = state.tokenizer.special
-        self.params.structured_output = StructuredOutput(compiled, reasoning=self.thinking,
-                                                         think_end_token_id=special.think_end, eos_token_id=special.eos)
+        self.params.structured_output = StructuredOutput(
+            compiled, reasoning=self.thinking, think_end_token_id=special.think_end, eos_token_id=special.eos
+        )
 
 
 class _Reader:
@@ -123,36 +137,60 @@ async def full_response(state: ServerState, turn: ChatTurn, request_id: str, out
             elif isinstance(event, ContentDelta):
                 content.append(event.text)
             elif isinstance(event, ToolCallStart):
-                calls[event.index] = {"id": event.id, "type": "function",
-                                      "function": {"name": event.name, "arguments": None}}
+                calls[event.index] = {
+                    "id": event.id,
+                    "type": "function",
+                    "function": {"name": event.name, "arguments": None},
+                }
             elif isinstance(event, ToolCallEnd):
                 calls[event.index]["function"]["arguments"] = event.arguments
     if last is None or last.finish_reason == "error":
         raise APIError(500, f"generation failed: {getattr(last, 'error', None) or 'no output'}")
     tool_calls = [call for call in calls.values() if call["function"]["arguments"] is not None]
-    message = {"role": "assistant", "content": "".join(content) or (None if tool_calls else ""),
-               "reasoning_content": "".join(reasoning) or None}
+    message = {
+        "role": "assistant",
+        "content": "".join(content) or (None if tool_calls else ""),
+        "reasoning_content": "".join(reasoning) or None,
+    }
     if tool_calls:
         message["tool_calls"] = tool_calls
-    choice = {"index": 0, "message": message, "logprobs": None,
-              "finish_reason": _finish_reason(last.finish_reason, bool(tool_calls)),
-              "stop_reason": last.stop_reason}
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": _finish_reason(last.finish_reason, bool(tool_calls)),
+        "stop_reason": last.stop_reason,
+    }
     if turn.params.logprobs is not None:
         choice["logprobs"] = {"content": chat_logprobs(state.tokenizer, logprobs)}
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-            "choices": [choice], "usage": usage(last)}
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": [choice],
+        "usage": usage(last),
+    }
 
 
-async def stream_response(state: ServerState, turn: ChatTurn, request_id: str,
-                          outputs: AsyncIterator) -> AsyncIterator[str]:
+async def stream_response(
+    state: ServerState, turn: ChatTurn, request_id: str, outputs: AsyncIterator
+) -> AsyncIterator[str]:
     reader = _Reader(turn)
     created = int(time.time())
     include_usage = bool(turn.request.stream_options and turn.request.stream_options.include_usage)
 
     def chunk(delta: dict, finish_reason: str | None = None, logprobs=None) -> str:
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": state.model_name, "choices": [choice]})
+        return sse(
+            {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": state.model_name,
+                "choices": [choice],
+            }
+        )
 
     yield chunk({"role": "assistant", "content": ""})
     has_calls = False
@@ -173,8 +211,16 @@ async def stream_response(state: ServerState, turn: ChatTurn, request_id: str,
         if out.finished:
             yield chunk({}, _finish_reason(out.finish_reason, has_calls))
             if include_usage:
-                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                           "model": state.model_name, "choices": [], "usage": usage(out)})
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": state.model_name,
+                        "choices": [],
+                        "usage": usage(out),
+                    }
+                )
     yield "data: [DONE]\n\n"
 
 
@@ -184,11 +230,18 @@ def _delta(event, reader: _Reader) -> dict | None:
     if isinstance(event, ContentDelta):
         return {"content": event.text}
     if isinstance(event, ToolCallStart):
-        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
-                                "function": {"name": event.name, "arguments": ""}}]}
+        return {
+            "tool_calls": [
+                {
+                    "index": event.index,
+                    "id": event.id,
+                    "type": "function",
+                    "function": {"name": event.name, "arguments": ""},
+                }
+            ]
+        }
     if isinstance(event, ToolCallArgumentsDelta):
         return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
     if isinstance(event, ToolCallEnd):
         return None
     raise TypeError(f"unexpected parser event {event!r}")
-

@@ -36,16 +36,28 @@ async def full_response(state: ServerState, turn: CompletionTurn, request_id: st
         entries += out.new_logprobs or []
     if last is None or last.finish_reason == "error":
         raise APIError(500, f"generation failed: {getattr(last, 'error', None) or 'no output'}")
-    choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": last.finish_reason,
-              "stop_reason": last.stop_reason}
+    choice = {
+        "index": 0,
+        "text": "".join(text),
+        "logprobs": None,
+        "finish_reason": last.finish_reason,
+        "stop_reason": last.stop_reason,
+    }
     if turn.params.logprobs is not None:
         choice["logprobs"] = completion_logprobs(state.tokenizer, entries, 0)
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-            "choices": [choice], "usage": usage(last)}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": [choice],
+        "usage": usage(last),
+    }
 
 
-async def stream_response(state: ServerState, turn: CompletionTurn, request_id: str,
-                          outputs: AsyncIterator) -> AsyncIterator[str]:
+async def stream_response(
+    state: ServerState, turn: CompletionTurn, request_id: str, outputs: AsyncIterator
+) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = bool(turn.request.stream_options and turn.request.stream_options.include_usage)
     offset = 0
@@ -58,11 +70,30 @@ async def stream_response(state: ServerState, turn: CompletionTurn, request_id: 
             logprobs = completion_logprobs(state.tokenizer, out.new_logprobs, offset)
         offset += len(out.new_text)
         if out.new_text or logprobs or out.finished:
-            choice = {"index": 0, "text": out.new_text, "logprobs": logprobs,
-                      "finish_reason": out.finish_reason if out.finished else None}
-            yield sse({"id": request_id, "object": "text_completion", "created": created,
-                       "model": state.model_name, "choices": [choice]})
+            choice = {
+                "index": 0,
+                "text": out.new_text,
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": state.model_name,
+                    "choices": [choice],
+                }
+            )
         if out.finished and include_usage:
-            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
-                       "choices": [], "usage": usage(out)})
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": state.model_name,
+                    "choices": [],
+                    "usage": usage(out),
+                }
+            )
     yield "data: [DONE]\n\n"

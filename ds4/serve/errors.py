@@ -25,8 +25,14 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)

@@ -41,20 +41,36 @@ class ServerMetrics:
 
     def __init__(self, engine_stats: Callable[[], object]):
         self.registry = CollectorRegistry()
-        self.requests = Counter("ds4_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=self.registry)
-        self.finished = Counter("ds4_request_finished", "Generation requests by finish reason",
-                                ["finish_reason"], registry=self.registry)
-        self.time_to_first_token = Histogram("ds4_time_to_first_token_seconds", "Arrival to first output token",
-                                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.inter_token_latency = Histogram("ds4_inter_token_latency_seconds", "Time between output tokens",
-                                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.request_latency = Histogram("ds4_e2e_request_latency_seconds", "Arrival to last output token",
-                                         buckets=_REQUEST_BUCKETS, registry=self.registry)
-        self.request_prompt_tokens = Counter("ds4_request_prompt_tokens", "Prompt tokens of served requests",
-                                             registry=self.registry)
-        self.request_generation_tokens = Counter("ds4_request_generation_tokens",
-                                                 "Output tokens of served requests", registry=self.registry)
+        self.requests = Counter(
+            "ds4_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=self.registry
+        )
+        self.finished = Counter(
+            "ds4_request_finished", "Generation requests by finish reason", ["finish_reason"], registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "ds4_time_to_first_token_seconds",
+            "Arrival to first output token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "ds4_inter_token_latency_seconds",
+            "Time between output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_latency = Histogram(
+            "ds4_e2e_request_latency_seconds",
+            "Arrival to last output token",
+            buckets=_REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_prompt_tokens = Counter(
+            "ds4_request_prompt_tokens", "Prompt tokens of served requests", registry=self.registry
+        )
+        self.request_generation_tokens = Counter(
+            "ds4_request_generation_tokens", "Output tokens of served requests", registry=self.registry
+        )
         self.registry.register(_EngineCollector(engine_stats))
 
     def render(self) -> bytes:

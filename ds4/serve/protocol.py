@@ -31,7 +31,7 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_present(self) -> "ResponseFormat":
+    def _schema_present(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format.json_schema is required when type is json_schema")
         return self
@@ -117,7 +117,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ChatCompletionRequest":
+    def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
@@ -180,7 +180,7 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = False
 
     @model_validator(mode="after")
-    def _one_input(self) -> "TokenizeRequest":
+    def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         return self

@@ -21,15 +21,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
-                        help="require `Authorization: Bearer KEY` on the API (default: $DS4_API_KEY; none: open)")
-    parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="model name(s) clients send (default: the model directory's name)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("DS4_API_KEY"),
+        help="require `Authorization: Bearer KEY` on the API (default: $DS4_API_KEY; none: open)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients send (default: the model directory's name)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed for requests that bring none")
-    parser.add_argument("--max-grammar-whitespace", type=int, default=DEFAULT_MAX_WHITESPACE,
-                        help="most consecutive blanks a JSON / tool-call grammar allows")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds a shutdown waits for running requests")
+    parser.add_argument(
+        "--max-grammar-whitespace",
+        type=int,
+        default=DEFAULT_MAX_WHITESPACE,
+        help="most consecutive blanks a JSON / tool-call grammar allows",
+    )
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds a shutdown waits for running requests"
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_args(parser)
     return parser
@@ -54,20 +66,39 @@ def main(argv: list[str]) -> int:
     from ds4.engine.engine import LLMEngine
     from ds4.serve.app import create_app
 
-    engine = LLMEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                       kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
-                                       **engine_flags_from_args(args))
+    engine = LLMEngine.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        seed=args.seed,
+        **engine_flags_from_args(args),
+    )
     tokenizer = engine.tokenizer
-    grammars = GrammarCache(grammar_tokenizer_info(_backend(tokenizer), engine.model.cfg.vocab_size,
-                                                   tokenizer.special.eos), max_whitespace=args.max_grammar_whitespace)
+    grammars = GrammarCache(
+        grammar_tokenizer_info(_backend(tokenizer), engine.model.cfg.vocab_size, tokenizer.special.eos),
+        max_whitespace=args.max_grammar_whitespace,
+    )
     names = args.served_model_name or [Path(args.model).name if args.model else "ds4-tiny"]
-    app = create_app(AsyncEngine(engine), served_model_names=names, api_key=args.api_key, grammar_cache=grammars,
-                     drain_timeout_s=args.drain_timeout)
+    app = create_app(
+        AsyncEngine(engine),
+        served_model_names=names,
+        api_key=args.api_key,
+        grammar_cache=grammars,
+        drain_timeout_s=args.drain_timeout,
+    )
     stats = engine.stats()
-    logger.info("serving %s on http://%s:%d/v1 (max_model_len %d, cache %d tokens)", names[0], args.host, args.port,
-                engine.max_model_len, stats.capacity_tokens)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(args.drain_timeout))
+    logger.info(
+        "serving %s on http://%s:%d/v1 (max_model_len %d, cache %d tokens)",
+        names[0],
+        args.host,
+        args.port,
+        engine.max_model_len,
+        stats.capacity_tokens,
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=int(args.drain_timeout)
+    )
     try:
         _Server(config, app.state.ds4).run()
     finally:

@@ -24,16 +24,24 @@ logger = logging.getLogger(__name__)
 
 
 class ServerState:
-    def __init__(self, engine, served_model_names: list[str], api_key: str | None = None,
-                 grammar_cache: GrammarCache | None = None):
+    def __init__(
+        self,
+        engine,
+        served_model_names: list[str],
+        api_key: str | None = None,
+        grammar_cache: GrammarCache | None = None,
+    ):
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         if self.tokenizer is None:
             raise ValueError("the server needs an engine with a tokenizer")
         self.served_model_names = served_model_names
         self.api_key = api_key
-        self.grammars = grammar_cache or GrammarCache(grammar_tokenizer_info(
-            _backend(self.tokenizer), engine.engine.model.cfg.vocab_size, self.tokenizer.special.eos))
+        self.grammars = grammar_cache or GrammarCache(
+            grammar_tokenizer_info(
+                _backend(self.tokenizer), engine.engine.model.cfg.vocab_size, self.tokenizer.special.eos
+            )
+        )
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
         self.shutting_down = False
@@ -51,19 +59,31 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves {self.served_model_names}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves {self.served_model_names}",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_prompt_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
-                                f"{num_prompt_tokens} tokens, which leaves no room for output",
-                           param="messages", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"{num_prompt_tokens} tokens, which leaves no room for output",
+                param="messages",
+                code="context_length_exceeded",
+            )
         if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
-                                f"{num_prompt_tokens} tokens and max_tokens asks for {max_tokens} more",
-                           param="max_tokens", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"{num_prompt_tokens} tokens and max_tokens asks for {max_tokens} more",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
 
     async def generate(self, prefix: str, prompt_ids: list[int], params) -> tuple[str, AsyncIterator]:
         """Start a request; (request id, async iterator of its RequestOutputs). Leaving the iterator early
@@ -129,7 +149,7 @@ class ServerState:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
 

@@ -59,7 +59,11 @@ def header_ranges(path, shard):
     raw = (path / shard).read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
-    return {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"}
+    return {
+        k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
 
 
 class SpyFile:
@@ -177,8 +181,13 @@ def test_fp8_and_fp4_weights_are_dequantised_from_their_stored_bytes(official_di
 def test_keep_quantized_returns_stored_weights_and_scales(official_dir):
     kept = load(official_dir, keep_quantized=True, with_mtp=True)
     wmap = weight_map(official_dir)
-    for name in ("layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale", "layers.2.ffn.experts.3.w1.weight",
-                 "layers.2.ffn.experts.3.w1.scale", "mtp.0.h_proj.weight"):
+    for name in (
+        "layers.1.attn.wq_b.weight",
+        "layers.1.attn.wq_b.scale",
+        "layers.2.ffn.experts.3.w1.weight",
+        "layers.2.ffn.experts.3.w1.scale",
+        "mtp.0.h_proj.weight",
+    ):
         stored = load_file(official_dir / wmap[name])[name]
         assert kept[name].dtype == stored.dtype and torch.equal(kept[name].view(torch.uint8), stored.view(torch.uint8))
     assert kept["norm.weight"].dtype == torch.bfloat16 and kept["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
@@ -213,6 +222,7 @@ def test_unexpected_tensor(broken):
     def add(tensors, shard):
         if "norm.weight" in tensors:
             tensors["layers.0.attn.bogus.weight"] = torch.zeros(3)
+
     rewrite(broken, add)
     expect_error(broken, "unexpected tensors (1)", "layers.0.attn.bogus.weight")
 
@@ -221,6 +231,7 @@ def test_wrong_shape(broken):
     def shrink(tensors, shard):
         if "layers.0.attn.attn_sink" in tensors:
             tensors["layers.0.attn.attn_sink"] = torch.zeros(5)
+
     rewrite(broken, shrink)
     expect_error(broken, "layers.0.attn.attn_sink: shape [5], expected [4]")
 
@@ -230,9 +241,13 @@ def test_wrong_dtypes(broken):
         if "layers.0.attn.wq_a.weight" in tensors:
             tensors["layers.0.attn.wq_a.weight"] = tensors["layers.0.attn.wq_a.weight"].to(torch.bfloat16)
             tensors["layers.0.hc_ffn_base"] = tensors["layers.0.hc_ffn_base"].to(torch.bfloat16)
+
     rewrite(broken, retype)
-    expect_error(broken, "layers.0.attn.wq_a.weight: dtype bfloat16, expected float8_e4m3fn",
-                 "layers.0.hc_ffn_base: dtype bfloat16, expected float32")
+    expect_error(
+        broken,
+        "layers.0.attn.wq_a.weight: dtype bfloat16, expected float8_e4m3fn",
+        "layers.0.hc_ffn_base: dtype bfloat16, expected float32",
+    )
 
 
 def test_truncated_shard(broken):
@@ -268,8 +283,11 @@ def test_every_problem_is_listed_in_one_error(broken):
         tensors.pop("layers.1.attn.indexer.wq_b.weight", None)
         if "head.weight" in tensors:
             tensors["head.weight"] = tensors["head.weight"][:10]
+
     rewrite(broken, damage)
-    message = expect_error(broken, "layers.1.attn.indexer.wq_b.weight", "head.weight: shape [10, 64], expected [1000, 64]")
+    message = expect_error(
+        broken, "layers.1.attn.indexer.wq_b.weight", "head.weight: shape [10, 64], expected [1000, 64]"
+    )
     assert message.count("\n  - ") == 2
 
 

@@ -60,8 +60,10 @@ def test_fp8_dequantize_hand_built_bytes_with_partial_blocks():
     scale = bytes_tensor(sum(scale_bytes, []), E8M0, (2, 2))
     got = fp8_block_dequantize(weight, scale, (128, 128), torch.float32)
     expected = torch.tensor(
-        [[e4m3_value(raw[r * cols + c]) * 2.0 ** (scale_bytes[r // 128][c // 128] - 127) for c in range(cols)]
-         for r in range(rows)]
+        [
+            [e4m3_value(raw[r * cols + c]) * 2.0 ** (scale_bytes[r // 128][c // 128] - 127) for c in range(cols)]
+            for r in range(rows)
+        ]
     )
     assert torch.equal(got, expected)
     assert torch.equal(fp8_block_dequantize(weight, scale, (128, 128), torch.bfloat16).float(), expected)
@@ -89,7 +91,9 @@ def test_fp8_quantize_reproduces_known_codes_and_scales():
             raw[r0, c0] = 0xFE if (r0 + c0) % 256 else 0x7E
     scale_bytes = torch.randint(100, 150, (2, 3), generator=g, dtype=torch.uint8)
     values = torch.tensor([e4m3_value(b) for b in raw.flatten().tolist()]).reshape(rows, cols)
-    values *= torch.tensor([[2.0 ** (int(scale_bytes[r // 128, c // 128]) - 127) for c in range(cols)] for r in range(rows)])
+    values *= torch.tensor(
+        [[2.0 ** (int(scale_bytes[r // 128, c // 128]) - 127) for c in range(cols)] for r in range(rows)]
+    )
     weight, scale = fp8_block_quantize(values, block)
     assert weight.dtype == torch.float8_e4m3fn and scale.dtype == E8M0
     assert torch.equal(scale.view(torch.uint8), scale_bytes)

@@ -62,7 +62,9 @@ def test_every_feature_is_present(tmp_path):
 def test_hf_format_is_what_transformers_loads_and_its_activations_stay_order_one(tmp_path):
     transformers = pytest.importorskip("transformers")
     path = make_tiny(tmp_path, format="hf")
-    model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["mismatched_keys"] and not info["error_msgs"]
     assert not [k for k in info["unexpected_keys"] if not k.startswith("mtp.")]
     ours = load_checkpoint(path, dtype=torch.float32, progress=False)

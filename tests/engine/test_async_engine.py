@@ -4,12 +4,12 @@ import asyncio
 import threading
 
 import pytest
+from tiny_model import load_tiny_model
 
 from ds4.engine.async_engine import AsyncEngine
 from ds4.engine.config import EngineConfig
 from ds4.engine.engine import LLMEngine, RequestRejected
 from ds4.engine.sampling_params import SamplingParams
-from tiny_model import load_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +18,9 @@ def model():
 
 
 def new_engine(model):
-    config = EngineConfig(page_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-                          kv_cache_memory=1 << 24)
+    config = EngineConfig(
+        page_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=1 << 24
+    )
     return LLMEngine(model, config, seed=0)
 
 

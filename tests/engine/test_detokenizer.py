@@ -33,12 +33,15 @@ def test_every_token_decodes_like_the_tokenizer(tokenizer, token_bytes):
     assert wrong == []
 
 
-@pytest.mark.parametrize("text", [
-    "Hello, world! The quick brown fox.",
-    "你好，世界。深度求索的模型很好用。",
-    "emoji 😀👍🏽🇫🇷 and family 👨‍👩‍👧‍👦 done",
-    "mixed: naïve café — Ωμέγα, русский, العربية, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢\n\ttabs",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world! The quick brown fox.",
+        "你好，世界。深度求索的模型很好用。",
+        "emoji 😀👍🏽🇫🇷 and family 👨‍👩‍👧‍👦 done",
+        "mixed: naïve café — Ωμέγα, русский, العربية, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢\n\ttabs",
+    ],
+)
 def test_deltas_of_real_text_are_whole_characters_and_add_up(tokenizer, token_bytes, text):
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     pieces, tail = deltas(token_bytes, ids)

@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
+from tiny_model import load_tiny_model
 
 from ds4.engine.config import EngineConfig
 from ds4.engine.engine import LLMEngine, RequestRejected
 from ds4.engine.sampling_params import SamplingParams
 from ds4.model.batch import ForwardBatch
-from tiny_model import load_tiny_model
 
 PAGE = 16  # a multiple of the tiny model's ratios (4, 16)
 
@@ -26,9 +26,13 @@ def model():
 def one_request_batch(ids, start, pages):
     n = len(ids)
     return ForwardBatch(
-        input_ids=torch.tensor(ids), positions=torch.arange(start, start + n),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32), context_lens=torch.tensor([start], dtype=torch.int32),
-        slots=torch.zeros(1, dtype=torch.int32), block_tables=torch.tensor([pages], dtype=torch.int32))
+        input_ids=torch.tensor(ids),
+        positions=torch.arange(start, start + n),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        context_lens=torch.tensor([start], dtype=torch.int32),
+        slots=torch.zeros(1, dtype=torch.int32),
+        block_tables=torch.tensor([pages], dtype=torch.int32),
+    )
 
 
 def reference_decode(model, prompt, max_tokens, choose=lambda logits, out: int(logits.argmax()), stop=()):
@@ -82,17 +86,25 @@ def greedy(max_tokens):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-@pytest.mark.parametrize("flags", [
-    dict(max_num_batched_tokens=64, max_num_seqs=4, long_prefill_token_threshold=24),  # chunked prefill, mixed steps
-    dict(max_num_batched_tokens=32, max_num_seqs=3, long_prefill_token_threshold=7, max_num_partial_prefills=2),
-    dict(max_num_batched_tokens=64, max_num_seqs=4, kv_cache_memory=None, num_pages=12),  # forced preemption
-], ids=["chunked", "odd-chunks", "preemption"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(
+            max_num_batched_tokens=64, max_num_seqs=4, long_prefill_token_threshold=24
+        ),  # chunked prefill, mixed steps
+        dict(max_num_batched_tokens=32, max_num_seqs=3, long_prefill_token_threshold=7, max_num_partial_prefills=2),
+        dict(max_num_batched_tokens=64, max_num_seqs=4, kv_cache_memory=None, num_pages=12),  # forced preemption
+    ],
+    ids=["chunked", "odd-chunks", "preemption"],
+)
 def test_greedy_under_continuous_batching_equals_each_request_alone(model, flags):
     num_pages = flags.pop("num_pages", None)
     if num_pages is not None:
         from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot
-        flags["kv_cache_memory"] = (flags["max_num_seqs"] * bytes_per_slot(model.cfg, model.dtype)
-                                    + (num_pages + SCRATCH_PAGES) * bytes_per_page(model.cfg, PAGE, model.dtype))
+
+        flags["kv_cache_memory"] = flags["max_num_seqs"] * bytes_per_slot(model.cfg, model.dtype) + (
+            num_pages + SCRATCH_PAGES
+        ) * bytes_per_page(model.cfg, PAGE, model.dtype)
     eng = engine(model, **flags)
     prompts = random_prompts(7, seed=1)
     arrivals = {}
@@ -129,8 +141,10 @@ def test_seeded_sampling_is_the_same_alone_and_among_other_requests(model):
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
     prompt = random_prompts(1, seed=5)[0]
     alone = collect(engine(model, max_num_seqs=4, max_num_batched_tokens=64), [("x", prompt, params)])
-    companions = [(f"c{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=9, ignore_eos=True))
-                  for i, p in enumerate(random_prompts(4, seed=6))]
+    companions = [
+        (f"c{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=9, ignore_eos=True))
+        for i, p in enumerate(random_prompts(4, seed=6))
+    ]
     crowd = companions[:2] + [("x", prompt, params)] + companions[2:]
     crowded = collect(engine(model, max_num_seqs=4, max_num_batched_tokens=32, long_prefill_token_threshold=9), crowd)
     assert token_ids(crowded["x"]) == token_ids(alone["x"])
@@ -139,20 +153,22 @@ def test_seeded_sampling_is_the_same_alone_and_among_other_requests(model):
 
 def test_stop_string_spanning_tokens_ends_the_text_before_it(model):
     from ds4.tokenizer import load_tokenizer
+
     tok = load_tokenizer()
     prompt = random_prompts(1, seed=8, lo=10, hi=20)[0]
     ref = reference_greedy(model, prompt, 12)
     pieces = [tok.decode(ref[:i]) for i in range(len(ref) + 1)]
     # A stop string made of the last 2 characters of token 5's text and the first 2 of token 6's.
     cut = len(pieces[6])
-    stop = pieces[-1][cut - 2:cut + 2]
+    stop = pieces[-1][cut - 2 : cut + 2]
     assert len(stop) == 4 and pieces[-1].find(stop) == cut - 2
-    eng = LLMEngine(model, EngineConfig(page_size=PAGE, max_model_len=128, max_num_seqs=4, kv_cache_memory=1 << 24),
-                    tokenizer=tok)
+    eng = LLMEngine(
+        model, EngineConfig(page_size=PAGE, max_model_len=128, max_num_seqs=4, kv_cache_memory=1 << 24), tokenizer=tok
+    )
     params = SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], ignore_eos=True)
     outs = collect(eng, [("s", prompt, params)])["s"]
     text = "".join(o.new_text for o in outs)
-    assert text == pieces[-1][:cut - 2]
+    assert text == pieces[-1][: cut - 2]
     assert outs[-1].finished and outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
     assert token_ids(outs) == ref[:7]
 
@@ -191,10 +207,19 @@ def test_penalties_and_logprobs_match_plain_torch(model):
 
     expected, raw = reference_decode(model, prompt, 10, penalised)
     assert expected != reference_greedy(model, prompt, 10)  # the penalties change the outcome
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=rep,
-                            frequency_penalty=freq, presence_penalty=pres, logprobs=3)
-    outs = collect(engine(model), [("p", prompt, params)] + [(f"o{i}", p, greedy(5)) for i, p in
-                                                               enumerate(random_prompts(3, seed=11))])
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=10,
+        ignore_eos=True,
+        repetition_penalty=rep,
+        frequency_penalty=freq,
+        presence_penalty=pres,
+        logprobs=3,
+    )
+    outs = collect(
+        engine(model),
+        [("p", prompt, params)] + [(f"o{i}", p, greedy(5)) for i, p in enumerate(random_prompts(3, seed=11))],
+    )
     assert token_ids(outs["p"]) == expected
     logprobs = torch.log_softmax(raw, dim=-1)
     for i, entry in enumerate(lp for o in outs["p"] for lp in o.new_logprobs):
@@ -207,13 +232,22 @@ def test_penalties_and_logprobs_match_plain_torch(model):
 
 def test_prompt_logprobs_survive_chunking_and_preemption(model):
     from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot
+
     prompt = random_prompts(1, seed=12, lo=40, hi=50)[0]
     cache = model.new_cache(1, 8, PAGE)
     full = model.compute_logits(model.forward(one_request_batch(prompt, 0, list(range(8))), cache))
     expected = torch.log_softmax(full[:-1], dim=-1)
-    memory = 3 * bytes_per_slot(model.cfg, model.dtype) + (6 + SCRATCH_PAGES) * bytes_per_page(model.cfg, PAGE, model.dtype)
-    eng = engine(model, max_num_seqs=3, max_num_batched_tokens=16, long_prefill_token_threshold=8,
-                 kv_cache_memory=memory, max_model_len=96)
+    memory = 3 * bytes_per_slot(model.cfg, model.dtype) + (6 + SCRATCH_PAGES) * bytes_per_page(
+        model.cfg, PAGE, model.dtype
+    )
+    eng = engine(
+        model,
+        max_num_seqs=3,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=8,
+        kv_cache_memory=memory,
+        max_model_len=96,
+    )
     others = [(f"o{i}", p, greedy(30)) for i, p in enumerate(random_prompts(2, seed=13, lo=10, hi=20))]
     params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2, ignore_eos=True)
     outs = collect(eng, others + [("q", prompt, params)])

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_model import load_tiny_model
 from torch import nn
 
 from ds4.checkpoint.tiny import default_model_dir
@@ -18,7 +19,6 @@ from ds4.engine.config import EngineConfig
 from ds4.engine.engine import LLMEngine
 from ds4.engine.sampling_params import SamplingParams
 from ds4.model.batch import ForwardBatch
-from tiny_model import load_tiny_model
 
 pytestmark = pytest.mark.gpu
 PAGE = 16
@@ -32,8 +32,9 @@ class ToyModel(nn.Module):
     def __init__(self, cfg, device):
         super().__init__()
         self.cfg, self.dtype, self.with_mtp, self.kv_cache_dtype = cfg, torch.float32, False, "auto"
-        self.embed = nn.Parameter(torch.randn(cfg.vocab_size, 8, generator=torch.Generator().manual_seed(0)).to(device),
-                                  requires_grad=False)
+        self.embed = nn.Parameter(
+            torch.randn(cfg.vocab_size, 8, generator=torch.Generator().manual_seed(0)).to(device), requires_grad=False
+        )
 
     def new_cache(self, num_slots, num_pages, page_size):
         return SimpleNamespace(state=torch.zeros(num_slots, 8, device=self.embed.device))
@@ -90,8 +91,15 @@ def count_replays(eng):
 def test_decode_graphs_replay_equals_eager_on_a_toy_model():
     cfg = load_config(default_model_dir())
     model = ToyModel(cfg, "cuda")
-    flags = dict(page_size=PAGE, max_model_len=128, max_num_seqs=12, max_num_batched_tokens=64,
-                 long_prefill_token_threshold=16, kv_cache_memory=1 << 26, max_cuda_graph_batch_size=8)
+    flags = dict(
+        page_size=PAGE,
+        max_model_len=128,
+        max_num_seqs=12,
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,
+        kv_cache_memory=1 << 26,
+        max_cuda_graph_batch_size=8,
+    )
     prompts, lens = random_prompts(11, seed=1), [3 + 2 * i for i in range(11)]
     eager = run_all(LLMEngine(model, EngineConfig(enforce_eager=True, **flags)), prompts, lens)
     graphed_engine = LLMEngine(model, EngineConfig(**flags))
@@ -112,20 +120,34 @@ def reference_greedy(model, prompt, max_tokens):
     def batch(ids, start):
         n = len(ids)
         i32 = dict(dtype=torch.int32, device="cuda")
-        return ForwardBatch(torch.tensor(ids, device="cuda"), torch.arange(start, start + n, device="cuda"),
-                            torch.tensor([0, n], **i32), torch.tensor([start], **i32), torch.zeros(1, **i32),
-                            torch.arange(8, **i32).unsqueeze(0))
+        return ForwardBatch(
+            torch.tensor(ids, device="cuda"),
+            torch.arange(start, start + n, device="cuda"),
+            torch.tensor([0, n], **i32),
+            torch.tensor([start], **i32),
+            torch.zeros(1, **i32),
+            torch.arange(8, **i32).unsqueeze(0),
+        )
 
     out = [int(model.compute_logits(model.forward(batch(prompt, 0), cache)[-1:]).argmax())]
     while len(out) < max_tokens:
-        out.append(int(model.compute_logits(model.forward(batch(out[-1:], len(prompt) + len(out) - 1), cache)).argmax()))
+        out.append(
+            int(model.compute_logits(model.forward(batch(out[-1:], len(prompt) + len(out) - 1), cache)).argmax())
+        )
     return out
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
 def test_greedy_under_continuous_batching_equals_each_request_alone(model, graphs):
-    flags = dict(page_size=PAGE, max_model_len=128, max_num_seqs=6, max_num_batched_tokens=48,
-                 long_prefill_token_threshold=16, kv_cache_memory=1 << 26, enforce_eager=not graphs)
+    flags = dict(
+        page_size=PAGE,
+        max_model_len=128,
+        max_num_seqs=6,
+        max_num_batched_tokens=48,
+        long_prefill_token_threshold=16,
+        kv_cache_memory=1 << 26,
+        enforce_eager=not graphs,
+    )
     prompts, lens = random_prompts(9, seed=2), [4 + 2 * i for i in range(9)]
     eng = LLMEngine(model, EngineConfig(**flags))
     calls = count_replays(eng) if graphs else None
@@ -149,9 +171,17 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
     for cache in caches:
         for r, prompt in enumerate(prompts):  # all but the last token, which the first decode step runs
             n, i32 = len(prompt) - 1, dict(dtype=torch.int32, device="cuda")
-            model.forward(ForwardBatch(torch.tensor(prompt[:-1], device="cuda"), torch.arange(n, device="cuda"),
-                                       torch.tensor([0, n], **i32), torch.zeros(1, **i32), torch.tensor([r], **i32),
-                                       torch.tensor([tables[r]], **i32)), cache)
+            model.forward(
+                ForwardBatch(
+                    torch.tensor(prompt[:-1], device="cuda"),
+                    torch.arange(n, device="cuda"),
+                    torch.tensor([0, n], **i32),
+                    torch.zeros(1, **i32),
+                    torch.tensor([r], **i32),
+                    torch.tensor([tables[r]], **i32),
+                ),
+                cache,
+            )
     eager_cache, graph_cache = caches
     inputs = DecodeInputs(4, 6, padding_slot=2, device=torch.device("cuda"))  # tables 4 of 6 columns wide
     model.forward(inputs.view(4, 4), graph_cache)  # warm-up: padding rows only
@@ -164,9 +194,15 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
     for step in range(20):
         pos = [len(p) + step - 1 for p in prompts]
         i32 = dict(dtype=torch.int32, device="cuda")
-        batch = ForwardBatch(torch.tensor(tokens, device="cuda"), torch.tensor(pos, device="cuda"),
-                             torch.arange(3, **i32), torch.tensor(pos, **i32), torch.tensor([0, 1], **i32),
-                             torch.tensor(tables, **i32), decode_only=True)
+        batch = ForwardBatch(
+            torch.tensor(tokens, device="cuda"),
+            torch.tensor(pos, device="cuda"),
+            torch.arange(3, **i32),
+            torch.tensor(pos, **i32),
+            torch.tensor([0, 1], **i32),
+            torch.tensor(tables, **i32),
+            decode_only=True,
+        )
         torch.cuda.set_sync_debug_mode("error")
         try:
             eager = model.forward(batch, eager_cache)

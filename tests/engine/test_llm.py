@@ -54,7 +54,7 @@ def test_greedy_generation_equals_transformers_argmax(tiny_models):
     ids = list(PROMPT)
     for _ in range(12):
         ids.append(int(_oracle_log_probs(oracle, ids)[-1].argmax()))
-    assert out.token_ids == ids[len(PROMPT):]
+    assert out.token_ids == ids[len(PROMPT) :]
     assert out.finish_reason == "length"
     assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
@@ -63,8 +63,11 @@ def test_text_and_token_prompts_and_seeded_sampling(tiny_models):
     llm, _, _ = tiny_models
     text = "The capital of France is"
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, logprobs=2)
-    by_text, by_ids, other = llm.generate([text, llm.tokenizer.encode(text), "Something else entirely"],
-                                          [params, params, SamplingParams(max_tokens=3, seed=1)], use_tqdm=False)
+    by_text, by_ids, other = llm.generate(
+        [text, llm.tokenizer.encode(text), "Something else entirely"],
+        [params, params, SamplingParams(max_tokens=3, seed=1)],
+        use_tqdm=False,
+    )
     assert by_text.prompt_token_ids == by_ids.prompt_token_ids
     assert by_text.token_ids == by_ids.token_ids and len(by_text.token_ids) == 6
     assert all(len(lp) in (2, 3) and tok in lp for lp, tok in zip(by_text.logprobs, by_text.token_ids))

@@ -5,13 +5,13 @@ import random
 
 import pytest
 import torch
+from tiny_model import load_tiny_model
 
 from ds4.engine.config import EngineConfig
 from ds4.engine.cuda_graphs import DecodeGraphs
 from ds4.engine.engine import LLMEngine
 from ds4.engine.sampling_params import SamplingParams
 from ds4.model.batch import ForwardBatch
-from tiny_model import load_tiny_model
 
 PAGE = 16
 
@@ -38,23 +38,46 @@ def alone(model, prompt, max_tokens):
 
     def batch(ids, start):
         i32 = dict(dtype=torch.int32)
-        return ForwardBatch(torch.tensor(ids), torch.arange(start, start + len(ids)), torch.tensor([0, len(ids)], **i32),
-                            torch.tensor([start], **i32), torch.zeros(1, **i32), torch.arange(8, **i32)[None])
+        return ForwardBatch(
+            torch.tensor(ids),
+            torch.arange(start, start + len(ids)),
+            torch.tensor([0, len(ids)], **i32),
+            torch.tensor([start], **i32),
+            torch.zeros(1, **i32),
+            torch.arange(8, **i32)[None],
+        )
 
     out = [int(model.compute_logits(model.forward(batch(prompt, 0), cache)[-1:]).argmax())]
     while len(out) < max_tokens:
-        out.append(int(model.compute_logits(model.forward(batch(out[-1:], len(prompt) + len(out) - 1), cache)).argmax()))
+        out.append(
+            int(model.compute_logits(model.forward(batch(out[-1:], len(prompt) + len(out) - 1), cache)).argmax())
+        )
     return out
 
 
 def test_padded_decode_batches_equal_each_request_alone(model):
-    eng = LLMEngine(model, EngineConfig(page_size=PAGE, max_model_len=128, max_num_seqs=5, max_num_batched_tokens=48,
-                                        long_prefill_token_threshold=16, kv_cache_memory=1 << 24))
+    eng = LLMEngine(
+        model,
+        EngineConfig(
+            page_size=PAGE,
+            max_model_len=128,
+            max_num_seqs=5,
+            max_num_batched_tokens=48,
+            long_prefill_token_threshold=16,
+            kv_cache_memory=1 << 24,
+        ),
+    )
     # As the engine does with graphs on: one more cache slot, the scratch slot padding rows write to.
     cache = model.new_cache(eng.plan.num_slots + 1, eng.plan.num_pages, PAGE)
     eng.cache = eng.runner.cache = cache
-    graphs = EagerDecodeGraphs(model, cache, 4, eng.allocator.pages_for(eng.plan.max_model_len),
-                               padding_slot=eng.plan.num_slots, device=torch.device("cpu"))
+    graphs = EagerDecodeGraphs(
+        model,
+        cache,
+        4,
+        eng.allocator.pages_for(eng.plan.max_model_len),
+        padding_slot=eng.plan.num_slots,
+        device=torch.device("cpu"),
+    )
     eng.runner.graphs = graphs
     assert graphs.sizes == [1, 2, 4] and graphs.page_buckets == [1, 4, 8]
 

@@ -65,15 +65,18 @@ def test_greedy_rows_are_the_argmax_of_the_raw_logits():
     assert tokens[greedy_rows].tolist() == [int(torch.argmax(logits[row])) for row in greedy_rows]
 
 
-@pytest.mark.parametrize("options", [
-    dict(temperature=0.7),
-    dict(temperature=1.3, top_k=3),
-    dict(top_p=0.6),
-    dict(temperature=0.5, min_p=0.05),
-    dict(temperature=0.8, top_k=5, top_p=0.8, min_p=0.02),
-    dict(top_p=0.7, logit_bias={3: 2.5, 4: -1.0}),
-    dict(temperature=0.9, repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=-0.3),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.3, top_k=3),
+        dict(top_p=0.6),
+        dict(temperature=0.5, min_p=0.05),
+        dict(temperature=0.8, top_k=5, top_p=0.8, min_p=0.02),
+        dict(top_p=0.7, logit_bias={3: 2.5, 4: -1.0}),
+        dict(temperature=0.9, repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=-0.3),
+    ],
+)
 def test_random_rows_follow_the_reference_distribution(options):
     vocab, draws = 12, 20000
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 2
@@ -135,8 +138,15 @@ def test_seeded_request_is_reproducible_whatever_shares_its_batch():
     alone = _run_steps(Sampler([EOS], seed=0), Sampler([EOS]).new_request(params, [1]), [], 0, steps_logits)
 
     sampler = Sampler([EOS], seed=99)
-    companions = [sampler.new_request(p, [4, 5]) for p in (
-        SamplingParams(), SamplingParams(seed=1234), greedy(), SamplingParams(min_p=0.2, frequency_penalty=1.0))]
+    companions = [
+        sampler.new_request(p, [4, 5])
+        for p in (
+            SamplingParams(),
+            SamplingParams(seed=1234),
+            greedy(),
+            SamplingParams(min_p=0.2, frequency_penalty=1.0),
+        )
+    ]
     for position in (0, 2, 4):
         request = sampler.new_request(params, [1])
         assert _run_steps(sampler, request, companions, position, steps_logits) == alone
@@ -150,8 +160,9 @@ def test_unseeded_requests_follow_the_sampler_seed():
 
     def run(seed):
         sampler = Sampler([EOS], seed=seed)
-        return [int(sampler.sample(logits, [sampler.new_request(SamplingParams(), [1])]).token_ids[0])
-                for _ in range(5)]
+        return [
+            int(sampler.sample(logits, [sampler.new_request(SamplingParams(), [1])]).token_ids[0]) for _ in range(5)
+        ]
 
     assert run(5) == run(5)
     assert run(5) != run(6)
@@ -177,8 +188,10 @@ def test_min_tokens_holds_back_eos_and_stop_tokens():
 def test_logit_bias_moves_greedy_choice_and_rejects_unknown_tokens():
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     sampler = Sampler([EOS])
-    requests = [sampler.new_request(greedy(logit_bias={"11": 100.0}), [1]),
-                sampler.new_request(greedy(logit_bias={int(logits[1].argmax()): -100.0}), [1])]
+    requests = [
+        sampler.new_request(greedy(logit_bias={"11": 100.0}), [1]),
+        sampler.new_request(greedy(logit_bias={int(logits[1].argmax()): -100.0}), [1]),
+    ]
     tokens = sampler.sample(logits, requests).token_ids.tolist()
     assert tokens == [11, int(logits[1].topk(2).indices[1])]
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -190,10 +203,11 @@ def test_penalties_match_a_token_by_token_reference():
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(3, vocab, generator=gen) * 3
     sampler = Sampler([EOS])
-    cases = [(greedy(repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=0.25),
-              [1, 2, 2, 30], [2, 5, 5, 5]),
-             (greedy(), [3, 4], [4]),
-             (greedy(repetition_penalty=0.6, frequency_penalty=-0.7, presence_penalty=1.5), [7], [8, 8, 9, 7])]
+    cases = [
+        (greedy(repetition_penalty=1.7, frequency_penalty=0.5, presence_penalty=0.25), [1, 2, 2, 30], [2, 5, 5, 5]),
+        (greedy(), [3, 4], [4]),
+        (greedy(repetition_penalty=0.6, frequency_penalty=-0.7, presence_penalty=1.5), [7], [8, 8, 9, 7]),
+    ]
     requests = []
     for params, prompt, output in cases:
         request = sampler.new_request(params, prompt)
@@ -214,9 +228,11 @@ def test_logprobs_are_raw_log_softmax_with_the_top_tokens():
     vocab = 30
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
     sampler = Sampler([EOS])
-    requests = [sampler.new_request(SamplingParams(temperature=0.3, logprobs=4, logit_bias={0: 50.0}), [1]),
-                sampler.new_request(greedy(), [1]),
-                sampler.new_request(greedy(logprobs=0), [1])]
+    requests = [
+        sampler.new_request(SamplingParams(temperature=0.3, logprobs=4, logit_bias={0: 50.0}), [1]),
+        sampler.new_request(greedy(), [1]),
+        sampler.new_request(greedy(logprobs=0), [1]),
+    ]
     out = sampler.sample(logits, requests)
     assert out.logprobs[1] is None
     for row, num_top in ((0, 4), (2, 0)):
@@ -244,11 +260,25 @@ def test_sampling_params_normalise_and_reject_out_of_range_values():
     params = SamplingParams(stop="END", logit_bias={"5": 1})
     assert params.stop == ["END"] and params.logit_bias == {5: 1.0} and params.stop_token_ids == []
     assert SamplingParams(temperature=0).is_greedy and not SamplingParams().is_greedy
-    for bad in (dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.1), dict(top_k=-2), dict(min_p=1.5),
-                dict(max_tokens=0), dict(min_tokens=-1), dict(min_tokens=20, max_tokens=10), dict(stop=[""]),
-                dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
-                dict(logprobs=-1), dict(prompt_logprobs=-1), dict(logit_bias={3: 101}), dict(logit_bias={"x": 1}),
-                dict(stop_token_ids=[-1])):
+    for bad in (
+        dict(temperature=-0.1),
+        dict(top_p=0.0),
+        dict(top_p=1.1),
+        dict(top_k=-2),
+        dict(min_p=1.5),
+        dict(max_tokens=0),
+        dict(min_tokens=-1),
+        dict(min_tokens=20, max_tokens=10),
+        dict(stop=[""]),
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(repetition_penalty=0),
+        dict(logprobs=-1),
+        dict(prompt_logprobs=-1),
+        dict(logit_bias={3: 101}),
+        dict(logit_bias={"x": 1}),
+        dict(stop_token_ids=[-1]),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -271,8 +301,10 @@ def test_seeded_sampling_on_cuda_matches_cpu():
     params = SamplingParams(seed=7, temperature=0.8, top_k=50, top_p=0.95, min_p=0.01, max_tokens=50)
     on_cpu = _run_steps(Sampler([EOS]), Sampler([EOS]).new_request(params, [1]), [], 0, steps_logits)
     sampler = Sampler([EOS], seed=1)
-    companions = [sampler.new_request(SamplingParams(repetition_penalty=1.2), [2, 3]),
-                  sampler.new_request(greedy(), [4])]
+    companions = [
+        sampler.new_request(SamplingParams(repetition_penalty=1.2), [2, 3]),
+        sampler.new_request(greedy(), [4]),
+    ]
     cuda_logits = [row.cuda() for row in steps_logits]
 
     def run_cuda(position):

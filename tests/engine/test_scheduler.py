@@ -72,8 +72,13 @@ def test_decodes_first_then_prefill_chunks_within_the_budget():
 
 
 def test_max_long_partial_prefills_lets_only_that_many_long_prompts_prefill_per_step():
-    sched = make(max_num_batched_tokens=256, max_num_seqs=8, long_prefill_token_threshold=32,
-                 max_num_partial_prefills=4, max_long_partial_prefills=1)
+    sched = make(
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        long_prefill_token_threshold=32,
+        max_num_partial_prefills=4,
+        max_long_partial_prefills=1,
+    )
     a, b = request(sched, 500), request(sched, 500)
     for _ in range(5):
         out = step(sched)
@@ -82,8 +87,13 @@ def test_max_long_partial_prefills_lets_only_that_many_long_prompts_prefill_per_
 
 
 def test_max_num_partial_prefills_caps_prompts_per_step():
-    sched = make(max_num_batched_tokens=256, max_num_seqs=8, long_prefill_token_threshold=32,
-                 max_num_partial_prefills=2, max_long_partial_prefills=1)
+    sched = make(
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        long_prefill_token_threshold=32,
+        max_num_partial_prefills=2,
+        max_long_partial_prefills=1,
+    )
     shorts = [request(sched, 10, max_tokens=50) for _ in range(6)]
     out = step(sched)
     assert [c.seq for c in out.chunks] == shorts[:2]
@@ -98,9 +108,15 @@ def test_fairness_short_request_gets_its_first_token_in_the_step_after_it_arrive
     budget = rng.choice([128, 256, 512])
     threshold = rng.choice([16, 64, budget // 2, budget])
     partial = rng.randint(1, 4)
-    sched = make(num_pages=4000, max_model_len=40000, max_num_batched_tokens=budget, max_num_seqs=16,
-                 long_prefill_token_threshold=threshold, max_num_partial_prefills=partial,
-                 max_long_partial_prefills=rng.randint(1, partial))
+    sched = make(
+        num_pages=4000,
+        max_model_len=40000,
+        max_num_batched_tokens=budget,
+        max_num_seqs=16,
+        long_prefill_token_threshold=threshold,
+        max_num_partial_prefills=partial,
+        max_long_partial_prefills=rng.randint(1, partial),
+    )
     longs = [request(sched, rng.randint(5000, 20000), max_tokens=3) for _ in range(rng.randint(1, 3))]
     for _ in range(rng.randint(0, 6)):
         request(sched, rng.randint(1, threshold), max_tokens=rng.randint(1, 200))
@@ -119,8 +135,15 @@ def test_fairness_short_request_gets_its_first_token_in_the_step_after_it_arrive
 def test_without_short_first_ordering_the_short_request_would_wait():
     """The fairness test can fail: with the threshold above the prompt, the 'long' prompt is short too and
     goes first by arrival, so a later short request waits behind it."""
-    sched = make(num_pages=4000, max_model_len=40000, max_num_batched_tokens=256, max_num_seqs=4,
-                 long_prefill_token_threshold=20000, max_num_partial_prefills=1, max_long_partial_prefills=1)
+    sched = make(
+        num_pages=4000,
+        max_model_len=40000,
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
+        long_prefill_token_threshold=20000,
+        max_num_partial_prefills=1,
+        max_long_partial_prefills=1,
+    )
     request(sched, 10000)
     step(sched)
     short = request(sched, 8)
@@ -161,8 +184,14 @@ def test_a_request_that_can_never_fit_is_rejected():
 
 
 def test_requests_reaching_max_model_len_stop_and_everything_finishes_under_a_tiny_cache():
-    sched = make(num_pages=8, page_size=4, max_model_len=32, max_num_batched_tokens=16, max_num_seqs=4,
-                 long_prefill_token_threshold=8)
+    sched = make(
+        num_pages=8,
+        page_size=4,
+        max_model_len=32,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        long_prefill_token_threshold=8,
+    )
     seqs = [request(sched, random.Random(i).randint(1, 31), max_tokens=1000) for i in range(12)]
     for _ in range(2000):
         if not sched.num_unfinished:
@@ -175,8 +204,16 @@ def test_requests_reaching_max_model_len_stop_and_everything_finishes_under_a_ti
 
 def test_thousand_random_requests_with_aborts_leave_every_page_free():
     rng = random.Random(0)
-    sched = make(num_pages=64, page_size=8, max_model_len=256, max_num_batched_tokens=96, max_num_seqs=12,
-                 long_prefill_token_threshold=24, max_num_partial_prefills=3, max_long_partial_prefills=1)
+    sched = make(
+        num_pages=64,
+        page_size=8,
+        max_model_len=256,
+        max_num_batched_tokens=96,
+        max_num_seqs=12,
+        long_prefill_token_threshold=24,
+        max_num_partial_prefills=3,
+        max_long_partial_prefills=1,
+    )
     pending = [(rng.randint(1, 200), rng.randint(1, 40)) for _ in range(1000)]
     live, aborted, finished = [], 0, 0
     while pending or sched.num_unfinished:

@@ -15,7 +15,7 @@ def reference(text, stops, include):
         matches = [s for s in stops if text[:end].endswith(s)]
         if matches:
             found = max(matches, key=len)
-            return (text[:end] if include else text[:end - len(found)]), found
+            return (text[:end] if include else text[: end - len(found)]), found
     return text, None
 
 

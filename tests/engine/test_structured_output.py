@@ -14,7 +14,13 @@ import xgrammar as xgr
 from tokenizers import Tokenizer
 
 from ds4.engine.structured_output import (
-    GrammarCache, GrammarError, GrammarSpec, StructuredOutput, apply_structured_output, grammar_tokenizer_info)
+    GrammarCache,
+    GrammarError,
+    GrammarSpec,
+    StructuredOutput,
+    apply_structured_output,
+    grammar_tokenizer_info,
+)
 from ds4.tokenizer import default_tokenizer_path
 
 VOCAB = 129280
@@ -91,7 +97,8 @@ def parse_dsml(text):
     for name, body in re.findall(r'<｜DSML｜invoke name="([^"]+)">\n(.*?)</｜DSML｜invoke>', text, re.S):
         params = {}
         for key, is_string, value in re.findall(
-                r'<｜DSML｜parameter name="([^"]+)" string="(true|false)">(.*?)</｜DSML｜parameter>', body, re.S):
+            r'<｜DSML｜parameter name="([^"]+)" string="(true|false)">(.*?)</｜DSML｜parameter>', body, re.S
+        ):
             params[key] = value if is_string == "true" else json.loads(value)
         calls.append((name, params))
     return calls
@@ -118,8 +125,16 @@ def test_required_tool_call_rejects_text_and_control_tokens(cache, tokenizer):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_random_walk_under_required_tools_parses_and_validates(cache, tokenizer, seed):
-    tools = [BOUNDED_TOOL, {"type": "function", "function": {"name": "noop", "parameters": {
-        "type": "object", "properties": {"flag": {"type": "boolean"}}, "required": ["flag"]}}}]
+    tools = [
+        BOUNDED_TOOL,
+        {
+            "type": "function",
+            "function": {
+                "name": "noop",
+                "parameters": {"type": "object", "properties": {"flag": {"type": "boolean"}}, "required": ["flag"]},
+            },
+        },
+    ]
     state = new_state(cache, GrammarSpec.tool_calls(tools, "required"))
     text = decode(tokenizer, random_walk(state, random.Random(seed)))
     assert text.startswith("\n\n<｜DSML｜tool_calls>\n") and text.endswith("</｜DSML｜tool_calls>")
@@ -212,12 +227,17 @@ def test_rollback_over_think_end_in_one_speculative_window(cache, tokenizer):
 
 
 def test_apply_structured_output_masks_only_grammar_rows(cache, tokenizer):
-    states = [new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA)), None,
-              new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA), reasoning=True)]
+    states = [
+        new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA)),
+        None,
+        new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA), reasoning=True),
+    ]
     brace = tokenizer.token_to_id("{")
     kept = [[brace], [5, 6], [7]]  # row 0 already kept "{": the hook must catch its state up
-    requests = [SimpleNamespace(params=SimpleNamespace(structured_output=s), output_token_ids=ids)
-                for s, ids in zip(states, kept)]
+    requests = [
+        SimpleNamespace(params=SimpleNamespace(structured_output=s), output_token_ids=ids)
+        for s, ids in zip(states, kept)
+    ]
     logits = torch.randn(3, VOCAB)
     original = logits.clone()
     masked = apply_structured_output(logits, requests)
@@ -232,8 +252,9 @@ def test_apply_structured_output_masks_only_grammar_rows(cache, tokenizer):
 
 def test_cache_compiles_once_and_reports_bad_schemas(cache):
     spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
-    assert cache.submit(spec) is cache.submit(GrammarSpec.json_schema(
-        {"type": "object", "properties": {"a": {"type": "integer"}}}))
+    assert cache.submit(spec) is cache.submit(
+        GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    )
     with pytest.raises(GrammarError):
         cache.compile(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}))
     with pytest.raises(GrammarError):

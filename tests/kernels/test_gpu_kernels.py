@@ -83,7 +83,7 @@ def test_batches_of_one_program_a_row_are_exact(k):
     scores = torch.stack([kinds[row % len(KINDS)][row] for row in range(rows)])
     lengths = torch.randint(0, cols + 1, (rows,), device="cuda", generator=g)
     lengths[: 3 * len(KINDS)] = torch.tensor([k - 1, k, k + 1], device="cuda").repeat_interleave(len(KINDS))
-    lengths[3 * len(KINDS): 4 * len(KINDS)] = cols
+    lengths[3 * len(KINDS) : 4 * len(KINDS)] = cols
     lengths[-3:] = torch.tensor([0, 1, 8 * k + 3], device="cuda")
     assert_exact(scores, lengths, k, tk.topk_indices(scores, lengths, k))
 
@@ -171,6 +171,16 @@ def test_indexer_logits_match_fp32_reference():
         assert torch.equal(torch.isfinite(got), finite)
         err = (got[finite].double() - want[finite].double()).norm() / want[finite].double().norm()
         assert err < 5e-4, err  # fp8 tensor-core accumulation
-        top = ix.indexer_topk(q, w, cache, table, key_end, rows_per_request, max_keys, 512, q_scale=q_scale,
-                              max_scratch_bytes=rows * max_keys)
+        top = ix.indexer_topk(
+            q,
+            w,
+            cache,
+            table,
+            key_end,
+            rows_per_request,
+            max_keys,
+            512,
+            q_scale=q_scale,
+            max_scratch_bytes=rows * max_keys,
+        )
         assert_exact(got, key_end, 512, top)

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from interpreted import interpreted
 
 import ds4.kernels.indexer
 import ds4.kernels.topk
 from ds4.kernels.fp4_act import fp4_quant_dequant, hadamard_rotate
-from interpreted import interpreted
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +85,11 @@ def test_tiles_skip_rows_that_see_no_key_of_the_tile(indexer, tile):
     g = torch.Generator().manual_seed(tile[0] + tile[1])
     n_keys, max_keys, heads = 250, 4 * indexer.PAGE, 3
     causal = torch.arange(40) * 5 + 7
-    cases = [(1, 40, causal), (1, 40, causal[torch.randperm(40, generator=g)]),
-             (4, 3, torch.tensor([[0, 0, 0], [63, 64, 65], [127, 128, 129], [248, 249, 250]]).flatten())]
+    cases = [
+        (1, 40, causal),
+        (1, 40, causal[torch.randperm(40, generator=g)]),
+        (4, 3, torch.tensor([[0, 0, 0], [63, 64, 65], [127, 128, 129], [248, 249, 250]]).flatten()),
+    ]
     for requests, rows_per_request, key_end in cases:
         cache, table, _ = paged_keys(indexer, requests, n_keys, 4, g)
         rows = requests * rows_per_request
@@ -120,8 +123,10 @@ def test_caches_with_other_page_sizes(indexer, per_page):
     g = torch.Generator().manual_seed(per_page)
     n_keys, max_keys, heads = 90, 96, 2
     pages = max_keys // per_page
-    for rows_per_request, tile, launch in ((1, (32, 2, 4, 2), indexer._launch_decode),
-                                           (20, (32, 8, 4, 2), indexer._launch)):
+    for rows_per_request, tile, launch in (
+        (1, (32, 2, 4, 2), indexer._launch_decode),
+        (20, (32, 8, 4, 2), indexer._launch),
+    ):
         cache, table, _ = paged_keys(indexer, 2, n_keys, pages, g, per_page)
         rows = 2 * rows_per_request
         q, q_scale = indexer.quantize_rows(torch.randn(rows, heads, 128, generator=g))
@@ -130,8 +135,9 @@ def test_caches_with_other_page_sizes(indexer, per_page):
         got = torch.full((rows, max_keys), float("nan"))
         launch(q, w * q_scale, cache, table, key_end, rows_per_request, max_keys, got, tile)
         check_against_oracle(indexer, got, q, q_scale, w, cache, table, key_end, rows_per_request)
-        ref = indexer.indexer_logits(q, w, cache, table, key_end, rows_per_request, max_keys, q_scale=q_scale,
-                                     impl="torch")
+        ref = indexer.indexer_logits(
+            q, w, cache, table, key_end, rows_per_request, max_keys, q_scale=q_scale, impl="torch"
+        )
         check_against_oracle(indexer, ref, q, q_scale, w, cache, table, key_end, rows_per_request)
 
 
@@ -167,8 +173,19 @@ def test_topk_with_bounded_scratch_equals_whole_matrix(indexer):
     logits = indexer.indexer_logits(q, w, cache, table, key_end, rows, max_keys, q_scale=q_scale, impl="torch")
     want = ds4.kernels.topk.topk_indices(logits, key_end, 16, impl="torch")
     for impl in ("torch", "triton"):
-        got = indexer.indexer_topk(q, w, cache, table, key_end, rows, max_keys, 16, q_scale=q_scale, impl=impl,
-                                   max_scratch_bytes=7 * max_keys * 4)
+        got = indexer.indexer_topk(
+            q,
+            w,
+            cache,
+            table,
+            key_end,
+            rows,
+            max_keys,
+            16,
+            q_scale=q_scale,
+            impl=impl,
+            max_scratch_bytes=7 * max_keys * 4,
+        )
         assert torch.equal(got, want)
 
 
@@ -176,8 +193,10 @@ def test_bad_layouts_fail_loudly(indexer):
     cache = indexer.new_indexer_cache(2)
     q = torch.zeros(2, 4, 128).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError):
-        indexer.indexer_logits(q.float(), torch.zeros(2, 4), cache, torch.zeros(1, 2, dtype=torch.int32),
-                               torch.tensor([1, 1]), 2, 128)
+        indexer.indexer_logits(
+            q.float(), torch.zeros(2, 4), cache, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([1, 1]), 2, 128
+        )
     with pytest.raises(ValueError):
-        indexer.indexer_logits(q, torch.zeros(2, 4), cache, torch.zeros(1, 1, dtype=torch.int32),
-                               torch.tensor([1, 1]), 2, 128)
+        indexer.indexer_logits(
+            q, torch.zeros(2, 4), cache, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1, 1]), 2, 128
+        )

@@ -4,9 +4,9 @@ import inspect
 
 import pytest
 import torch
+from interpreted import interpreted
 
 import ds4.kernels.topk
-from interpreted import interpreted
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def hard_rows(cols):
     randn = torch.randn(cols, generator=g)
     equal = torch.full((cols,), 0.5)
     ten = torch.randint(0, 10, (cols,), generator=g).float()
-    low_bits = (torch.ones(cols).view(torch.int32) + torch.randint(0, 4, (cols,), generator=g, dtype=torch.int32))
+    low_bits = torch.ones(cols).view(torch.int32) + torch.randint(0, 4, (cols,), generator=g, dtype=torch.int32)
     inf = torch.where(torch.rand(cols, generator=g) < 0.3, torch.tensor(float("inf")), randn)
     inf[::3] = float("-inf")
     zeros = torch.where(torch.rand(cols, generator=g) < 0.5, torch.tensor(-0.0), torch.tensor(0.0))
@@ -92,9 +92,29 @@ def test_bad_arguments_fail_loudly(topk):
 
 
 def test_kernels_take_no_shape_as_constexpr(topk):
-    allowed = {"G", "C", "TILE", "UNIT_BLOCK", "GM_BLOCK", "GATHER", "CAP", "K_PAD", "VEC", "EXACT_TILE", "SINGLE",
-               "FUSED", "SPLIT_BLOCK", "PREFETCH", "BITS", "TAU_HISTS", "SELECT_BITS", "PDL", "TAU_LINEAR", "COARSE_LIST",
-               "STAGGER"}
+    allowed = {
+        "G",
+        "C",
+        "TILE",
+        "UNIT_BLOCK",
+        "GM_BLOCK",
+        "GATHER",
+        "CAP",
+        "K_PAD",
+        "VEC",
+        "EXACT_TILE",
+        "SINGLE",
+        "FUSED",
+        "SPLIT_BLOCK",
+        "PREFETCH",
+        "BITS",
+        "TAU_HISTS",
+        "SELECT_BITS",
+        "PDL",
+        "TAU_LINEAR",
+        "COARSE_LIST",
+        "STAGGER",
+    }
     for kernel in (topk._scan_kernel, topk._count_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
@@ -109,16 +129,21 @@ def test_rows_split_over_many_programs_equal_reference(topk):
     (1500: tau from the group maxima); one program a row (the 16384 tile) with more coarse maxima than a block."""
     scores = hard_rows(9000)
     lengths = torch.tensor([9000, 8999, 5000, 1, 17, 1500])
-    for knobs in (dict(tile=512, programs_per_sm=8), dict(tile=512, programs_per_sm=8, prefetch=False),
-                  dict(tile=1024, programs_per_sm=1, gm_block=256, gather=128),
-                  dict(tile=1024, programs_per_sm=1, fused=False, radix_bits=8, unit_block=32),
-                  dict(tile=512, programs_per_sm=8, radix_bits=6, unit_block=64, units_per_k=8),
-                  dict(tile=512, programs_per_sm=8, count_merge=3, select_bits=8),
-                  dict(tile=512, programs_per_sm=8, count_merge=64, select_bits=6),
-                  dict(tile=512, programs_per_sm=8, tau_linear=False), dict(tile=1024, programs_per_sm=1, tau_linear=True),
-                  dict(tile=512, programs_per_sm=8, coarse_list=True), dict(tile=1024, programs_per_sm=1, coarse_list=False),
-                  dict(tile=512, programs_per_sm=8, coarse_list=True, gm_block=64, units_per_k=8),
-                  dict(tile=16384, unit_block=32)):
+    for knobs in (
+        dict(tile=512, programs_per_sm=8),
+        dict(tile=512, programs_per_sm=8, prefetch=False),
+        dict(tile=1024, programs_per_sm=1, gm_block=256, gather=128),
+        dict(tile=1024, programs_per_sm=1, fused=False, radix_bits=8, unit_block=32),
+        dict(tile=512, programs_per_sm=8, radix_bits=6, unit_block=64, units_per_k=8),
+        dict(tile=512, programs_per_sm=8, count_merge=3, select_bits=8),
+        dict(tile=512, programs_per_sm=8, count_merge=64, select_bits=6),
+        dict(tile=512, programs_per_sm=8, tau_linear=False),
+        dict(tile=1024, programs_per_sm=1, tau_linear=True),
+        dict(tile=512, programs_per_sm=8, coarse_list=True),
+        dict(tile=1024, programs_per_sm=1, coarse_list=False),
+        dict(tile=512, programs_per_sm=8, coarse_list=True, gm_block=64, units_per_k=8),
+        dict(tile=16384, unit_block=32),
+    ):
         scores = scores * 2.0  # the same order, other keys: a workspace left from the last call cannot pass
         got = topk._topk_triton(scores, lengths, 16, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, 16))
@@ -139,14 +164,21 @@ def test_one_finite_entry_per_coarse_group_is_exact(topk):
     starts = torch.arange(0, cols, span)
     for row in range(3):
         scores[row, starts + torch.randint(0, span, (starts.numel(),), generator=g).clamp(max=cols - 1 - starts)] = (
-            torch.randn(starts.numel(), generator=g))
+            torch.randn(starts.numel(), generator=g)
+        )
     lengths = torch.tensor([cols, cols - span // 2, 40 * span])
-    for knobs in (dict(tile=1024, programs_per_sm=1, gather=64), dict(tile=1024, programs_per_sm=1, unit_block=16),
-                  dict(tile=1024, programs_per_sm=4, radix_bits=8, unit_block=16),
-                  dict(tile=1024, programs_per_sm=1, tau_linear=False), dict(tile=1024, programs_per_sm=4, tau_linear=False),
-                  dict(tile=1024, programs_per_sm=1, coarse_list=True), dict(tile=1024, programs_per_sm=4, coarse_list=True),
-                  dict(tile=1024, programs_per_sm=4, coarse_list=True, gm_block=32), dict(tile=16384, gather=64),
-                  dict(tile=16384, gather=64, unit_block=16)):
+    for knobs in (
+        dict(tile=1024, programs_per_sm=1, gather=64),
+        dict(tile=1024, programs_per_sm=1, unit_block=16),
+        dict(tile=1024, programs_per_sm=4, radix_bits=8, unit_block=16),
+        dict(tile=1024, programs_per_sm=1, tau_linear=False),
+        dict(tile=1024, programs_per_sm=4, tau_linear=False),
+        dict(tile=1024, programs_per_sm=1, coarse_list=True),
+        dict(tile=1024, programs_per_sm=4, coarse_list=True),
+        dict(tile=1024, programs_per_sm=4, coarse_list=True, gm_block=32),
+        dict(tile=16384, gather=64),
+        dict(tile=16384, gather=64, unit_block=16),
+    ):
         scores = scores * 2.0  # the same order, other keys: a workspace left from the last call cannot pass
         got = topk._topk_triton(scores, lengths, k, **knobs)
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))

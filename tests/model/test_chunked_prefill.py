@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from dsv4_tiny import ds4_model, max_rel_err, official_tensors, run_in_chunks, tiny_config, transformers_model
 
 
@@ -38,5 +37,7 @@ def test_prefill_then_decode_matches_whole_prefill(setup):
 
 def test_irregular_chunks_match_whole_prefill(setup):
     cfg, model, ids, whole = setup
-    got = run_in_chunks(model, model.new_cache(2, 8, 16), ids, [5, 1, 11, 2, 17, 1, 1, 6], slot=0, table=torch.randperm(8))
+    got = run_in_chunks(
+        model, model.new_cache(2, 8, 16), ids, [5, 1, 11, 2, 17, 1, 1, 6], slot=0, table=torch.randperm(8)
+    )
     assert max_rel_err(got, whole) <= 1e-5

@@ -6,12 +6,11 @@ import functools
 
 import pytest
 import torch
+from dsv4_tiny import CONFIGS, ds4_model, max_rel_err, official_tensors, step_batch, tiny_config, transformers_model
 
 import ds4.model.indexer
-
 from ds4.model.batch import ForwardBatch
 from ds4.model.deepseek_v4 import DeepseekV4Model
-from dsv4_tiny import CONFIGS, ds4_model, max_rel_err, official_tensors, step_batch, tiny_config, transformers_model
 
 PAGE, NUM_PAGES, TABLE_WIDTH = 16, 10, 5
 SENTINEL = 3.25
@@ -63,8 +62,9 @@ def _padded_decode_batch(ids, positions, slots, tables, pad_rows, scratch_slot):
 
 
 # fp8 mode on the 128-dim indexer config: the packed e4m3 indexer cache and the indexer kernels' path.
-@pytest.fixture(scope="module", params=[(n, "auto") for n in CONFIGS] + [("yarn_hc2_hca16", "fp8")],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(
+    scope="module", params=[(n, "auto") for n in CONFIGS] + [("yarn_hc2_hca16", "fp8")], ids=lambda p: "-".join(p)
+)
 def model(request):
     name, kv_cache_dtype = request.param
     cfg = tiny_config(name)
@@ -95,8 +95,9 @@ def test_padded_decode_matches_the_general_path_and_touches_only_scratch(model):
     for step in range(decode_steps):
         pos = [n + step for n in prompt_lens]
         tokens = [int(ids[r][pos[r]]) for r in range(3)]
-        expected = model.compute_logits(model(step_batch([(ids[r][pos[r] : pos[r] + 1], pos[r], slots[r], tables[r])
-                                                          for r in range(3)]), general))
+        expected = model.compute_logits(
+            model(step_batch([(ids[r][pos[r] : pos[r] + 1], pos[r], slots[r], tables[r]) for r in range(3)]), general)
+        )
         batch = _padded_decode_batch(tokens, pos, slots, tables, pad_rows=2, scratch_slot=scratch_slot)
         got = model.compute_logits(model(batch, decode)[:3])
         assert max_rel_err(got, expected) <= 1e-5, f"decode step {step}"
@@ -136,6 +137,7 @@ def _host_syncs_forbidden():
     def refuse(name):
         def raiser(*args, **kwargs):
             raise AssertionError(f"{name} in the decode path")
+
         return raiser
 
     def no_bool_index(original):
@@ -144,12 +146,38 @@ def _host_syncs_forbidden():
             if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
                 raise AssertionError("boolean-mask indexing in the decode path")
             return original(self, index, *rest)
+
         return checked
 
-    patches = {(torch.Tensor, n): refuse(f"Tensor.{n}") for n in
-               ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "masked_select")}
-    patches.update({(torch, n): refuse(f"torch.{n}") for n in
-                    ("tensor", "as_tensor", "from_numpy", "nonzero", "unique", "bincount", "repeat_interleave", "masked_select")})
+    patches = {
+        (torch.Tensor, n): refuse(f"Tensor.{n}")
+        for n in (
+            "item",
+            "tolist",
+            "numpy",
+            "__bool__",
+            "__int__",
+            "__float__",
+            "__index__",
+            "nonzero",
+            "masked_select",
+        )
+    }
+    patches.update(
+        {
+            (torch, n): refuse(f"torch.{n}")
+            for n in (
+                "tensor",
+                "as_tensor",
+                "from_numpy",
+                "nonzero",
+                "unique",
+                "bincount",
+                "repeat_interleave",
+                "masked_select",
+            )
+        }
+    )
     patches[(torch.Tensor, "__getitem__")] = no_bool_index(torch.Tensor.__getitem__)
     patches[(torch.Tensor, "__setitem__")] = no_bool_index(torch.Tensor.__setitem__)
     saved = {key: getattr(*key) for key in patches}
@@ -183,19 +211,30 @@ def test_decode_forward_runs_on_meta_tensors(name, kv_cache_dtype):
     model = DeepseekV4Model(tiny_config(name), torch.float32, "meta", kv_cache_dtype=kv_cache_dtype)
     cache = model.new_cache(4, 6, PAGE)
     meta = dict(device="meta")
-    batch = ForwardBatch(torch.zeros(3, dtype=torch.long, **meta), torch.zeros(3, dtype=torch.long, **meta),
-                         torch.zeros(4, dtype=torch.int32, **meta), torch.zeros(3, dtype=torch.int32, **meta),
-                         torch.zeros(3, dtype=torch.int32, **meta), torch.zeros(3, 6, dtype=torch.int32, **meta),
-                         decode_only=True)
+    batch = ForwardBatch(
+        torch.zeros(3, dtype=torch.long, **meta),
+        torch.zeros(3, dtype=torch.long, **meta),
+        torch.zeros(4, dtype=torch.int32, **meta),
+        torch.zeros(3, dtype=torch.int32, **meta),
+        torch.zeros(3, dtype=torch.int32, **meta),
+        torch.zeros(3, 6, dtype=torch.int32, **meta),
+        decode_only=True,
+    )
     hidden = model(batch, cache)
     assert hidden.device.type == "meta" and hidden.shape == (3, model.cfg.hc_mult, model.cfg.hidden_size)
 
 
 def test_validate_checks_what_the_decode_path_trusts():
     i32 = dict(dtype=torch.int32)
-    two_tokens = ForwardBatch(torch.tensor([1, 2]), torch.tensor([5, 6]), torch.tensor([0, 2], **i32),
-                              torch.tensor([5], **i32), torch.zeros(1, **i32), torch.tensor([[0, 1]], **i32),
-                              decode_only=True)
+    two_tokens = ForwardBatch(
+        torch.tensor([1, 2]),
+        torch.tensor([5, 6]),
+        torch.tensor([0, 2], **i32),
+        torch.tensor([5], **i32),
+        torch.zeros(1, **i32),
+        torch.tensor([[0, 1]], **i32),
+        decode_only=True,
+    )
     with pytest.raises(ValueError, match="one token per request"):
         two_tokens.validate()
     # Position 20 lives on page 1 of 16-token pages, which this table leaves unassigned. (Padding rows have
@@ -219,8 +258,9 @@ def test_packed_indexer_decode_through_the_triton_kernels_equals_their_reference
     for patched in (False, True):
         if patched:
             for name in ("indexer_logits", "topk_indices"):
-                monkeypatch.setattr(ds4.model.indexer, name, functools.partial(getattr(ds4.model.indexer, name),
-                                                                               impl="triton"))
+                monkeypatch.setattr(
+                    ds4.model.indexer, name, functools.partial(getattr(ds4.model.indexer, name), impl="triton")
+                )
         cache = model.new_cache(3, 4, PAGE)
         model(step_batch([(prompt, 0, 0, table)]), cache)
         steps = []

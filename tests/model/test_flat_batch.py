@@ -1,8 +1,15 @@
 """Requests sharing one flat step (prefill chunks, decode tokens, multi-token verification) are independent."""
 
 import torch
-
-from dsv4_tiny import ds4_model, max_rel_err, official_tensors, run_in_chunks, step_batch, tiny_config, transformers_model
+from dsv4_tiny import (
+    ds4_model,
+    max_rel_err,
+    official_tensors,
+    run_in_chunks,
+    step_batch,
+    tiny_config,
+    transformers_model,
+)
 
 
 def test_mixed_steps_match_each_request_alone():
@@ -10,7 +17,9 @@ def test_mixed_steps_match_each_request_alone():
     model = ds4_model(cfg, official_tensors(transformers_model(cfg)))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (37, 26, 19)]
-    alone = [run_in_chunks(model, model.new_cache(1, 3, 16), p, [len(p)], slot=0, table=torch.arange(3)) for p in prompts]
+    alone = [
+        run_in_chunks(model, model.new_cache(1, 3, 16), p, [len(p)], slot=0, table=torch.arange(3)) for p in prompts
+    ]
 
     # Three requests in slots 2, 0, 1 with interleaved pages of one shared pool.
     slots = [2, 0, 1]

@@ -5,13 +5,12 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from dsv4_tiny import ds4_model, max_rel_err, official_tensors, run_in_chunks, tiny_config, transformers_model
 
 import ds4.model.indexer
-
 from ds4.kernels.fp4_act import fp4_quant_dequant, hadamard_rotate
 from ds4.kernels.fp8_kv import fp8_quant_dequant
 from ds4.model.deepseek_v4 import DeepseekV4Model
-from dsv4_tiny import ds4_model, max_rel_err, official_tensors, run_in_chunks, tiny_config, transformers_model
 
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 E4M3_VALUES = E4M3_VALUES[E4M3_VALUES.isfinite()]
@@ -65,8 +64,12 @@ def test_fp8_mode_is_close_to_auto_and_rounds_exactly_the_reference_tensors():
         stores = [(layer_auto.window[0], layer_fp8.window[0])]
         if layer_fp8.compressed is not None:
             written = 70 // layer_fp8.ratio
-            stores.append((layer_auto.compressed.view(-1, cfg.head_dim)[:written],
-                           layer_fp8.compressed.view(-1, cfg.head_dim)[:written]))
+            stores.append(
+                (
+                    layer_auto.compressed.view(-1, cfg.head_dim)[:written],
+                    layer_fp8.compressed.view(-1, cfg.head_dim)[:written],
+                )
+            )
         for plain, rounded in stores:
             # fp8 mode: the non-RoPE channels of window and compressed entries are e4m3 blocks, RoPE channels not.
             assert _on_e4m3_grid(rounded[:, :nope]).all()
@@ -99,7 +102,6 @@ def test_fp8_mode_through_the_triton_indexer_kernels_equals_their_references(mon
     chunks = [29, 1, 1, 9]  # single-token chunks take the general path; decode_only batches are tested elsewhere
     reference = run_in_chunks(model, model.new_cache(1, 4, 16), ids, chunks, slot=0, table=torch.arange(4))
     for name in ("indexer_logits", "indexer_topk", "topk_indices"):
-        monkeypatch.setattr(ds4.model.indexer, name, functools.partial(getattr(ds4.model.indexer, name),
-                                                                       impl="triton"))
+        monkeypatch.setattr(ds4.model.indexer, name, functools.partial(getattr(ds4.model.indexer, name), impl="triton"))
     triton = run_in_chunks(model, model.new_cache(1, 4, 16), ids, chunks, slot=0, table=torch.arange(4))
     assert max_rel_err(triton, reference) <= 1e-5

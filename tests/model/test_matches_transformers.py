@@ -3,10 +3,10 @@ reading the checkpoint and config that transformers' `save_pretrained` wrote."""
 
 import pytest
 import torch
+from dsv4_tiny import CONFIGS, ds4_model, max_rel_err, run_in_chunks, tiny_config, transformers_model
 
 from ds4.checkpoint.reader import load_checkpoint
 from ds4.config import load_config
-from dsv4_tiny import CONFIGS, ds4_model, max_rel_err, run_in_chunks, tiny_config, transformers_model
 
 
 @pytest.mark.parametrize("name,seq_len", [("mixed_hca8", 48), ("yarn_hc2_hca16", 72), ("csa_heavy_yarn", 41)])

@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from dsv4_tiny import max_rel_err, official_tensors, run_in_chunks, tiny_config, transformers_model
 
 from ds4.model.deepseek_v4 import DeepseekV4Model
-from dsv4_tiny import max_rel_err, official_tensors, run_in_chunks, tiny_config, transformers_model
 
 
 def _logits(cfg, tensors, ids, device, dtype, kv_cache_dtype, chunks):

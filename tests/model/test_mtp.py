@@ -9,10 +9,10 @@ import re
 
 import torch
 import torch.nn.functional as F
+from dsv4_tiny import ds4_model, max_rel_err, official_tensors, step_batch, tiny_config, transformers_model
 
 from ds4.checkpoint.hf_names import memory_state_to_official
 from ds4.checkpoint.weights_spec import FP32, INDEX, expected_parameter_shapes
-from dsv4_tiny import ds4_model, max_rel_err, official_tensors, step_batch, tiny_config, transformers_model
 
 
 def _mtp_tensors(cfg, seed=7):
@@ -45,8 +45,12 @@ def _transformers_block(cfg, mtp):
         if merged:
             e = range(cfg.n_routed_experts)
             if merged.group(1) == "gate_up_proj":
-                state[name] = torch.stack([torch.cat((mtp[f"mtp.0.ffn.experts.{i}.w1.weight"],
-                                                      mtp[f"mtp.0.ffn.experts.{i}.w3.weight"])) for i in e])
+                state[name] = torch.stack(
+                    [
+                        torch.cat((mtp[f"mtp.0.ffn.experts.{i}.w1.weight"], mtp[f"mtp.0.ffn.experts.{i}.w3.weight"]))
+                        for i in e
+                    ]
+                )
             else:
                 state[name] = torch.stack([mtp[f"mtp.0.ffn.experts.{i}.w2.weight"] for i in e])
         elif name.startswith("layers.0."):
@@ -61,8 +65,10 @@ def _transformers_block(cfg, mtp):
 def _reference_mtp_logits(cfg, hf, mtp, embed, head, next_ids, h):
     s = next_ids.shape[0]
     pos = torch.arange(s)[None]
-    e = F.linear(F.rms_norm(embed[next_ids], (cfg.hidden_size,), mtp["mtp.0.enorm.weight"], cfg.rms_norm_eps),
-                 mtp["mtp.0.e_proj.weight"])
+    e = F.linear(
+        F.rms_norm(embed[next_ids], (cfg.hidden_size,), mtp["mtp.0.enorm.weight"], cfg.rms_norm_eps),
+        mtp["mtp.0.e_proj.weight"],
+    )
     hn = F.rms_norm(h, (cfg.hidden_size,), mtp["mtp.0.hnorm.weight"], cfg.rms_norm_eps)
     x = (e[:, None] + F.linear(hn, mtp["mtp.0.h_proj.weight"]))[None]
     rel = pos[0][:, None] - pos[0][None, :]
@@ -101,7 +107,9 @@ def test_mtp_matches_official_semantics():
     got = model.compute_mtp_logits(mtp_hidden)
 
     hf = _transformers_block(cfg, mtp)
-    expected = _reference_mtp_logits(cfg, hf, mtp, tensors["embed.weight"], tensors["head.weight"], ids[1:], hidden[:-1])
+    expected = _reference_mtp_logits(
+        cfg, hf, mtp, tensors["embed.weight"], tensors["head.weight"], ids[1:], hidden[:-1]
+    )
     assert max_rel_err(got, expected) <= 1e-4
     assert max_rel_err(got, model.compute_logits(hidden[:-1])) > 0.1  # its own hc_head / norm / block
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from dsv4_tiny import ds4_model, official_tensors, tiny_config, transformers_model
 
 from ds4.checkpoint.weights_spec import EXPERT, FP8_LINEAR, expected_parameter_shapes, stored_tensor_specs
-from dsv4_tiny import ds4_model, official_tensors, tiny_config, transformers_model
 from ds4.config import load_config
 
 
@@ -28,10 +28,26 @@ def test_spec_kinds_follow_the_reference():
     assert spec["mtp.0.e_proj.weight"].kind == FP8_LINEAR
     assert spec["layers.3.ffn.experts.2.w2.weight"].kind == EXPERT
     assert spec["layers.3.ffn.shared_experts.w2.weight"].kind == FP8_LINEAR
-    assert {spec[n].kind for n in ("layers.1.attn.compressor.wkv.weight", "layers.1.attn.indexer.weights_proj.weight",
-                                  "layers.2.ffn.gate.weight", "embed.weight", "head.weight")} == {"bf16"}
-    assert {spec[n].kind for n in ("layers.1.attn.attn_sink", "layers.1.attn.compressor.ape", "layers.2.ffn.gate.bias",
-                                  "hc_head_fn", "mtp.0.hc_attn_base")} == {"fp32"}
+    assert {
+        spec[n].kind
+        for n in (
+            "layers.1.attn.compressor.wkv.weight",
+            "layers.1.attn.indexer.weights_proj.weight",
+            "layers.2.ffn.gate.weight",
+            "embed.weight",
+            "head.weight",
+        )
+    } == {"bf16"}
+    assert {
+        spec[n].kind
+        for n in (
+            "layers.1.attn.attn_sink",
+            "layers.1.attn.compressor.ape",
+            "layers.2.ffn.gate.bias",
+            "hc_head_fn",
+            "mtp.0.hc_attn_base",
+        )
+    } == {"fp32"}
     assert spec["layers.0.ffn.gate.tid2eid"].kind == "index"
 
 
@@ -42,7 +58,10 @@ def test_stored_specs_of_a_quantised_checkpoint():
     stored = stored_tensor_specs(cfg)
     assert stored["layers.1.attn.wq_b.weight"].dtype == torch.float8_e4m3fn
     assert stored["layers.1.attn.wq_b.scale"].shape == (3, 1)  # [ceil(320 / 128), ceil(32 / 128)]
-    assert stored["layers.1.ffn.experts.0.w1.weight"].shape == (32, 32) and stored["layers.1.ffn.experts.0.w1.weight"].dtype == torch.int8
+    assert (
+        stored["layers.1.ffn.experts.0.w1.weight"].shape == (32, 32)
+        and stored["layers.1.ffn.experts.0.w1.weight"].dtype == torch.int8
+    )
     assert stored["layers.1.ffn.experts.0.w1.scale"].shape == (32, 2)
     assert stored["layers.1.attn.compressor.wkv.weight"].dtype == torch.bfloat16
     assert "layers.1.attn.compressor.wkv.scale" not in stored

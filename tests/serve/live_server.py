@@ -10,8 +10,9 @@ import uvicorn
 
 class LiveServer:
     def __init__(self, app, start_timeout_s: float = 20.0):
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+        )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
         self._thread.start()

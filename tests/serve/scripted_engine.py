@@ -60,9 +60,13 @@ class ScriptedEngine:
     def add_request(self, request_id, prompt_token_ids, params) -> None:
         self.check_request(request_id, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else len(self._scripts)
-        self._requests[request_id] = _Request(request_id, list(prompt_token_ids), params,
-                                              IncrementalDetokenizer(self._token_bytes, params.skip_special_tokens),
-                                              torch.Generator().manual_seed(seed))
+        self._requests[request_id] = _Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            IncrementalDetokenizer(self._token_bytes, params.skip_special_tokens),
+            torch.Generator().manual_seed(seed),
+        )
         self._scripts[request_id] = None if self.script is None else list(self.script)
         self._counts["prompt"] += len(prompt_token_ids)
         self.max_running = max(self.max_running, len(self._requests))
@@ -87,10 +91,18 @@ class ScriptedEngine:
 
     def stats(self) -> EngineStats:
         used = len(self._requests)
-        return EngineStats(num_running=used, num_waiting=0, num_preemptions=0, num_pages=self._num_pages,
-                           num_free_pages=self._num_pages - used, capacity_tokens=self._num_pages * 256,
-                           prompt_tokens=self._counts["prompt"], generation_tokens=self._counts["generation"],
-                           num_steps=self._counts["steps"], num_finished=self._counts["finished"])
+        return EngineStats(
+            num_running=used,
+            num_waiting=0,
+            num_preemptions=0,
+            num_pages=self._num_pages,
+            num_free_pages=self._num_pages - used,
+            capacity_tokens=self._num_pages * 256,
+            prompt_tokens=self._counts["prompt"],
+            generation_tokens=self._counts["generation"],
+            num_steps=self._counts["steps"],
+            num_finished=self._counts["finished"],
+        )
 
     def _logits(self, request: _Request) -> torch.Tensor:
         logits = torch.randn(1, VOCAB, generator=request.generator)
@@ -126,7 +138,13 @@ class ScriptedEngine:
 
     @staticmethod
     def _output(request: _Request, token_ids, text, reason, logprobs) -> RequestOutput:
-        return RequestOutput(request_id=request.request_id, new_token_ids=token_ids, new_text=text,
-                             finished=reason is not None, finish_reason=reason, new_logprobs=logprobs,
-                             num_prompt_tokens=len(request.prompt_token_ids),
-                             num_output_tokens=len(request.output_token_ids))
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            new_logprobs=logprobs,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=len(request.output_token_ids),
+        )

@@ -236,13 +236,20 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "
         ([{"role": "robot", "content": "x"}], "unknown role"),
         ([{"role": "user", "content": "x"}, {"role": "tool", "content": "r"}], "must follow an assistant"),
         (
-            [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]},
-             {"role": "tool", "tool_call_id": "zz", "content": "r"}],
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "zz", "content": "r"},
+            ],
             "matches no call",
         ),
         (
-            [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [CALL]},
-             {"role": "tool", "content": "r"}, {"role": "tool", "content": "r"}],
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "tool", "content": "r"},
+                {"role": "tool", "content": "r"},
+            ],
             "more tool results",
         ),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text content"),
@@ -252,15 +259,25 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "
         ([{"role": "developer", "content": ""}], "non-empty content"),
         ([{"role": "user", "content": "x", "tools": []}], "only system and developer"),
         (
-            [{"role": "user", "content": "x"},
-             {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]},
-             {"role": "user", "content": "y"}],
+            [
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}],
+                },
+                {"role": "user", "content": "y"},
+            ],
             "not valid JSON",
         ),
         (
-            [{"role": "user", "content": "x"},
-             {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[1]"}}]},
-             {"role": "user", "content": "y"}],
+            [
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[1]"}}],
+                },
+                {"role": "user", "content": "y"},
+            ],
             "JSON object",
         ),
         ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "ends with a 'assistant'"),

@@ -51,7 +51,7 @@ def run(chunks: list[str], thinking: bool):
 def every_split(text: str, thinking: bool):
     whole = run([text], thinking)
     for cut in range(len(text) + 1):
-        assert run([text[:cut], text[cut:]], thinking) == whole, f"split at {cut}: {text[max(0, cut - 20):cut]!r}|"
+        assert run([text[:cut], text[cut:]], thinking) == whole, f"split at {cut}: {text[max(0, cut - 20) : cut]!r}|"
     assert run(list(text), thinking) == whole
     return whole
 
@@ -64,7 +64,7 @@ def official_assistant_turns():
     if not ENCODING_DATA.is_dir():
         return [pytest.param(None, None, None, marks=pytest.mark.skip(reason=NO_VECTORS))]
     turns = []
-    for n, thinking_prompt in [(1, True), (2, True), (3, True), (4, False)]:
+    for n, _thinking_prompt in [(1, True), (2, True), (3, True), (4, False)]:
         data = json.loads((ENCODING_DATA / f"test_input_{n}.json").read_text(encoding="utf-8"))
         messages = data["messages"] if isinstance(data, dict) else data
         prompt = (ENCODING_DATA / f"test_output_{n}.txt").read_text(encoding="utf-8")
@@ -188,7 +188,9 @@ def test_reasoning_content_boundary(text, thinking, expected):
 
 def test_string_arguments_stream_before_the_parameter_closes():
     parser = OutputParser(thinking=False, id_factory=lambda: "call_1")
-    events = parser.feed('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="write">\n<｜DSML｜parameter name="text" string="true">')
+    events = parser.feed(
+        '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="write">\n<｜DSML｜parameter name="text" string="true">'
+    )
     assert ToolCallStart(0, "call_1", "write") in events
     events = parser.feed("hello wor")
     assert "".join(e.text for e in events if isinstance(e, ToolCallArgumentsDelta)) == "hello wor"

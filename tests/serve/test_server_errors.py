@@ -1,16 +1,16 @@
-"""Bad input gets OpenAI error JSON with the right status; auth; shutdown; disconnects free pages; 64 streams at once."""
+"""Bad input gets OpenAI error JSON with the right status; auth; shutdown; disconnects free pages; 64 streams."""
 
 import asyncio
 import json
 
 import httpx
 import pytest
+from live_server import LiveServer
+from scripted_engine import ScriptedEngine
 
 from ds4.engine.async_engine import AsyncEngine
 from ds4.serve.app import create_app
 from ds4.tokenizer import load_tokenizer
-from live_server import LiveServer
-from scripted_engine import ScriptedEngine
 
 USER = [{"role": "user", "content": "hi"}]
 KEY = "sk-test-key"
@@ -57,22 +57,29 @@ def test_auth(server):
     assert httpx.get(server.url + "/metrics").status_code == 200
 
 
-@pytest.mark.parametrize("body, status, param, fragment", [
-    (chat(n=2), 400, "n", "n=1"),
-    (chat(temperature=-1), 400, "temperature", "temperature"),
-    (chat(messages=[]), 400, "messages", "messages"),
-    (chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages", "wizard"),
-    (chat(tool_choice="required"), 400, None, "tool_choice needs tools"),
-    (chat(top_logprobs=2), 400, None, "logprobs"),
-    (chat(response_format={"type": "json_schema"}), 400, "response_format", "json_schema"),
-    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}),
-     400, "response_format", "grammar"),
-    (chat(max_tokens=0), 400, "max_tokens", "max_tokens"),
-    (chat(max_tokens=10_000), 400, "max_tokens", "context length"),
-    (chat(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages", "context length"),
-    (chat(model="gpt-4"), 404, "model", "gpt-4"),
-    ({"model": "ds4-test", "prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, fragment",
+    [
+        (chat(n=2), 400, "n", "n=1"),
+        (chat(temperature=-1), 400, "temperature", "temperature"),
+        (chat(messages=[]), 400, "messages", "messages"),
+        (chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages", "wizard"),
+        (chat(tool_choice="required"), 400, None, "tool_choice needs tools"),
+        (chat(top_logprobs=2), 400, None, "logprobs"),
+        (chat(response_format={"type": "json_schema"}), 400, "response_format", "json_schema"),
+        (
+            chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}),
+            400,
+            "response_format",
+            "grammar",
+        ),
+        (chat(max_tokens=0), 400, "max_tokens", "max_tokens"),
+        (chat(max_tokens=10_000), 400, "max_tokens", "context length"),
+        (chat(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages", "context length"),
+        (chat(model="gpt-4"), 404, "model", "gpt-4"),
+        ({"model": "ds4-test", "prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+    ],
+)
 def test_bad_requests(server, body, status, param, fragment):
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
     error = assert_error(post(server, path, body), status, fragment)
@@ -152,8 +159,9 @@ def test_64_concurrent_streams_complete_and_memory_stays_flat(server, engine):
 
     async def round_of_64():
         limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                                     limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60, limits=limits
+        ) as client:
             await asyncio.gather(*(one(client, i) for i in range(64)))
 
     asyncio.run(round_of_64())  # warm-up: first-use allocations

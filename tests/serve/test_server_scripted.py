@@ -8,22 +8,33 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from live_server import LiveServer
+from scripted_engine import ScriptedEngine
 
 from ds4.engine.async_engine import AsyncEngine
 from ds4.serve.app import create_app
 from ds4.serve.chat_encoding import encode_chat_request
 from ds4.tokenizer import load_tokenizer
-from live_server import LiveServer
-from scripted_engine import ScriptedEngine
 
 VECTORS = Path("/work/shared/data/encoding")
 THINK_END = "</think>"
-BOUNDED = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
-                                             "count": {"type": "integer", "minimum": 0, "maximum": 9}},
-           "required": ["color", "ok", "count"]}
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["color", "ok", "count"],
+}
 PAINT = {"type": "function", "function": {"name": "paint", "parameters": BOUNDED}}
-NOOP = {"type": "function", "function": {"name": "noop", "parameters": {
-    "type": "object", "properties": {"flag": {"type": "boolean"}}, "required": ["flag"]}}}
+NOOP = {
+    "type": "function",
+    "function": {
+        "name": "noop",
+        "parameters": {"type": "object", "properties": {"flag": {"type": "boolean"}}, "required": ["flag"]},
+    },
+}
 CHAT = {"chat_template_kwargs": {"thinking": False}}
 USER = [{"role": "user", "content": "hi"}]
 
@@ -67,8 +78,11 @@ def test_chat_thinking_splits_reasoning_and_content(client, engine, tokenizer):
 
 def test_chat_stream_equals_non_stream_and_reports_usage(client, engine, tokenizer):
     script(engine, tokenizer, f"Plan: answer.{THINK_END}Paris is the capital.")
-    chunks = list(client.chat.completions.create(model="ds4-test", messages=USER, max_tokens=40, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="ds4-test", messages=USER, max_tokens=40, stream=True, stream_options={"include_usage": True}
+        )
+    )
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
     assert (reasoning, content) == ("Plan: answer.", "Paris is the capital.")
@@ -110,8 +124,9 @@ def _tool_calls(choice):
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "noop"}}])
 def test_strict_tool_choice_over_noise_gives_valid_calls(client, engine, tool_choice):
     engine.script = None  # free-running noise: only the grammar can make this a tool call
-    choice = client.chat.completions.create(model="ds4-test", messages=USER, tools=[PAINT, NOOP],
-                                            tool_choice=tool_choice, max_tokens=400, extra_body=CHAT).choices[0]
+    choice = client.chat.completions.create(
+        model="ds4-test", messages=USER, tools=[PAINT, NOOP], tool_choice=tool_choice, max_tokens=400, extra_body=CHAT
+    ).choices[0]
     calls = _tool_calls(choice)
     assert calls and choice.finish_reason == "tool_calls" and not choice.message.content
     schemas = {"paint": BOUNDED, "noop": NOOP["function"]["parameters"]}
@@ -124,9 +139,16 @@ def test_strict_tool_choice_over_noise_gives_valid_calls(client, engine, tool_ch
 def test_parallel_tool_calls_false_gives_one_call(client, engine):
     engine.script = None
     for seed in range(3):
-        choice = client.chat.completions.create(model="ds4-test", messages=USER, tools=[NOOP], tool_choice="required",
-                                                parallel_tool_calls=False, max_tokens=200, seed=seed,
-                                                extra_body=CHAT).choices[0]
+        choice = client.chat.completions.create(
+            model="ds4-test",
+            messages=USER,
+            tools=[NOOP],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+            seed=seed,
+            extra_body=CHAT,
+        ).choices[0]
         assert len(_tool_calls(choice)) == 1
 
 
@@ -134,8 +156,9 @@ def test_json_schema_over_noise_validates(client, engine):
     engine.script = None
     response_format = {"type": "json_schema", "json_schema": {"name": "paint", "schema": BOUNDED, "strict": True}}
     for seed in range(2):
-        reply = client.chat.completions.create(model="ds4-test", messages=USER, response_format=response_format,
-                                               max_tokens=200, seed=seed, extra_body=CHAT)
+        reply = client.chat.completions.create(
+            model="ds4-test", messages=USER, response_format=response_format, max_tokens=200, seed=seed, extra_body=CHAT
+        )
         jsonschema.validate(json.loads(reply.choices[0].message.content), BOUNDED)
 
 
@@ -143,8 +166,9 @@ def test_thinking_mode_grammar_starts_after_reasoning(client, engine, tokenizer)
     # The script reasons (grammar off), ends the reasoning, then tries to write prose: the grammar forbids it.
     script(engine, tokenizer, f"I will answer in JSON, not 'Sure!'.{THINK_END}Sure! Here", eos=False)
     response_format = {"type": "json_schema", "json_schema": {"name": "paint", "schema": BOUNDED}}
-    reply = client.chat.completions.create(model="ds4-test", messages=USER, max_tokens=200,
-                                           response_format=response_format)
+    reply = client.chat.completions.create(
+        model="ds4-test", messages=USER, max_tokens=200, response_format=response_format
+    )
     message = reply.choices[0].message
     assert message.model_extra["reasoning_content"] == "I will answer in JSON, not 'Sure!'."
     jsonschema.validate(json.loads(message.content), BOUNDED)
@@ -153,15 +177,17 @@ def test_thinking_mode_grammar_starts_after_reasoning(client, engine, tokenizer)
 def test_stray_think_end_in_chat_mode_is_tolerated(client, engine, tokenizer):
     script(engine, tokenizer, f'{THINK_END}{{"color": "red", "ok": true, "count": 7}}')
     response_format = {"type": "json_schema", "json_schema": {"name": "paint", "schema": BOUNDED}}
-    reply = client.chat.completions.create(model="ds4-test", messages=USER, max_tokens=100,
-                                           response_format=response_format, extra_body=CHAT)
+    reply = client.chat.completions.create(
+        model="ds4-test", messages=USER, max_tokens=100, response_format=response_format, extra_body=CHAT
+    )
     assert json.loads(reply.choices[0].message.content) == {"color": "red", "ok": True, "count": 7}
 
 
 def test_logprobs(client, engine, tokenizer):
     script(engine, tokenizer, f"x{THINK_END}ok")
-    reply = client.chat.completions.create(model="ds4-test", messages=USER, max_tokens=10, logprobs=True,
-                                           top_logprobs=3)
+    reply = client.chat.completions.create(
+        model="ds4-test", messages=USER, max_tokens=10, logprobs=True, top_logprobs=3
+    )
     entries = reply.choices[0].logprobs.content
     assert [e.token for e in entries] == [tokenizer.decode([t]) for t in engine.script]
     assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
@@ -170,8 +196,10 @@ def test_logprobs(client, engine, tokenizer):
 def test_completions_stream_and_not(client, engine, tokenizer):
     script(engine, tokenizer, "The end.")
     text = client.completions.create(model="ds4-test", prompt="Once", max_tokens=20).choices[0].text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="ds4-test", prompt="Once", max_tokens=20, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="ds4-test", prompt="Once", max_tokens=20, stream=True)
+    )
     assert text == streamed == "The end."
 
 
@@ -179,7 +207,7 @@ def test_tokenize_messages_equals_the_official_encoding(server, tokenizer):
     data = json.loads((VECTORS / "test_input_1.json").read_text())
     official = (VECTORS / "test_output_1.txt").read_text()
     # Vector 1 without its final assistant turn: the official text up to that turn's opening `<think>`.
-    expected_text = official[:official.rindex("<｜Assistant｜>")] + "<｜Assistant｜><think>"
+    expected_text = official[: official.rindex("<｜Assistant｜>")] + "<｜Assistant｜><think>"
     body = {"messages": data["messages"][:-1], "tools": data["tools"], "model": "ds4-test"}
     got = httpx.post(server.url + "/tokenize", json=body).json()
     assert got["tokens"] == tokenizer.encode(expected_text) and got["count"] == len(got["tokens"])
@@ -193,8 +221,15 @@ def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == ["ds4-test"]
     assert httpx.get(server.url + "/health").status_code == 200
     metrics = httpx.get(server.url + "/metrics").text
-    for name in ("ds4_time_to_first_token_seconds_bucket", "ds4_inter_token_latency_seconds_bucket",
-                 "ds4_num_requests_running", "ds4_num_requests_waiting", "ds4_cache_usage_ratio",
-                 "ds4_num_preemptions_total", "ds4_prompt_tokens_total", "ds4_generation_tokens_total",
-                 'ds4_requests_total{endpoint="/v1/chat/completions",status="200"}'):
+    for name in (
+        "ds4_time_to_first_token_seconds_bucket",
+        "ds4_inter_token_latency_seconds_bucket",
+        "ds4_num_requests_running",
+        "ds4_num_requests_waiting",
+        "ds4_cache_usage_ratio",
+        "ds4_num_preemptions_total",
+        "ds4_prompt_tokens_total",
+        "ds4_generation_tokens_total",
+        'ds4_requests_total{endpoint="/v1/chat/completions",status="200"}',
+    ):
         assert name in metrics, name

@@ -21,9 +21,25 @@ def _free_port() -> int:
 @pytest.fixture
 def serve_process():
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ds4.cli", "serve", "--port", str(port), "--device", "cpu",
-                             "--drain-timeout", "60", "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ds4.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--drain-timeout",
+            "60",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -45,9 +61,15 @@ def serve_process():
 
 def test_sigterm_drains_the_running_stream_then_exits(serve_process):
     proc, url = serve_process
-    body = {"model": "ds4-tiny", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 150,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "chat_template_kwargs": {"thinking": False}}
+    body = {
+        "model": "ds4-tiny",
+        "messages": [{"role": "user", "content": "Count."}],
+        "max_tokens": 150,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "chat_template_kwargs": {"thinking": False},
+    }
     usage, done, signalled, late = None, False, False, None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
@@ -62,7 +84,7 @@ def test_sigterm_drains_the_running_stream_then_exits(serve_process):
             if line == "data: [DONE]":
                 done = True
                 break
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             usage = chunk.get("usage") or usage
     assert signalled and done
     assert usage is not None and usage["completion_tokens"] == 150

@@ -9,26 +9,38 @@ import json
 import jsonschema
 import openai
 import pytest
+from live_server import LiveServer
 
 from ds4.engine.async_engine import AsyncEngine
 from ds4.engine.engine import LLMEngine
 from ds4.serve.app import create_app
-from live_server import LiveServer
 
-BOUNDED = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "urgent": {"type": "boolean"},
-                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["unit", "urgent", "days"]}
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "urgent": {"type": "boolean"},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["unit", "urgent", "days"],
+}
 FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": BOUNDED}}
-PING = {"type": "function", "function": {"name": "ping", "parameters": {
-    "type": "object", "properties": {"loud": {"type": "boolean"}}, "required": ["loud"]}}}
+PING = {
+    "type": "function",
+    "function": {
+        "name": "ping",
+        "parameters": {"type": "object", "properties": {"loud": {"type": "boolean"}}, "required": ["loud"]},
+    },
+}
 USER = [{"role": "user", "content": "Weather?"}]
 CHAT = {"chat_template_kwargs": {"thinking": False}}
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine.from_pretrained(device="cpu", seed=0, max_num_seqs=8, max_num_batched_tokens=512,
-                                       kv_cache_memory=64 << 20, max_model_len=2048)
+    engine = LLMEngine.from_pretrained(
+        device="cpu", seed=0, max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory=64 << 20, max_model_len=2048
+    )
     live = LiveServer(create_app(AsyncEngine(engine), served_model_names="tiny"))
     yield live
     live.stop()
@@ -44,11 +56,14 @@ def test_greedy_chat_stream_equals_non_stream(client):
     reply = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     message = reply.choices[0].message
-    streamed_reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or ""
-                                 for c in chunks if c.choices)
+    streamed_reasoning = "".join(
+        c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices
+    )
     streamed_content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert (streamed_reasoning, streamed_content) == (message.model_extra["reasoning_content"] or "",
-                                                      message.content or "")
+    assert (streamed_reasoning, streamed_content) == (
+        message.model_extra["reasoning_content"] or "",
+        message.content or "",
+    )
     assert reply.usage.completion_tokens == chunks[-1].usage.completion_tokens == 8
     assert reply.choices[0].finish_reason == "length"
 
@@ -62,9 +77,16 @@ def test_completions_seeded_sampling_is_reproducible(client):
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "forecast"}}])
 def test_strict_tool_call_from_random_weights_validates(client, tool_choice):
     # One call (parallel_tool_calls=False) keeps the output short: random weights love the allowed blanks.
-    choice = client.chat.completions.create(model="tiny", messages=USER, tools=[FORECAST, PING], tool_choice=tool_choice,
-                                            parallel_tool_calls=False, max_tokens=300, temperature=0,
-                                            extra_body=CHAT).choices[0]
+    choice = client.chat.completions.create(
+        model="tiny",
+        messages=USER,
+        tools=[FORECAST, PING],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_tokens=300,
+        temperature=0,
+        extra_body=CHAT,
+    ).choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert len(choice.message.tool_calls) == 1 and not choice.message.content
     schemas = {"forecast": BOUNDED, "ping": PING["function"]["parameters"]}
@@ -76,7 +98,8 @@ def test_strict_tool_call_from_random_weights_validates(client, tool_choice):
 
 def test_json_schema_from_random_weights_validates(client):
     response_format = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": BOUNDED}}
-    reply = client.chat.completions.create(model="tiny", messages=USER, response_format=response_format,
-                                           max_tokens=300, temperature=0, extra_body=CHAT)
+    reply = client.chat.completions.create(
+        model="tiny", messages=USER, response_format=response_format, max_tokens=300, temperature=0, extra_body=CHAT
+    )
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content), BOUNDED)

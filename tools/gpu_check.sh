@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The session's GPU check on the lent H200, in one call: the gpu-marked tests (pytest arguments narrow them),
 # then the engine throughput benchmark on the built-in tiny model. Logs and JSON go to $OUT (default .out/).
-# Needs the wheels from scripts/fetch_device_wheels.sh carried in .whl/ (`carry: [".whl"]`).
+# Needs the wheels from tools/fetch_device_wheels.sh carried in .whl/ (`carry: [".whl"]`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache
-. scripts/install_device_wheels.sh
+. tools/install_device_wheels.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt"
 timeout 270 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/model tests/kernels "$@" 2>&1 | tee "$OUT/gpu_tests.log"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for the top-k and indexer kernels (issue 5): gpu-marked tests, then the benchmark.
+# GPU check for the top-k and indexer kernels: gpu-marked tests, then the benchmark.
 # Run on the lent H200 from the repo root; logs and JSON go to $OUT (default .out/). Under 5 minutes.
 set -uo pipefail
 OUT=${OUT:-.out}

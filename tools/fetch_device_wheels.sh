@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download, here, the wheels the lent GPU machine lacks (it has torch, triton, transformers, pytest but no
-# network): Python 3.12, x86-64. They land in .whl/ (git-ignored); scripts/install_device_wheels.sh installs them there.
+# network): Python 3.12, x86-64. They land in .whl/ (git-ignored); tools/install_device_wheels.sh installs them there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

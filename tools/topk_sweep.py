@@ -1,7 +1,7 @@
 """Graph-replay time of the Triton top-k path for chosen knob sets on one shape, each checked exact, with the
 scan kernel's registers after each (a quick tuning round; `ds4 bench kernels --all-tiles` is the full sweep).
 
-Run on the GPU from the repo root: python scripts/topk_sweep.py ROWSxCOLS[xK] "knob=value ..." ...
+Run on the GPU from the repo root: python tools/topk_sweep.py ROWSxCOLS[xK] "knob=value ..." ...
 ("" is the defaults; values parse as True/False, int or float)."""
 
 import sys
@@ -24,8 +24,9 @@ def parse_knobs(text: str) -> dict:
 
 
 def scan_registers() -> list:
-    return sorted({(c.n_regs, c.n_spills) for cache in tk._scan_kernel.device_caches.values()
-                   for c in cache[0].values()})
+    return sorted(
+        {(c.n_regs, c.n_spills) for cache in tk._scan_kernel.device_caches.values() for c in cache[0].values()}
+    )
 
 
 def main(argv):
@@ -44,8 +45,10 @@ def main(argv):
                 tk._topk_triton(x, lengths, k, **knobs)
 
         ms = _graph_ms(ours) / sets
-        print(f"{rows} x {cols}, {k} {knobs}: {ms:.4f} ms exact={exact} scan regs/spills so far {scan_registers()}",
-              flush=True)
+        print(
+            f"{rows} x {cols}, {k} {knobs}: {ms:.4f} ms exact={exact} scan regs/spills so far {scan_registers()}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where a top-k call's time goes, program by program: runs a copy of ds4/kernels/topk.py with globaltimer
 stamps at each step (written to a trace buffer) and prints each step's median and worst duration.
 
-Run on the GPU from the repo root: python scripts/topk_trace.py [ROWSxCOLS ...] [knob=value ...]
+Run on the GPU from the repo root: python tools/topk_trace.py [ROWSxCOLS ...] [knob=value ...]
 (the shapes default to 1x1048576 64x131072 2048x65536; k is 512)."""
 
 import importlib.util
@@ -12,8 +12,17 @@ import tempfile
 
 import torch
 
-STEPS = {0: "scan start", 1: "scan end", 8: "count start", 2: "tau", 3: "hot list", 4: "gather", 5: "arrival",
-         6: "finish loads", 7: "select"}
+STEPS = {
+    0: "scan start",
+    1: "scan end",
+    8: "count start",
+    2: "tau",
+    3: "hot list",
+    4: "gather",
+    5: "arrival",
+    6: "finish loads",
+    7: "select",
+}
 
 
 def mark(i: int, indent: str) -> str:
@@ -34,15 +43,24 @@ def traced_module():
         ("](*head, count_tiles", "](TRACE, *head, count_tiles"),
         ("def _row_tau_and_hot_groups(row_gm,", "def _row_tau_and_hot_groups(trace, row_gm,"),
         ("_row_tau_and_hot_groups(row_gm, cm_offset,", "_row_tau_and_hot_groups(trace, row_gm, cm_offset,"),
-        ("        hot = real & (unit_keys >= tau)\n", mark(2, "        ") + "        hot = real & (unit_keys >= tau)\n"),
+        (
+            "        hot = real & (unit_keys >= tau)\n",
+            mark(2, "        ") + "        hot = real & (unit_keys >= tau)\n",
+        ),
         ("    tl.debug_barrier()\n    split_cand", mark(3, "    ") + "    split_cand"),
-        ("    tl.store(counts_row + split, found)\n    tl.debug_barrier()\n",
-         "    tl.store(counts_row + split, found)\n" + mark(4, "    ")),
+        (
+            "    tl.store(counts_row + split, found)\n    tl.debug_barrier()\n",
+            "    tl.store(counts_row + split, found)\n" + mark(4, "    "),
+        ),
         ("    if last:\n        _finish(", mark(5, "    ") + "    if last:\n        _finish("),
-        ("    if total <= CAP:\n        _select_candidates",
-         mark(6, "    ") + "    if total <= CAP:\n        _select_candidates"),
-        ("                SPLIT_BLOCK, SINGLE, SELECT_BITS)\n",
-         "                SPLIT_BLOCK, SINGLE, SELECT_BITS)\n" + mark(7, "        ")),
+        (
+            "    if total <= CAP:\n        _select_candidates",
+            mark(6, "    ") + "    if total <= CAP:\n        _select_candidates",
+        ),
+        (
+            "                SPLIT_BLOCK, SINGLE, SELECT_BITS)\n",
+            "                SPLIT_BLOCK, SINGLE, SELECT_BITS)\n" + mark(7, "        "),
+        ),
     ]
     for old, new in edits:
         assert old in src, old
@@ -54,7 +72,9 @@ def traced_module():
     scan_head = "        _stagger_start(row, length, stagger_rows, stagger_sms, stagger_ns_per_entry)\n"
     assert src.count(scan_head) == 1
     src = src.replace(scan_head, scan_head + program + mark(0, "    "))  # the scan starts after the stagger
-    src = src.replace("                G, C, TILE, PREFETCH)\n", "                G, C, TILE, PREFETCH)\n" + mark(1, "    "))
+    src = src.replace(
+        "                G, C, TILE, PREFETCH)\n", "                G, C, TILE, PREFETCH)\n" + mark(1, "    ")
+    )
     count_head = "    if PDL:\n        tl.extra.cuda.gdc_wait()\n"
     assert src.count(count_head) == 1
     src = src.replace(count_head, count_head + program + mark(8, "    "))
@@ -71,9 +91,16 @@ def report(trace: torch.Tensor, label: str):
     t0 = t[:, 0][t[:, 0] > 0].min()
     fused = bool((t[:, 8] == 0).all())
     before_tau = t[:, 1] if fused else t[:, 8]
-    spans = {"scan": (t[:, 0], t[:, 1]), "count launch gap": (t[:, 1].max().expand_as(t[:, 8]), t[:, 8]),
-             "tau": (before_tau, t[:, 2]), "hot list": (t[:, 2], t[:, 3]), "gather": (t[:, 3], t[:, 4]),
-             "arrival": (t[:, 4], t[:, 5]), "finish loads": (t[:, 5], t[:, 6]), "select": (t[:, 6], t[:, 7])}
+    spans = {
+        "scan": (t[:, 0], t[:, 1]),
+        "count launch gap": (t[:, 1].max().expand_as(t[:, 8]), t[:, 8]),
+        "tau": (before_tau, t[:, 2]),
+        "hot list": (t[:, 2], t[:, 3]),
+        "gather": (t[:, 3], t[:, 4]),
+        "arrival": (t[:, 4], t[:, 5]),
+        "finish loads": (t[:, 5], t[:, 6]),
+        "select": (t[:, 6], t[:, 7]),
+    }
     print(f"{label}: {t.shape[0]} programs, end {float(t[:, 7].max() - t0):.1f} us after the first scan start")
     for name, (a, b) in spans.items():
         ok = (a > 0) & (b > 0)
@@ -84,7 +111,9 @@ def report(trace: torch.Tensor, label: str):
 
 
 def main(argv):
-    knobs = {k: (v == "True" if v in ("True", "False") else int(v)) for k, v in (a.split("=") for a in argv if "=" in a)}
+    knobs = {
+        k: (v == "True" if v in ("True", "False") else int(v)) for k, v in (a.split("=") for a in argv if "=" in a)
+    }
     shapes = [tuple(int(v) for v in a.split("x")) for a in argv if "=" not in a]
     tk = traced_module()
     for rows, cols in shapes or ((1, 1048576), (64, 131072), (2048, 65536)):

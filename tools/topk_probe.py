@@ -1,5 +1,5 @@
 """Stripped-down top-k scans against a plain read on the GPU: what loading, storing maxima and histograms
-cost (scripts/topk_trace.py times the real kernels step by step)."""
+cost (tools/topk_trace.py times the real kernels step by step)."""
 
 import torch
 import triton
@@ -12,8 +12,17 @@ def ms(fn):
 
 
 @triton.jit
-def _probe_scan(x_ptr, stride, gm_ptr, n_cols, G: tl.constexpr, TILE: tl.constexpr, HIST: tl.constexpr,
-                STORE: tl.constexpr, ARG: tl.constexpr):
+def _probe_scan(
+    x_ptr,
+    stride,
+    gm_ptr,
+    n_cols,
+    G: tl.constexpr,
+    TILE: tl.constexpr,
+    HIST: tl.constexpr,
+    STORE: tl.constexpr,
+    ARG: tl.constexpr,
+):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride
     hist = tl.zeros([256], dtype=tl.int32)
@@ -28,8 +37,10 @@ def _probe_scan(x_ptr, stride, gm_ptr, n_cols, G: tl.constexpr, TILE: tl.constex
             lane = tl.arange(0, G)[None, :]
             first = tl.min(tl.where(key == gmax[:, None], lane, G), axis=1)
             second = tl.max(tl.where(lane == first[:, None], -(2**31), key), axis=1)
-            tl.store(gm_ptr + row.to(tl.int64) * (n_cols // G) + t * (TILE // G) + tl.arange(0, TILE // G) + 7,
-                     (second & -65536) | first)
+            tl.store(
+                gm_ptr + row.to(tl.int64) * (n_cols // G) + t * (TILE // G) + tl.arange(0, TILE // G) + 7,
+                (second & -65536) | first,
+            )
         if STORE:
             tl.store(gm_ptr + row.to(tl.int64) * (n_cols // G) + t * (TILE // G) + tl.arange(0, TILE // G), gmax)
         if HIST:
@@ -46,12 +57,21 @@ def main():
     print(f"amax read: {gb / ms(lambda: x.amax(1)) / 1e9:.2f} TB/s")
     for warps in (4, 8):
         for tile in (4096, 8192):
-            for hist, store, arg in ((False, False, False), (False, True, False), (True, True, False),
-                                     (True, True, True)):
-                t = ms(lambda: _probe_scan[(rows,)](x, cols, gm, cols, G=16, TILE=tile, HIST=hist, STORE=store,
-                                                   ARG=arg, num_warps=warps))
-                print(f"probe scan warps {warps} tile {tile} hist {hist} store {store} arg {arg}: {t * 1e3:.1f} us "
-                      f"{gb / t / 1e9:.2f} TB/s")
+            for hist, store, arg in (
+                (False, False, False),
+                (False, True, False),
+                (True, True, False),
+                (True, True, True),
+            ):
+                t = ms(
+                    lambda: _probe_scan[(rows,)](
+                        x, cols, gm, cols, G=16, TILE=tile, HIST=hist, STORE=store, ARG=arg, num_warps=warps
+                    )
+                )
+                print(
+                    f"probe scan warps {warps} tile {tile} hist {hist} store {store} arg {arg}: {t * 1e3:.1f} us "
+                    f"{gb / t / 1e9:.2f} TB/s"
+                )
 
 
 main()

@@ -1,6 +1,6 @@
 """GPU sweep of the indexer kernels' launch shapes (prefill and decode), checked, then timed.
 
-    PYTHONPATH=$PWD python3 scripts/indexer_sweep.py [--json PATH] [--budget-s 180] [--variants ...]
+    PYTHONPATH=$PWD python3 tools/indexer_sweep.py [--json PATH] [--budget-s 180] [--variants ...]
 
 Each variant is first checked against ix.indexer_logits_reference on a slice (a causal block and a
 shuffled-ends block of rows, output poisoned with NaN), then timed with triton.testing.do_bench (median):
@@ -25,13 +25,26 @@ from ds4.kernels import indexer as ix
 
 # (keys, query rows, warps, stages) per program of the prefill kernel ("base", ix._launch)
 PREFILL_VARIANTS = [
-    ("base", (256, 64, 4, 3)), ("base", (256, 64, 4, 2)), ("base", (256, 64, 4, 4)), ("base", (256, 128, 4, 3)),
-    ("base", (128, 64, 4, 3)), ("base", (128, 64, 4, 4)), ("base", (256, 64, 8, 3)),
+    ("base", (256, 64, 4, 3)),
+    ("base", (256, 64, 4, 2)),
+    ("base", (256, 64, 4, 4)),
+    ("base", (256, 128, 4, 3)),
+    ("base", (128, 64, 4, 3)),
+    ("base", (128, 64, 4, 4)),
+    ("base", (256, 64, 8, 3)),
 ]
 # stream: ix._launch_decode, (keys, key tiles per program, warps, stages)
-DECODE_VARIANTS = [("base", (256, 8, 4, 2)), ("base", (128, 8, 4, 2)), ("base", (256, 8, 4, 3)),
-                   ("stream", (128, 8, 4, 3)), ("stream", (128, 16, 4, 3)), ("stream", (128, 8, 4, 4)),
-                   ("stream", (256, 4, 8, 3)), ("stream", (64, 16, 4, 4)), ("stream", (128, 4, 4, 3))]
+DECODE_VARIANTS = [
+    ("base", (256, 8, 4, 2)),
+    ("base", (128, 8, 4, 2)),
+    ("base", (256, 8, 4, 3)),
+    ("stream", (128, 8, 4, 3)),
+    ("stream", (128, 16, 4, 3)),
+    ("stream", (128, 8, 4, 4)),
+    ("stream", (256, 4, 8, 3)),
+    ("stream", (64, 16, 4, 4)),
+    ("stream", (128, 4, 4, 3)),
+]
 DECODE_CASES = [(64, 2, 65536), (256, 1, 16384)]
 
 
@@ -76,11 +89,19 @@ def main() -> int:
     parser.add_argument("--asm", help="folder for the default prefill variant's ttgir and ptx")
     args = parser.parse_args()
     started = time.time()
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "bandwidth_tbps": bench.copy_bandwidth() / 1e12, "fp8_gemm_tflops": bench.fp8_gemm_rate() / 1e12,
-              "prefill": [], "decode": []}
-    print(f"{report['device']} copy {report['bandwidth_tbps']:.2f} TB/s fp8 gemm {report['fp8_gemm_tflops']:.0f} "
-          "TFLOP/s", flush=True)
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "bandwidth_tbps": bench.copy_bandwidth() / 1e12,
+        "fp8_gemm_tflops": bench.fp8_gemm_rate() / 1e12,
+        "prefill": [],
+        "decode": [],
+    }
+    print(
+        f"{report['device']} copy {report['bandwidth_tbps']:.2f} TB/s fp8 gemm {report['fp8_gemm_tflops']:.0f} TFLOP/s",
+        flush=True,
+    )
 
     def save():
         with open(args.json, "w") as f:
@@ -99,13 +120,21 @@ def main() -> int:
             entry["rel_err"] = check(kind, tile, cases)
             compiled = launch(kind, q, w, cache, table, key_end, 8192, max_keys, out, tile)
             ms = bench._median_ms(lambda: launch(kind, q, w, cache, table, key_end, 8192, max_keys, out, tile))
-            entry.update(ms=ms, tflops=flops / ms / 1e9, gemm_pct=100 * flops / ms / 1e9 / report["fp8_gemm_tflops"],
-                         regs_spills=resources(compiled), shared=compiled.metadata.shared)
+            entry.update(
+                ms=ms,
+                tflops=flops / ms / 1e9,
+                gemm_pct=100 * flops / ms / 1e9 / report["fp8_gemm_tflops"],
+                regs_spills=resources(compiled),
+                shared=compiled.metadata.shared,
+            )
             if args.asm and kind == "base" and tile == ix._PREFILL_TILE:
                 with open(os.path.join(args.asm, "prefill.ttgir"), "w") as f:
                     f.write(compiled.asm["ttgir"])
-            print(f"prefill {kind} {tile}: {ms:.3f} ms {entry['tflops']:.0f} TFLOP/s {entry['gemm_pct']:.1f}% gemm "
-                  f"regs/spills {entry['regs_spills']} smem {entry['shared']} err {entry['rel_err']:.1e}", flush=True)
+            print(
+                f"prefill {kind} {tile}: {ms:.3f} ms {entry['tflops']:.0f} TFLOP/s {entry['gemm_pct']:.1f}% gemm "
+                f"regs/spills {entry['regs_spills']} smem {entry['shared']} err {entry['rel_err']:.1e}",
+                flush=True,
+            )
         except Exception as err:  # a variant that fails to compile or check is reported, not fatal
             entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
             print(f"prefill {kind} {tile}: {entry['error']}", flush=True)
@@ -113,7 +142,7 @@ def main() -> int:
         save()
     del out, cases
 
-    for requests, per_request, n_keys in ([] if args.skip_decode else DECODE_CASES):
+    for requests, per_request, n_keys in [] if args.skip_decode else DECODE_CASES:
         q, w, cache, table, key_end, max_keys = bench._indexer_inputs(requests, per_request, n_keys, None)
         g = torch.Generator(device="cuda").manual_seed(2)
         ends = torch.randint(0, n_keys + 1, key_end.shape, device="cuda", generator=g).int()
@@ -124,8 +153,13 @@ def main() -> int:
         for kind, tile in DECODE_VARIANTS:
             if time.time() - started > args.budget_s:
                 break
-            entry = {"kernel": kind, "tile": list(tile), "requests": requests, "rows_per_request": per_request,
-                     "keys": n_keys}
+            entry = {
+                "kernel": kind,
+                "tile": list(tile),
+                "requests": requests,
+                "rows_per_request": per_request,
+                "keys": n_keys,
+            }
             try:
                 entry["rel_err"] = check(kind, tile, [(q, w, cache, table, ends, per_request, max_keys, want)])
 
@@ -137,11 +171,17 @@ def main() -> int:
                     with open(os.path.join(args.asm, f"stream{per_request}.ttgir"), "w") as f:
                         f.write(compiled.asm["ttgir"])
                 ms, graph_ms = bench._median_ms(fn), bench._graph_ms(fn)
-                entry.update(ms=ms, graph_ms=graph_ms, bw_pct=100 * moved / graph_ms / 1e9 / report["bandwidth_tbps"],
-                             regs_spills=resources(compiled))
-                print(f"decode {requests}x{per_request}x{n_keys} {kind} {tile}: {ms:.4f} ms, graph {graph_ms:.4f} ms "
-                      f"{entry['bw_pct']:.1f}% copy bw regs/spills {entry['regs_spills']} err {entry['rel_err']:.1e}",
-                      flush=True)
+                entry.update(
+                    ms=ms,
+                    graph_ms=graph_ms,
+                    bw_pct=100 * moved / graph_ms / 1e9 / report["bandwidth_tbps"],
+                    regs_spills=resources(compiled),
+                )
+                print(
+                    f"decode {requests}x{per_request}x{n_keys} {kind} {tile}: {ms:.4f} ms, graph {graph_ms:.4f} ms "
+                    f"{entry['bw_pct']:.1f}% copy bw regs/spills {entry['regs_spills']} err {entry['rel_err']:.1e}",
+                    flush=True,
+                )
             except Exception as err:
                 entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
                 print(f"decode {requests}x{per_request}x{n_keys} {kind} {tile}: {entry['error']}", flush=True)
