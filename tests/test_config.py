@@ -1,21 +1,24 @@
-"""config.json in both spellings: the official Pro config, transformers' DeepseekV4Config, and field-named errors."""
+"""config.json in both spellings: the official Flash and Pro configs, transformers' DeepseekV4Config, and
+field-named errors."""
 
 import dataclasses
 import json
-from pathlib import Path
+from importlib import resources
 
 import pytest
+import transformers
 
 from ds4.config import CSA, HCA, WINDOW, ConfigError, Yarn, load_config
 
-PRO_CONFIG = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "deepseek-v4-pro-config.json"
+
+def official_config(name: str) -> dict:
+    """The hub's config.json, as shipped in the package (ds4/configs/)."""
+    return json.loads(resources.files("ds4").joinpath("configs", f"deepseek-v4-{name}.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def pro_raw():
-    if not PRO_CONFIG.is_file():
-        pytest.skip(f"no official Pro config at {PRO_CONFIG}")
-    return json.loads(PRO_CONFIG.read_text())
+    return official_config("pro")
 
 
 def test_official_pro_config(pro_raw):
@@ -36,8 +39,21 @@ def test_official_pro_config(pro_raw):
     assert (cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id) == (129280, 0, 1)
 
 
+def test_official_flash_config():
+    cfg = load_config(official_config("flash"))
+    assert cfg.num_hidden_layers == 43 and cfg.num_mtp_layers == 1
+    # Two window-only layers, then CSA/HCA alternating from layer 2, and the MTP layer is window-only.
+    expected = [WINDOW, WINDOW] + [CSA if i % 2 == 0 else HCA for i in range(2, 43)] + [WINDOW]
+    assert list(cfg.layer_kinds) == expected
+    assert [cfg.is_hash_layer(i) for i in (0, 1, 2, 3, 43)] == [True, True, True, False, False]
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim) == (4096, 64, 512, 64)
+    assert (cfg.o_groups, cfg.o_lora_rank, cfg.q_lora_rank, cfg.index_topk) == (8, 1024, 1024, 512)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (256, 6, 2048)
+    assert cfg.routed_scaling_factor == 1.5 and cfg.scoring_func == "sqrtsoftplus"
+    assert cfg.fp8_block == (128, 128) and cfg.expert_dtype == "fp4"
+
+
 def test_transformers_spelling_parses_to_the_same_config(pro_raw):
-    transformers = pytest.importorskip("transformers")
     hf = transformers.DeepseekV4Config(
         vocab_size=129280,
         hidden_size=7168,
@@ -88,7 +104,6 @@ def test_transformers_spelling_parses_to_the_same_config(pro_raw):
 
 
 def test_to_hf_dict_is_accepted_by_transformers(pro_raw):
-    transformers = pytest.importorskip("transformers")
     cfg = dataclasses.replace(load_config(pro_raw), fp8_block=None, expert_dtype=None)
     hf = transformers.DeepseekV4Config(**cfg.to_hf_dict())
     assert hf.layer_types[:3] == [

@@ -1,12 +1,10 @@
 """The transformers name mappings agree with what transformers itself writes and reads."""
 
-import pytest
 import torch
+import transformers
 from safetensors import safe_open
 
 from ds4.checkpoint.hf_names import memory_state_to_official, official_to_saved, saved_to_official
-
-transformers = pytest.importorskip("transformers")
 
 
 def _tiny_hf_model():

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from transformers.integrations import finegrained_fp8
 
 from ds4.checkpoint.quant import (
     QuantFormatError,
@@ -70,13 +71,12 @@ def test_fp8_dequantize_hand_built_bytes_with_partial_blocks():
 
 
 def test_fp8_dequantize_matches_transformers_dequantiser():
-    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
     g = torch.Generator().manual_seed(0)
     weight = torch.randint(0, 0x7F, (256, 384), generator=g, dtype=torch.uint8)
     weight |= torch.randint(0, 2, (256, 384), generator=g, dtype=torch.uint8) << 7
     weight = weight.view(torch.float8_e4m3fn)
     scale = torch.randint(110, 140, (2, 3), generator=g, dtype=torch.uint8).view(E8M0)
-    oracle = fp8.Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=torch.float32)
+    oracle = finegrained_fp8.Fp8Dequantize(None)._dequantize_one(weight, scale, output_dtype=torch.float32)
     assert torch.equal(fp8_block_dequantize(weight, scale, (128, 128), torch.float32), oracle)
 
 
@@ -136,11 +136,10 @@ def test_mxfp4_dequantize_hand_built_bytes_low_nibble_first():
 
 
 def test_mxfp4_dequantize_matches_transformers_dequantiser():
-    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
     g = torch.Generator().manual_seed(3)
     packed = torch.randint(-128, 128, (48, 64), generator=g, dtype=torch.int8)
     scale = torch.randint(110, 140, (48, 4), generator=g, dtype=torch.uint8).view(E8M0)
-    oracle = fp8.Fp8Dequantize(None)._dequantize_one(packed, scale, output_dtype=torch.float32)
+    oracle = finegrained_fp8.Fp8Dequantize(None)._dequantize_one(packed, scale, output_dtype=torch.float32)
     assert torch.equal(mxfp4_dequantize(packed, scale, torch.float32), oracle)
 
 

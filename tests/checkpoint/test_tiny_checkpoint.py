@@ -5,7 +5,9 @@ import threading
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
+import transformers
 
 from ds4.checkpoint import hf_names, tiny
 from ds4.checkpoint.reader import load_checkpoint
@@ -60,7 +62,6 @@ def test_every_feature_is_present(tmp_path):
 
 
 def test_hf_format_is_what_transformers_loads_and_its_activations_stay_order_one(tmp_path):
-    transformers = pytest.importorskip("transformers")
     path = make_tiny(tmp_path, format="hf")
     model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
         path, dtype=torch.float32, output_loading_info=True
@@ -86,7 +87,6 @@ def test_hf_format_is_what_transformers_loads_and_its_activations_stay_order_one
 
 
 def test_default_model_dir_builds_once_with_the_real_tokenizer(tmp_path, monkeypatch):
-    tokenizers = pytest.importorskip("tokenizers")
     monkeypatch.setenv("DS4_CACHE", str(tmp_path))
     path = tiny.default_model_dir()
     assert path.parent == tmp_path and path.name == f"tiny-{tiny.TINY_VERSION}-seed0"

@@ -3,11 +3,10 @@ the same model from its hf-format twin (which holds exactly the dequantised offi
 
 import pytest
 import torch
+import transformers
 
 from ds4 import LLM, SamplingParams
 from ds4.checkpoint.tiny import make_tiny
-
-transformers = pytest.importorskip("transformers")
 
 PROMPT = [0, 9906, 11, 1917, 0, 128803, 3923, 374, 279, 6864, 315, 9822, 30, 128804, 128822, 791, 6864, 315]
 

@@ -26,7 +26,7 @@ from ds4.tokenizer import default_tokenizer_path
 VOCAB = 129280
 EOS, THINK_START, THINK_END = 1, 128821, 128822
 USER = 128803
-VECTORS = Path("/work/shared/data/encoding")
+VECTORS = Path(__file__).resolve().parents[1] / "data" / "encoding"
 BOUNDED_SCHEMA = {
     "type": "object",
     "properties": {

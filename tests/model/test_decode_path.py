@@ -247,11 +247,10 @@ def test_validate_checks_what_the_decode_path_trusts():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels through the CPU interpreter")
+@pytest.mark.parametrize("model", [("yarn_hc2_hca16", "fp8")], indirect=True, ids=["yarn_hc2_hca16-fp8"])
 def test_packed_indexer_decode_through_the_triton_kernels_equals_their_references(model, monkeypatch):
-    """fp8 mode's decode path with the Triton indexer kernels (interpreted: the decode stream kernel and
-    the top-k) gives what it gives on their torch references, padding rows included."""
-    if model.kv_cache_dtype != "fp8":
-        pytest.skip("the packed indexer cache exists in fp8 mode")
+    """fp8 mode's decode path (the packed indexer cache) with the Triton indexer kernels (interpreted: the
+    decode stream kernel and the top-k) gives what it gives on their torch references, padding rows included."""
     prompt = torch.arange(1, 30) % model.cfg.vocab_size
     table = torch.tensor([2, 0, 3, 1])
     outs = []

@@ -9,11 +9,7 @@ import pytest
 from ds4.serve.chat_encoding import ChatFormatError, encode_chat_request, encode_messages
 from ds4.tokenizer import load_tokenizer
 
-# CI clones the repo with shared/ beside it: <clone>/../shared/data.
-ENCODING_DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "encoding"
-needs_vectors = pytest.mark.skipif(
-    not ENCODING_DATA.is_dir(), reason=f"official encoding vectors not found at {ENCODING_DATA}"
-)
+ENCODING_DATA = Path(__file__).resolve().parents[1] / "data" / "encoding"
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -32,14 +28,12 @@ def through_generation_header(prompt: str, header: str) -> str:
     return prompt[: prompt.rindex(header) + len(header)]
 
 
-@needs_vectors
 @pytest.mark.parametrize("n, thinking", [(1, True), (2, True), (3, True), (4, False)])
 def test_official_vectors_byte_for_byte(n, thinking):
     messages, expected = official_vector(n)
     assert encode_messages(messages, thinking=thinking) == expected
 
 
-@needs_vectors
 def test_encoder_leaves_the_callers_messages_untouched():
     messages, _ = official_vector(1)
     before = copy.deepcopy(messages)
@@ -47,7 +41,6 @@ def test_encoder_leaves_the_callers_messages_untouched():
     assert messages == before
 
 
-@needs_vectors
 def test_request_level_tools_land_on_the_leading_system_message():
     messages, expected = official_vector(1)
     tools = messages[0].pop("tools")
@@ -56,7 +49,6 @@ def test_request_level_tools_land_on_the_leading_system_message():
     assert prompt.thinking and prompt.reasoning_effort == "high" and prompt.output_starts_in_reasoning
 
 
-@needs_vectors
 def test_request_tools_replace_the_tools_of_the_leading_message():
     messages, expected = official_vector(1)
     real_tools = messages[0]["tools"]
@@ -65,14 +57,12 @@ def test_request_tools_replace_the_tools_of_the_leading_message():
     assert prompt.text == through_generation_header(expected, ASSISTANT + "<think>")
 
 
-@needs_vectors
 def test_request_defaults_to_thinking_and_drops_earlier_reasoning():
     messages, expected = official_vector(2)
     prompt = encode_chat_request(messages[:-1])
     assert prompt.text == through_generation_header(expected, ASSISTANT + "<think>")
 
 
-@needs_vectors
 @pytest.mark.parametrize(
     "kwargs, effort",
     [({"thinking": False}, None), ({"enable_thinking": False}, None), (None, "none"), ({"thinking": True}, "none")],
@@ -347,7 +337,6 @@ def test_encode_adds_no_bos(tokenizer):
     assert tokenizer.decode(ids) == "Hello"
 
 
-@needs_vectors
 def test_official_prompts_tokenise_onto_the_special_tokens(tokenizer):
     _, prompt = official_vector(1)
     ids = tokenizer.encode(prompt)
@@ -359,7 +348,6 @@ def test_official_prompts_tokenise_onto_the_special_tokens(tokenizer):
     assert ids.count(128825) == prompt.count("｜DSML｜")
 
 
-@needs_vectors
 def test_request_prompt_tokens_end_with_the_generation_header(tokenizer):
     messages, _ = official_vector(2)
     ids = tokenizer.encode(encode_chat_request(messages[:-1]).text)

@@ -19,9 +19,7 @@ from ds4.serve.output_parser import (
 )
 from ds4.tokenizer import load_tokenizer
 
-ENCODING_DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "encoding"
-NO_VECTORS = f"official encoding vectors not found at {ENCODING_DATA}"
-needs_vectors = pytest.mark.skipif(not ENCODING_DATA.is_dir(), reason=NO_VECTORS)
+ENCODING_DATA = Path(__file__).resolve().parents[1] / "data" / "encoding"
 
 EOS = "<｜end▁of▁sentence｜>"
 ASSISTANT = "<｜Assistant｜>"
@@ -61,8 +59,6 @@ def official_assistant_turns():
 
     The completion is what the model would have generated after the generation header; the expected
     result comes from the assistant message of the vector's input."""
-    if not ENCODING_DATA.is_dir():
-        return [pytest.param(None, None, None, marks=pytest.mark.skip(reason=NO_VECTORS))]
     turns = []
     for n, _thinking_prompt in [(1, True), (2, True), (3, True), (4, False)]:
         data = json.loads((ENCODING_DATA / f"test_input_{n}.json").read_text(encoding="utf-8"))
@@ -84,16 +80,14 @@ def official_assistant_turns():
     return turns
 
 
-@needs_vectors
 @pytest.mark.parametrize("completion, thinking, expected", official_assistant_turns())
 def test_official_assistant_turns_parse_back_at_every_split(completion, thinking, expected):
     assert every_split(completion, thinking) == expected
 
 
-@needs_vectors
 def test_official_turns_parse_from_real_detokenised_deltas():
     tokenizer = load_tokenizer()
-    for param in official_assistant_turns():  # the decorator skips this test when there are no vectors
+    for param in official_assistant_turns():
         completion, thinking, expected = param.values
         ids, deltas, shown = tokenizer.encode(completion), [], ""
         for i in range(1, len(ids) + 1):

@@ -16,7 +16,7 @@ from ds4.serve.app import create_app
 from ds4.serve.chat_encoding import encode_chat_request
 from ds4.tokenizer import load_tokenizer
 
-VECTORS = Path("/work/shared/data/encoding")
+VECTORS = Path(__file__).resolve().parents[1] / "data" / "encoding"
 THINK_END = "</think>"
 BOUNDED = {
     "type": "object",
