@@ -163,15 +163,12 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         self.check_request(request_id, prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params)
-        seq.sampling = self.sampler.new_request(params, seq.prompt_token_ids)
-        seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
-        seq.arrival_time = time.monotonic()
+        prompt = list(prompt_token_ids)
+        detokenizer = stop_checker = None
         if self._token_bytes is not None:
-            seq.detokenizer = (
-                IncrementalDetokenizer(self._token_bytes, params.skip_special_tokens),
-                StopChecker(params.stop, params.include_stop_str_in_output),
-            )
+            detokenizer = IncrementalDetokenizer(self._token_bytes, params.skip_special_tokens)
+            stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+        seq = Sequence(request_id, prompt, params, self.sampler.new_request(params, prompt), detokenizer, stop_checker)
         self.scheduler.add(seq)
         self.requests[request_id] = seq
 
@@ -246,15 +243,15 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token_id: int) -> tuple[str, str | None, int | str | None]:
         """(new text, finish reason, stop reason) after seq's newest token."""
-        params: SamplingParams = seq.params
+        params = seq.params
         num_out = len(seq.output_token_ids)
         reason = token_finish_reason(token_id, num_out, params, self.sampler.eos_token_ids)
         stop_reason = token_id if reason == STOP and token_id in params.stop_token_ids else None
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = LENGTH
-        if seq.detokenizer is None:
+        detokenizer, checker = seq.detokenizer, seq.stop_checker
+        if detokenizer is None or checker is None:
             return "", reason, stop_reason
-        detokenizer, checker = seq.detokenizer
         ended_on_token = reason == STOP
         delta = detokenizer.add_token(token_id) if not ended_on_token or params.include_stop_str_in_output else ""
         text = checker.feed(delta, can_stop=num_out >= params.min_tokens)

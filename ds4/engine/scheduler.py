@@ -75,16 +75,8 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def check(self, seq: Sequence) -> None:
-        """Raise RequestRejected if seq can never run."""
-        if seq.num_tokens >= self.max_model_len:
-            raise RequestRejected(
-                f"request {seq.request_id!r}: the prompt has {seq.num_tokens} tokens, but max_model_len is "
-                f"{self.max_model_len} (prompt plus at least one output token)"
-            )
-
     def add(self, seq: Sequence) -> None:
-        self.check(seq)
+        """Queue seq; the engine admits only prompts shorter than max_model_len, which the cache can hold."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

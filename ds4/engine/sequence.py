@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Any
+import time
+
+from ds4.engine.detokenizer import IncrementalDetokenizer
+from ds4.engine.sampler import RequestSampling, TokenLogprobs
+from ds4.engine.sampling_params import SamplingParams
+from ds4.engine.stop import StopChecker
 
 _arrival_counter = itertools.count()
 
@@ -20,29 +25,39 @@ class Sequence:
 
     Tokens `[0, num_computed_tokens)` are in the cache; the rest still have to run through the model.
     A preempted sequence drops its cache and starts again from zero, keeping the tokens it generated.
+    The sequence owns `prompt_token_ids` (`sampling` reads the same list). `detokenizer` and `stop_checker`
+    are None for an engine without a tokenizer.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sampling: RequestSampling,
+        detokenizer: IncrementalDetokenizer | None = None,
+        stop_checker: StopChecker | None = None,
+    ):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens")
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.params = params
+        self.sampling = sampling
+        self.detokenizer = detokenizer
+        self.stop_checker = stop_checker
         self.status = SequenceStatus.WAITING
         self.arrival = next(_arrival_counter)
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
         self.num_computed_tokens = 0
         self.page_table: list[int] = []
         self.slot: int | None = None
         self.finish_reason: str | None = None
         self.num_preemptions = 0
-        # Set by the engine: the sampler's per-request state, the detokenizer and stop checker, and the
-        # prompt logprobs gathered so far (one per prompt token, None for the first; None if not asked for).
-        self.sampling: Any = None
-        self.detokenizer: Any = None
-        self.prompt_logprobs: list | None = None
-        self.arrival_time = 0.0
-        self.first_token_time: float | None = None
+        # The prompt logprobs gathered so far: one per prompt token, None for the first; None if not asked for.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,8 +10,12 @@ import pytest
 
 from ds4.engine.config import EngineConfig
 from ds4.engine.page_allocator import PageAllocator
+from ds4.engine.sampler import Sampler
+from ds4.engine.sampling_params import SamplingParams
 from ds4.engine.scheduler import RequestRejected, Scheduler
 from ds4.engine.sequence import Sequence, SequenceStatus
+
+SAMPLER = Sampler(eos_token_ids=(1,), seed=0)
 
 
 def make(num_pages=1000, page_size=16, max_model_len=4096, **flags):
@@ -21,7 +25,8 @@ def make(num_pages=1000, page_size=16, max_model_len=4096, **flags):
 
 
 def request(sched, prompt_len, max_tokens=4, name=None):
-    seq = Sequence(name or f"r{random.random()}", [3] * prompt_len, params=max_tokens)
+    prompt, params = [3] * prompt_len, SamplingParams(max_tokens=max_tokens)
+    seq = Sequence(name or f"r{random.random()}", prompt, params, SAMPLER.new_request(params, prompt))
     sched.add(seq)
     return seq
 
@@ -36,7 +41,7 @@ def step(sched):
         seq.num_computed_tokens += chunk.num_tokens
         if chunk.samples:
             seq.output_token_ids.append(7)
-            if len(seq.output_token_ids) >= seq.params or seq.num_tokens >= sched.max_model_len:
+            if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= sched.max_model_len:
                 sched.finish(seq, "length")
     return out
 
@@ -175,10 +180,8 @@ def test_preemption_takes_the_newest_request_and_it_resumes_from_zero():
     assert sched.allocator.num_free_pages == 6
 
 
-def test_a_request_that_can_never_fit_is_rejected():
-    sched = make(max_model_len=100)
-    with pytest.raises(RequestRejected, match="max_model_len"):
-        sched.add(Sequence("big", [1] * 100))
+def test_a_cache_that_cannot_hold_max_model_len_is_refused():
+    # A prompt of max_model_len tokens is refused by the engine (test_engine, test_async_engine).
     with pytest.raises(RequestRejected, match="cache holds"):
         make(num_pages=5, page_size=16, max_model_len=100)
 
