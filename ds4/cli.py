@@ -6,9 +6,9 @@ import argparse
 import importlib
 import sys
 
-from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args
+from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args, model_flags_from_args
 
-_BENCHMARKS = {"kernels": "ds4.bench.kernels", "throughput": "ds4.bench.throughput"}
+_BENCHMARKS = {"kernels": "ds4.bench.kernels", "model": "ds4.bench.model", "throughput": "ds4.bench.throughput"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--seed", type=int, default=0)
 
     commands.add_parser("serve", help="the OpenAI-compatible server: `ds4 serve --help`")
-    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|throughput --help`")
+    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|model|throughput --help`")
 
     args = parser.parse_args(argv)
     if args.command == "generate":
@@ -53,13 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
     from ds4.engine.llm import LLM
     from ds4.engine.sampling_params import SamplingParams
 
-    llm = LLM(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        **engine_flags_from_args(args),
-    )
+    llm = LLM(model=args.model, **model_flags_from_args(args), **engine_flags_from_args(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     prompt = args.prompt
     if args.chat:

@@ -21,7 +21,7 @@ import torch
 
 
 def main(argv: list[str]) -> int:
-    from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args
+    from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args, model_flags_from_args
 
     parser = argparse.ArgumentParser(prog="ds4 bench throughput", description=__doc__.splitlines()[0])
     add_model_args(parser)
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         parser.error("--num-prompts, --input-len and --output-len must be positive")
-    result = run(args, engine_flags_from_args(args))
+    result = run(args, model_flags_from_args(args), engine_flags_from_args(args))
     print(table(result))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -53,18 +53,11 @@ def random_requests(num: int, input_len: int, output_len: int, vocab: int, seed:
     return [([rng.randrange(2, vocab) for _ in range(around(input_len))], around(output_len)) for _ in range(num)]
 
 
-def run(args: argparse.Namespace, engine_flags: dict) -> dict:
+def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict:
     from ds4.engine.engine import LLMEngine
     from ds4.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_pretrained(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.seed,
-        **engine_flags,
-    )
+    engine = LLMEngine.from_pretrained(args.model, seed=args.seed, **model_flags, **engine_flags)
     vocab = engine.model.cfg.vocab_size
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
     # Keep every request within max_model_len, where it would stop early.

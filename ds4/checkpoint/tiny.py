@@ -153,36 +153,41 @@ def _stored(cfg: ModelConfig, name: str, kind: str, value: torch.Tensor) -> dict
 
 
 def _random_tensor(cfg: ModelConfig, name: str, spec: TensorSpec, seed: int) -> torch.Tensor:
-    """One tensor, seeded by (seed, name) so that each tensor is independent of the others' order and count.
-
-    Scales keep activations O(1) through every layer: projections ~ N(0, 1/in), norms ~ 1, mHC mixes ~ N(0, 1).
-    """
+    """One tensor, seeded by (seed, name) so that each tensor is independent of the others' order and count."""
     # The CPU generator keeps only 32 bits of its seed: mix seed and name into those.
     gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-
-    def normal(std: float) -> torch.Tensor:
-        return torch.randn(spec.shape, generator=gen) * std
-
-    leaf = name.rsplit(".", 1)[-1]
     if spec.kind == INDEX:
-        # Each token's hash route: num_experts_per_tok distinct experts.
-        return torch.rand((spec.shape[0], cfg.n_routed_experts), generator=gen).argsort(dim=1)[:, : spec.shape[1]]
+        return random_routes(cfg, spec, gen)
+    mean, std = value_law(name, spec)
+    return mean + torch.randn(spec.shape, generator=gen) * std
+
+
+def random_routes(cfg: ModelConfig, spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
+    """A hash layer's tid2eid: num_experts_per_tok distinct experts per token."""
+    scores = torch.rand((spec.shape[0], cfg.n_routed_experts), generator=gen, device=gen.device)
+    return scores.argsort(dim=1)[:, : spec.shape[1]]
+
+
+def value_law(name: str, spec: TensorSpec) -> tuple[float, float]:
+    """(mean, std) of a random weight's values that keeps activations O(1) through every layer: projections
+    ~ N(0, 1/in), norms ~ 1, mHC mixes ~ N(0, 1/in), embeddings ~ N(0, 1)."""
+    leaf = name.rsplit(".", 1)[-1]
     if name.endswith("norm.weight"):
-        return 1.0 + normal(0.1)
+        return 1.0, 0.1
     if name == "embed.weight":
-        return normal(1.0)
+        return 0.0, 1.0
     if name == "head.weight":
         # Logits with a spread of ~3: clear winners for greedy decoding, nothing near overflow.
-        return normal(3.0 * spec.shape[1] ** -0.5)
+        return 0.0, 3.0 * spec.shape[1] ** -0.5
     if leaf.endswith("_fn"):
-        return normal(spec.shape[1] ** -0.5)
+        return 0.0, spec.shape[1] ** -0.5
     if leaf.endswith("_scale"):
-        return 0.5 + normal(0.1)
+        return 0.5, 0.1
     if leaf.endswith("_base") or leaf in ("bias", "ape"):
-        return normal(0.1)
+        return 0.0, 0.1
     if leaf == "attn_sink":
-        return normal(0.5)
-    return normal(spec.shape[-1] ** -0.5)
+        return 0.0, 0.5
+    return 0.0, spec.shape[-1] ** -0.5
 
 
 def _write_shards(out: Path, state: dict[str, torch.Tensor], num_layers: int) -> None:

@@ -54,7 +54,8 @@ def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int
     if budget is None:
         budget = cuda_cache_budget(model, config, device) if device.type == "cuda" else CPU_DEFAULT_CACHE_BYTES
     # The cache also holds scratch pages that absorb writes going nowhere (padding rows, unfinished windows).
-    num_pages = (budget - num_slots * slot_bytes) // page_bytes - SCRATCH_PAGES
+    # A model of sliding-window layers only has nothing paged: its pages cost nothing.
+    num_pages = (budget - num_slots * slot_bytes) // max(page_bytes, 1) - SCRATCH_PAGES
     if num_pages < 1:
         raise ValueError(
             f"the cache budget of {budget} bytes does not cover {num_slots} request slots ({slot_bytes} bytes each) "

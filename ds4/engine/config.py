@@ -111,6 +111,16 @@ def add_model_args(parser) -> None:
         choices=("auto", "fp8"),
         help="fp8: the reference's FP8 KV-cache semantics (default: the compute dtype)",
     )
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="auto: read the checkpoint; dummy: random weights of the checkpoint's shapes made on the device, "
+        "from --config or --model's config.json alone",
+    )
+    parser.add_argument(
+        "--config", default=None, help="with --load-format dummy: flash, pro (the shipped configs) or a directory"
+    )
 
 
 def add_engine_args(parser) -> None:
@@ -124,6 +134,17 @@ def add_engine_args(parser) -> None:
         else:
             kind = float if f.name == "gpu_memory_utilization" else int
             group.add_argument(flag, type=kind, default=f.default, help=help)
+
+
+def model_flags_from_args(args) -> dict:
+    """LLM / LLMEngine.from_pretrained keyword arguments from the flags of add_model_args."""
+    return dict(
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        load_format=args.load_format,
+        config=args.config,
+    )
 
 
 def engine_flags_from_args(args) -> dict:

@@ -114,25 +114,32 @@ class LLMEngine:
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",
         seed: int | None = None,
+        load_format: str = "auto",
+        config: str | Path | None = None,
+        num_layers: int | None = None,
         **engine_flags,
     ) -> LLMEngine:
-        """Load a checkpoint (default: the built-in tiny model) and its tokenizer; engine_flags: EngineConfig fields."""
-        from ds4.checkpoint.reader import load_checkpoint
+        """Load a checkpoint (default: the built-in tiny model) and its tokenizer; engine_flags: EngineConfig fields.
+
+        load_format "dummy" builds the model from a config alone (see ds4.engine.loader): `config` "flash", "pro"
+        or a directory, else model_dir's config.json, else the tiny model's; num_layers keeps the first layers."""
         from ds4.checkpoint.tiny import default_model_dir
-        from ds4.config import load_config
-        from ds4.model.deepseek_v4 import DeepseekV4Model
+        from ds4.engine.loader import load_model, model_config
         from ds4.tokenizer import load_tokenizer
 
-        config = EngineConfig.from_kwargs(**engine_flags)
-        model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        engine_config = EngineConfig.from_kwargs(**engine_flags)
+        if load_format == "auto" and model_dir is None:
+            model_dir = default_model_dir()
+        model_dir = Path(model_dir) if model_dir is not None else None
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch_dtype = _resolve_dtype(dtype, device)
-        cfg = load_config(model_dir)
-        model = DeepseekV4Model(cfg, dtype=torch_dtype, device=device, kv_cache_dtype=kv_cache_dtype)
-        model.load_weights(load_checkpoint(model_dir, cfg, dtype=torch_dtype, device=device))
-        tokenizer_file = model_dir / "tokenizer.json"
-        tokenizer = load_tokenizer(tokenizer_file if tokenizer_file.exists() else None)
-        return cls(model, config, tokenizer, seed)
+        cfg = model_config(model_dir, config, load_format, num_layers)
+        model = load_model(
+            cfg, model_dir, load_format, device=device, dtype=torch_dtype, kv_cache_dtype=kv_cache_dtype, seed=seed or 0
+        )
+        tokenizer_file = model_dir / "tokenizer.json" if model_dir is not None else None
+        tokenizer = load_tokenizer(tokenizer_file if tokenizer_file is not None and tokenizer_file.exists() else None)
+        return cls(model, engine_config, tokenizer, seed)
 
     @property
     def max_model_len(self) -> int:

@@ -35,6 +35,8 @@ class LLM:
     """Loads a model (default: the built-in tiny one) and runs batches of prompts through the engine.
 
     Engine flags (max_num_batched_tokens=, max_num_seqs=, kv_cache_memory=, ...) are keyword arguments.
+    load_format="dummy" builds the model from a config alone (config="flash", "pro" or a directory) with
+    random weights made on the device.
     """
 
     def __init__(
@@ -45,10 +47,19 @@ class LLM:
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",
         seed: int | None = None,
+        load_format: str = "auto",
+        config: str | Path | None = None,
         **engine_flags,
     ):
         self.engine = LLMEngine.from_pretrained(
-            model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, seed=seed, **engine_flags
+            model,
+            device=device,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            seed=seed,
+            load_format=load_format,
+            config=config,
+            **engine_flags,
         )
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
-from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args
+from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args, model_flags_from_args
 from ds4.engine.structured_output import DEFAULT_MAX_WHITESPACE, GrammarCache, grammar_tokenizer_info
 from ds4.serve.state import _backend
 
@@ -67,12 +67,7 @@ def main(argv: list[str]) -> int:
     from ds4.serve.app import create_app
 
     engine = LLMEngine.from_pretrained(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.seed,
-        **engine_flags_from_args(args),
+        args.model, seed=args.seed, **model_flags_from_args(args), **engine_flags_from_args(args)
     )
     tokenizer = engine.tokenizer
     grammars = GrammarCache(

@@ -1,0 +1,59 @@
+"""Build the model the engine serves: a checkpoint directory (`--load-format auto`), or a config alone with
+dummy weights made on the device (`--load-format dummy`: `--config flash|pro|DIR`, or `--model DIR` holding
+only a config.json; with neither, the built-in tiny model's config).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ds4.config import ModelConfig
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def model_config(
+    model_dir: str | Path | None, config: str | Path | None, load_format: str, num_layers: int | None
+) -> ModelConfig:
+    """The config the model is built from, checking that the load format, config and layer count go together."""
+    from ds4.checkpoint.tiny import TINY_CONFIG
+    from ds4.config import load_config
+    from ds4.configs import config_dict, with_layers
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: {load_format!r} is not one of {LOAD_FORMATS}")
+    if load_format == "auto":
+        if config is not None or num_layers is not None:
+            raise ValueError("a config or a layer count builds a model without its checkpoint: use load_format dummy")
+        return load_config(model_dir)
+    if config is not None and model_dir is not None:
+        raise ValueError("give the model's config (config=) or a directory holding it (model=), not both")
+    source = config if config is not None else model_dir
+    raw = dict(TINY_CONFIG) if source is None else config_dict(source)
+    return load_config(raw if num_layers is None else with_layers(raw, num_layers))
+
+
+def load_model(
+    cfg: ModelConfig,
+    model_dir: Path | None,
+    load_format: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    seed: int = 0,
+):
+    """A DeepseekV4Model with its weights: read from model_dir, or (dummy) generated on the device."""
+    from ds4.checkpoint.dummy import dequantised, dummy_weights
+    from ds4.checkpoint.reader import load_checkpoint
+    from ds4.model.deepseek_v4 import DeepseekV4Model
+
+    model = DeepseekV4Model(cfg, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+    if load_format == "dummy":
+        # load_weights takes dequantised tensors for now; streaming stored ones is the checkpoint-precision work.
+        model.load_weights(dict(dequantised(cfg, dummy_weights(cfg, device, seed), dtype)))
+    else:
+        model.load_weights(load_checkpoint(model_dir, cfg, dtype=dtype, device=device))
+    return model
