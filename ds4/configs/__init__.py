@@ -43,4 +43,3 @@ def with_layers(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
             # compress_ratios lists the MTP layers after the main ones; they stay.
             out[key] = raw[key][:num_layers] + raw[key][total:]
     return out
-

@@ -1,0 +1,60 @@
+"""Ceilings measured in the run that uses them: copy bandwidth and GEMM rates of the device at hand.
+
+Copy bandwidth counts bytes read + written of a large device-to-device copy (a step's bytes to read over it
+give the memory roofline). GEMM rates: bf16 (torch.matmul) and fp8 e4m3 (torch._scaled_mm, rowwise scales),
+on square problems. On a CPU the fp8 rate is not measured (None).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 20, warmup: int = 3) -> float:
+    """Median wall time of fn in milliseconds (CUDA: between events around each call, after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second of a device-to-device copy of nbytes."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float | None:
+    """FLOP/s of an n^3 GEMM in bf16 (fp32 on CPU) or, with dtype float8_e4m3fn, fp8 via torch._scaled_mm."""
+    if dtype == torch.float8_e4m3fn:
+        if device.type != "cuda":
+            return None
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype).t()
+        sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+        ms = median_ms(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), device)
+    else:
+        compute = dtype if device.type == "cuda" else torch.float32
+        a, b = torch.randn(n, n, device=device, dtype=compute), torch.randn(n, n, device=device, dtype=compute)
+        ms = median_ms(lambda: a @ b, device)
+    return 2 * n**3 / (ms * 1e-3)

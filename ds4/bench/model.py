@@ -1,0 +1,617 @@
+"""`ds4 bench model`: the whole model through the engine, each figure next to its roofline measured in the same run.
+
+On any config (`--config flash|pro|DIR` with `--load-format dummy`, or a checkpoint), cut to `--layers L`:
+  - resident weight GB, total and per layer, next to the checkpoint's bytes for those layers (stored specs);
+  - decode ms/step at each `--batch-sizes` with `--context` tokens cached per request, through the engine's
+    real path (LLMEngine.step: schedule, CUDA-graph replay, logits, sampling): the requests are prefilled
+    first, then the batch shrinks by aborting requests, largest first;
+  - prefill tok/s of one prompt of each `--prefill-lengths` (chunks of `--prefill-chunk` tokens);
+  - peak device memory; finite logits asserted on every step.
+Rooflines (ds4.bench.roofline): decode = the bytes a step must read over the copy bandwidth; prefill = the
+FLOPs by kind over the GEMM rate of that kind (dense GEMMs and the indexer fp8, experts and attention bf16:
+Hopper has no FP4 tensor cores). The ratio is measured / roofline. One decode step (at the largest batch, run
+eagerly) and one prefill (the shortest) are profiled and summarised by kernel family, each family next to its
+own roofline where one is counted. The time per layer is extrapolated to the full model and printed next to
+published figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager) on the same shape.
+Progress goes to stderr, the tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ds4.bench import ceilings, roofline
+from ds4.bench.profile import FAMILIES, profile_families
+from ds4.bench.throughput import _commit, _device_name
+
+GB = 1e9
+
+# Published figures (shared/docs/anchors.md), by model: what, value, unit, setup, source.
+PUBLISHED = {
+    "flash": [
+        ("decode TPOT, concurrency 1", 3.28, "ms", "4x H200, SGLang 0.5.15, TP4, EAGLE", "SGLang DSv4 benchmark docs"),
+        ("decode, batch 1, 30K prompt", 266, "tok/s", "4x H200, SGLang, EAGLE (AL ~2.5)", "LMSYS blog, 2026-04-25"),
+        ("decode, concurrency 1", 169, "tok/s", "4x B200, vLLM 0.20, TP4+EP, MTP n=2", "vLLM PR #41044"),
+        ("prefill", 10000, "tok/s", "2x RTX PRO 6000, vLLM SM120 branch, TP2", "user report, 2026-06"),
+        ("prefill, one 650K prompt", 2870, "tok/s", "4x RTX PRO 6000, SGLang 0.5.16", "SGLang issue #33422"),
+        ("checkpoint", 160, "GB", "FP8 linears + MXFP4 experts, 46 shards", "anchors.md (hub)"),
+    ],
+    "pro": [
+        ("decode, batch 1, 30K prompt", 199, "tok/s", "8x B200, SGLang, EAGLE (AL ~2.5)", "LMSYS blog, 2026-04-25"),
+        ("checkpoint", 865, "GB", "FP8 linears + MXFP4 experts", "anchors.md (hub)"),
+    ],
+}
+
+
+def main(argv: list[str]) -> int:
+    from ds4.engine.config import add_model_args
+
+    parser = argparse.ArgumentParser(prog="ds4 bench model", description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--layers", type=int, default=None, help="keep the first L layers (num_hidden_layers)")
+    parser.add_argument("--context", type=int, default=4096, help="tokens cached per request before decoding")
+    parser.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 64], help="decode batches, e.g. 1,8,32,64")
+    parser.add_argument("--prefill-lengths", type=_ints, default=[8192, 65536], help="prompt lengths, e.g. 8192")
+    parser.add_argument("--prefill-chunk", type=int, default=8192, help="prefill tokens per engine step")
+    parser.add_argument("--decode-steps", type=int, default=10, help="timed decode steps per batch size")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="cache bytes (CPU default: 1 GiB)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler summaries")
+    parser.add_argument("--compare-transformers", action="store_true", help="also time transformers' DeepseekV4")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--plot", type=Path, default=None, help="write step time against batch size here (SVG)")
+    args = parser.parse_args(argv)
+    if min(args.batch_sizes) < 1 or min(args.prefill_lengths) < 1 or args.context < 1 or args.decode_steps < 1:
+        parser.error("--batch-sizes, --prefill-lengths, --context and --decode-steps must be positive")
+    result = run(args)
+    print(table(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        args.plot.write_text(plot_svg(result))
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from ds4.engine.config import EngineConfig
+    from ds4.engine.engine import LLMEngine, _resolve_dtype
+    from ds4.engine.loader import load_model, model_config
+    from ds4.kernels.indexer import ENTRY_BYTES
+    from ds4.model.cache import packed_index_keys
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _resolve_dtype(args.dtype, device)
+    model_dir = Path(args.model) if args.model is not None else None
+    cfg = model_config(model_dir, args.config, args.load_format, args.layers)
+    full_cfg = model_config(model_dir, args.config, args.load_format, None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    _progress("measuring ceilings: copy bandwidth, bf16 and fp8 GEMM rates")
+    big = device.type == "cuda"
+    rates = {
+        "copy_bytes_per_s": ceilings.copy_bandwidth(device, (1 << 30) if big else (16 << 20)),
+        "bf16_flop_per_s": ceilings.gemm_rate(device, torch.bfloat16, 8192 if big else 256),
+        "fp8_flop_per_s": ceilings.gemm_rate(device, torch.float8_e4m3fn, 8192 if big else 256),
+    }
+
+    _progress(f"building the model ({args.load_format} weights, {cfg.num_hidden_layers} layers) on {device}")
+    start = time.perf_counter()
+    model = load_model(
+        cfg, model_dir, args.load_format, device=device, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed
+    )
+    load_s = time.perf_counter() - start
+    finite = _FiniteLogits(model)
+
+    steps_total = len(args.batch_sizes) * (args.decode_steps + 3) + 1
+    max_batch = max(args.batch_sizes)
+    engine_config = EngineConfig(
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=max(args.prefill_chunk, max_batch),
+        long_prefill_token_threshold=args.prefill_chunk,
+        max_model_len=max(args.context + steps_total + 9, max(args.prefill_lengths) + 1),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.enforce_eager,
+        max_cuda_graph_batch_size=max_batch,
+    )
+    _progress("starting the engine (cache plan, CUDA-graph capture)")
+    engine = LLMEngine(model, engine_config, tokenizer=None, seed=args.seed)
+    needed = max_batch * (args.context + steps_total)
+    if engine.allocator.capacity_tokens < needed:
+        raise SystemExit(
+            f"the cache holds {engine.allocator.capacity_tokens} tokens; {max_batch} requests of "
+            f"{args.context + steps_total} need {needed}: lower --context or --batch-sizes, or give more memory"
+        )
+
+    item = dtype.itemsize
+    kv_entry = cfg.head_dim * item
+    index_entry = ENTRY_BYTES if packed_index_keys(cfg, args.kv_cache_dtype) else cfg.index_head_dim * item
+    rng = random.Random(args.seed)
+    decode = _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, steps_total)
+    prefill = _prefill(engine, args, cfg, rates, rng)
+    if not finite.ok():
+        raise SystemExit("non-finite logits: the dummy weights' scaling (or the model) is broken")
+
+    weights = _weights(model, cfg)
+    peak = torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None
+    result = {
+        "benchmark": "model",
+        "config": str(args.config or args.model or "tiny (built-in)"),
+        "load_format": args.load_format,
+        "layers": cfg.num_hidden_layers,
+        "full_layers": full_cfg.num_hidden_layers,
+        "layer_kinds": list(cfg.layer_kinds[: cfg.num_hidden_layers]),
+        "context": args.context,
+        "dtype": str(dtype),
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_entry_bytes": kv_entry,
+        "index_entry_bytes": index_entry,
+        "load_s": load_s,
+        "ceilings": rates,
+        "weights": weights,
+        "decode": decode,
+        "prefill": prefill,
+        "peak_memory_gb": peak,
+        "extrapolated": _extrapolate(cfg, full_cfg, decode, prefill),
+        "published": _published(args, full_cfg),
+        "device": _device_name(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": _commit(),
+    }
+    del engine, model
+    if args.compare_transformers:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result["transformers"] = _transformers(cfg, args, device, rng)
+    return result
+
+
+class _FiniteLogits:
+    """Wraps model.compute_logits to AND up, on the device (no sync per step), whether every logit was finite."""
+
+    def __init__(self, model):
+        self.flag = torch.ones((), dtype=torch.bool, device=model.embed.weight.device)
+        compute = model.compute_logits
+
+        def checked(hidden):
+            logits = compute(hidden)
+            self.flag &= torch.isfinite(logits).all()
+            return logits
+
+        model.compute_logits = checked
+
+    def ok(self) -> bool:
+        return bool(self.flag)
+
+
+def _weights(model, cfg) -> dict:
+    """Resident bytes of the model (total, per layer) next to the checkpoint's bytes for those layers."""
+
+    def nbytes(module) -> int:
+        tensors = list(module.parameters()) + list(module.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    ck = roofline.checkpoint_bytes(cfg)
+    per_layer = [nbytes(layer) for layer in model.layers]
+    total = nbytes(model)
+    return {
+        "resident_gb": total / GB,
+        "checkpoint_gb": ck.total / GB,
+        "resident_per_layer_gb": [b / GB for b in per_layer],
+        "checkpoint_per_layer_gb": [b / GB for b in ck.layers],
+        "resident_outside_layers_gb": (total - sum(per_layer)) / GB,
+        "checkpoint_outside_layers_gb": ck.top / GB,
+        "ratio": total / ck.total,
+    }
+
+
+def _random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(2, vocab) for _ in range(length)]
+
+
+def _greedy(max_tokens: int):
+    from ds4.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, steps_total) -> list[dict]:
+    """Prefill max(batch) requests of --context tokens, then time decode steps at each batch size, largest first."""
+    batches = sorted(set(args.batch_sizes), reverse=True)
+    ids = [f"decode-{i}" for i in range(batches[0])]
+    for request_id in ids:
+        engine.add_request(request_id, _random_prompt(rng, args.context, cfg.vocab_size), _greedy(steps_total + 8))
+    with tqdm(total=len(ids) * args.context, desc="prefill the decode batch", unit="tok", file=sys.stderr) as bar:
+        started = set()
+        while len(started) < len(ids):
+            before = engine.stats().prompt_tokens
+            for out in engine.step():
+                started.add(out.request_id)
+            bar.update(engine.stats().prompt_tokens - before)
+    rows = []
+    for batch in batches:
+        for request_id in ids[batch:]:
+            engine.abort(request_id)
+        ids = ids[:batch]
+        for _ in range(3):  # warm-up (and the aborted requests leave)
+            engine.step()
+        times = []
+        for _ in tqdm(range(args.decode_steps), desc=f"decode batch {batch}", file=sys.stderr):
+            _sync(engine.device)
+            t0 = time.perf_counter()
+            engine.step()  # returns after sampling, which waits for the step's tokens
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        ms = times[len(times) // 2]
+        context = min(len(engine.requests[i].prompt_token_ids) + len(engine.requests[i].output_token_ids) for i in ids)
+        parts = roofline.decode_bytes(cfg, batch, context, kv_entry, index_entry)
+        roof_ms = sum(parts.values()) / rates["copy_bytes_per_s"] * 1e3
+        row = {
+            "batch": batch,
+            "context": context,
+            "ms_per_step": ms,
+            "tokens_per_s": batch / ms * 1e3,
+            "bytes": parts,
+            "roofline_ms": roof_ms,
+            "ratio": ms / roof_ms,
+            "experts_touched_per_layer": roofline.expected_experts_touched(cfg, batch),
+        }
+        if not args.no_profile and batch == batches[0]:
+            _progress(f"profiling one decode step at batch {batch} (eager)")
+            families = _eager_profile(engine, engine.step)
+            row["profile"] = _with_rooflines(families, _decode_family_bytes(parts), rates["copy_bytes_per_s"])
+        rows.append(row)
+    for request_id in ids:
+        engine.abort(request_id)
+    engine.step()
+    return sorted(rows, key=lambda r: r["batch"])
+
+
+def _eager_profile(engine, step) -> dict:
+    """Profile one engine step with the decode graph's batch run eagerly (the same padded decode_only batch)."""
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        graphs._replay = lambda key: engine.model.forward(graphs.inputs.view(*key), engine.cache)
+    try:
+        return profile_families(engine.model, step, engine.device)
+    finally:
+        if graphs is not None:
+            del graphs._replay
+
+
+def _decode_family_bytes(parts: dict) -> dict:
+    return {
+        "GEMMs": parts["dense"] + parts["head"],
+        "MoE": parts["experts"],
+        "attention": parts["kv_cache"],
+        "indexer": parts["index_keys"],
+    }
+
+
+def _with_rooflines(families: dict, work: dict, rate) -> dict:
+    """Per family: ms, share of the profiled time and, where counted, roofline ms and the ratio."""
+    total = families["total"] or 1.0
+    out = {}
+    for name in (*FAMILIES, "total"):
+        entry = {"ms": families[name], "share": families[name] / total}
+        if name in work and rate:
+            rate_of = rate[name] if isinstance(rate, dict) else rate
+            if rate_of:
+                entry["roofline_ms"] = work[name] / rate_of * 1e3
+                entry["ratio"] = families[name] / entry["roofline_ms"] if entry["roofline_ms"] else None
+        out[name] = entry
+    return out
+
+
+def _prefill_rates(rates: dict) -> dict:
+    fp8 = rates["fp8_flop_per_s"] or rates["bf16_flop_per_s"]
+    return {"dense": fp8, "experts": rates["bf16_flop_per_s"], "attention": rates["bf16_flop_per_s"], "indexer": fp8}
+
+
+def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
+    """Time the prefill of one prompt of each length (after a warm-up prompt); profile the shortest."""
+    per_kind = _prefill_rates(rates)
+
+    def prefill(length: int, name: str) -> float:
+        engine.add_request(name, _random_prompt(rng, length, cfg.vocab_size), _greedy(1))
+        _sync(engine.device)
+        t0 = time.perf_counter()
+        with tqdm(total=length, desc=f"prefill {length}", unit="tok", file=sys.stderr) as bar:
+            while engine.has_unfinished_requests():
+                before = engine.stats().prompt_tokens
+                engine.step()
+                bar.update(engine.stats().prompt_tokens - before)
+        return time.perf_counter() - t0
+
+    prefill(min(min(args.prefill_lengths), args.prefill_chunk), "prefill-warm-up")
+    rows = []
+    for length in sorted(set(args.prefill_lengths)):
+        seconds = prefill(length, f"prefill-{length}")
+        flops = roofline.prefill_flops(cfg, length)
+        roof_s = sum(flops[k] / per_kind[k] for k in flops)
+        rows.append(
+            {
+                "tokens": length,
+                "seconds": seconds,
+                "tokens_per_s": length / seconds,
+                "flops": flops,
+                "roofline_s": roof_s,
+                "ratio": seconds / roof_s,
+            }
+        )
+    if not args.no_profile:
+        length = min(args.prefill_lengths)
+        _progress(f"profiling the prefill of {length} tokens")
+        families = profile_families(engine.model, lambda: prefill(length, "prefill-profiled"), engine.device)
+        flops = roofline.prefill_flops(cfg, length)
+        work = {"GEMMs": flops["dense"], "MoE": flops["experts"], "attention": flops["attention"]}
+        work["indexer"] = flops["indexer"]
+        rate = {"GEMMs": per_kind["dense"], "MoE": per_kind["experts"], "attention": per_kind["attention"]}
+        rate["indexer"] = per_kind["indexer"]
+        rows[0]["profile"] = _with_rooflines(families, work, rate)
+    return rows
+
+
+def _extrapolate(cfg, full_cfg, decode: list[dict], prefill: list[dict]) -> dict:
+    """Per-layer time scaled to the full model's layer count (head and host overhead scale too: an upper bound)."""
+    scale = full_cfg.num_hidden_layers / cfg.num_hidden_layers
+    ck = roofline.checkpoint_bytes(full_cfg)
+    return {
+        "layers": full_cfg.num_hidden_layers,
+        "checkpoint_gb": ck.total / GB,
+        "decode_ms_per_step": {r["batch"]: r["ms_per_step"] * scale for r in decode},
+        "decode_tokens_per_s_per_user": {r["batch"]: 1e3 / (r["ms_per_step"] * scale) for r in decode},
+        "prefill_tokens_per_s": {r["tokens"]: r["tokens_per_s"] / scale for r in prefill},
+    }
+
+
+def _published(args, full_cfg) -> list[dict]:
+    from ds4.config import load_config
+    from ds4.configs import SHIPPED, config_dict
+
+    for name in SHIPPED:
+        if full_cfg == load_config(config_dict(name)):
+            fields = ("what", "value", "unit", "setup", "source")
+            return [{"model": name, **dict(zip(fields, entry))} for entry in PUBLISHED[name]]
+    return []
+
+
+def _transformers(cfg, args, device: torch.device, rng: random.Random) -> dict:
+    """transformers' DeepseekV4ForCausalLM (bf16, eager, its own random init) on the same shape, when it fits."""
+    try:
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    except ImportError as e:
+        return {"skipped": f"transformers with DeepseekV4 is not importable: {e}"}
+    from ds4.checkpoint.weights_spec import expected_parameter_shapes
+
+    params = sum(torch.Size(s.shape).numel() for s in expected_parameter_shapes(cfg).values())
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if 2 * params > 0.8 * free:
+            return {"skipped": f"{2 * params / GB:.1f} GB of bf16 weights do not fit {free / GB:.1f} GB free"}
+    _progress("building transformers' DeepseekV4 (bf16, eager)")
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg.to_hf_dict(), attn_implementation="eager")).eval()
+    finally:
+        torch.set_default_dtype(default)
+    out: dict = {"weights_gb": sum(p.numel() * p.element_size() for p in model.parameters()) / GB, "decode": []}
+
+    def prompt(batch: int, length: int) -> torch.Tensor:
+        return torch.tensor([_random_prompt(rng, length, cfg.vocab_size) for _ in range(batch)], device=device)
+
+    with torch.inference_mode():
+        for batch in sorted(set(args.batch_sizes)):
+            try:
+                cache = model(prompt(batch, args.context), use_cache=True, logits_to_keep=1).past_key_values
+                token = prompt(batch, 1)
+                times = []
+                for _ in tqdm(range(args.decode_steps + 2), desc=f"transformers decode {batch}", file=sys.stderr):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    cache = model(token, past_key_values=cache, use_cache=True).past_key_values
+                    _sync(device)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                times = sorted(times[2:])
+                out["decode"].append({"batch": batch, "ms_per_step": times[len(times) // 2]})
+            except torch.OutOfMemoryError:
+                out["decode"].append({"batch": batch, "error": "out of memory"})
+            finally:
+                cache = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        out["prefill"] = []
+        model(prompt(1, min(args.prefill_lengths)), use_cache=False, logits_to_keep=1)  # warm-up
+        for length in sorted(set(args.prefill_lengths)):
+            try:
+                ids = prompt(1, length)
+                _sync(device)
+                t0 = time.perf_counter()
+                model(ids, use_cache=False, logits_to_keep=1)
+                _sync(device)
+                out["prefill"].append({"tokens": length, "tokens_per_s": length / (time.perf_counter() - t0)})
+            except torch.OutOfMemoryError:
+                out["prefill"].append({"tokens": length, "error": "out of memory"})
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return out
+
+
+def table(result: dict) -> str:
+    w = result["weights"]
+    lines = [
+        f"ds4 bench model: {result['config']}, {result['layers']} of {result['full_layers']} layers "
+        f"({', '.join(result['layer_kinds'])}), {result['load_format']} weights, {result['dtype']}, "
+        f"context {result['context']}, on {result['device']}",
+        _ceilings_line(result["ceilings"]),
+        f"weights: resident {w['resident_gb']:.2f} GB, checkpoint {w['checkpoint_gb']:.2f} GB "
+        f"({w['ratio']:.2f}x); per layer resident / checkpoint GB: "
+        + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(w["resident_per_layer_gb"], w["checkpoint_per_layer_gb"])),
+        "",
+        _rows(
+            ("batch", "context", "ms/step", "tok/s", "roofline ms", "x roofline", "experts/layer"),
+            [
+                (r["batch"], r["context"], f"{r['ms_per_step']:.3f}", f"{r['tokens_per_s']:.1f}")
+                + (f"{r['roofline_ms']:.3f}", f"{r['ratio']:.1f}", f"{r['experts_touched_per_layer']:.1f}")
+                for r in result["decode"]
+            ],
+        ),
+        "",
+        _rows(
+            ("prefill tokens", "seconds", "tok/s", "roofline s", "x roofline"),
+            [
+                (r["tokens"], f"{r['seconds']:.3f}", f"{r['tokens_per_s']:.0f}", f"{r['roofline_s']:.4f}")
+                + (f"{r['ratio']:.1f}",)
+                for r in result["prefill"]
+            ],
+        ),
+    ]
+    if result["peak_memory_gb"] is not None:
+        lines.append(f"peak memory {result['peak_memory_gb']:.2f} GB")
+    for title, row in (("decode step", _largest(result["decode"])), ("prefill", result["prefill"][0])):
+        if "profile" in row:
+            lines += ["", f"profile of one {title} ({row.get('batch', row.get('tokens'))}) by family:"]
+            lines.append(_profile_rows(row["profile"]))
+    lines += ["", _extrapolation_lines(result)]
+    if "transformers" in result:
+        lines += ["", _transformers_lines(result["transformers"])]
+    return "\n".join(lines)
+
+
+def _largest(rows: list[dict]) -> dict:
+    return max(rows, key=lambda r: r["batch"])
+
+
+def _ceilings_line(c: dict) -> str:
+    fp8 = f"{c['fp8_flop_per_s'] / 1e12:.0f}" if c["fp8_flop_per_s"] else "n/a"
+    return (
+        f"ceilings (this run): copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), "
+        f"bf16 GEMM {c['bf16_flop_per_s'] / 1e12:.1f} TFLOP/s, fp8 GEMM {fp8} TFLOP/s"
+    )
+
+
+def _profile_rows(profile: dict) -> str:
+    rows = []
+    for name, e in profile.items():
+        roof = f"{e['roofline_ms']:.3f}" if "roofline_ms" in e else ""
+        ratio = f"{e['ratio']:.1f}" if e.get("ratio") else ""
+        rows.append((name, f"{e['ms']:.3f}", f"{100 * e['share']:.1f}%", roof, ratio))
+    return _rows(("family", "ms", "share", "roofline ms", "x roofline"), rows)
+
+
+def _extrapolation_lines(result: dict) -> str:
+    x = result["extrapolated"]
+    lines = [
+        f"extrapolated per layer to {x['layers']} layers (checkpoint {x['checkpoint_gb']:.1f} GB): decode "
+        + ", ".join(f"b{b} {ms:.2f} ms/step" for b, ms in x["decode_ms_per_step"].items())
+        + "; prefill "
+        + ", ".join(f"{n} tok {t:.0f} tok/s" for n, t in x["prefill_tokens_per_s"].items())
+    ]
+    if result["published"]:
+        lines.append("published (shared/docs/anchors.md):")
+        lines += [f"  {p['what']}: {p['value']} {p['unit']} ({p['setup']}; {p['source']})" for p in result["published"]]
+    return "\n".join(lines)
+
+
+def _transformers_lines(t: dict) -> str:
+    if "skipped" in t:
+        return f"transformers: skipped ({t['skipped']})"
+    decode = ", ".join(
+        f"b{r['batch']} {r['ms_per_step']:.2f} ms/step" if "ms_per_step" in r else f"b{r['batch']} {r['error']}"
+        for r in t["decode"]
+    )
+    prefill = ", ".join(
+        f"{r['tokens']} tok {r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else f"{r['tokens']} {r['error']}"
+        for r in t["prefill"]
+    )
+    weights = f"weights {t['weights_gb']:.2f} GB"
+    return f"transformers DeepseekV4 (bf16, eager): {weights}; decode {decode}; prefill {prefill}"
+
+
+def _rows(header: tuple, rows: list[tuple]) -> str:
+    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+
+
+def plot_svg(result: dict, width: int = 560, height: int = 360) -> str:
+    """Decode ms/step against batch size (log2 x axis), measured and roofline, as a standalone SVG."""
+    rows = result["decode"]
+    left, right, top, bottom = 60, 20, 30, 40
+    batches = [r["batch"] for r in rows]
+    y_max = max(max(r["ms_per_step"] for r in rows), max(r["roofline_ms"] for r in rows)) * 1.1
+    lo, hi = min(batches), max(batches)
+    span = max(hi / lo, 2)
+
+    def x(b: float) -> float:
+        return left + (width - left - right) * math.log(b / lo) / math.log(span)
+
+    def y(ms: float) -> float:
+        return height - bottom - (height - top - bottom) * ms / y_max
+
+    def line(key: str, color: str) -> str:
+        points = " ".join(f"{x(r['batch']):.1f},{y(r[key]):.1f}" for r in rows)
+        dots = "".join(f'<circle cx="{x(r["batch"]):.1f}" cy="{y(r[key]):.1f}" r="3" fill="{color}"/>' for r in rows)
+        return f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="2"/>{dots}'
+
+    ticks = "".join(
+        f'<text x="{x(b):.1f}" y="{height - bottom + 16}" text-anchor="middle">{b}</text>' for b in batches
+    ) + "".join(
+        f'<text x="{left - 6}" y="{y(v):.1f}" text-anchor="end">{v:.2g}</text>'
+        for v in (y_max * i / 4 for i in range(5))
+    )
+    title = f"decode, {result['config']}, {result['layers']} layers, context {result['context']}, {result['device']}"
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        f'font-size="11"><rect width="100%" height="100%" fill="white"/>'
+        f'<text x="{left}" y="18" font-size="12">{title}</text>'
+        f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" stroke="black"/>'
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="black"/>{ticks}'
+        f'<text x="{(left + width) / 2}" y="{height - 6}" text-anchor="middle">batch size</text>'
+        f'<text x="14" y="{(top + height) / 2}" transform="rotate(-90 14 {(top + height) / 2})" '
+        f'text-anchor="middle">ms / step</text>'
+        f"{line('ms_per_step', '#c0392b')}{line('roofline_ms', '#2471a3')}"
+        f'<text x="{width - right - 150}" y="{top + 12}" fill="#c0392b">measured</text>'
+        f'<text x="{width - right - 150}" y="{top + 26}" fill="#2471a3">roofline (bytes / copy rate)</text></svg>\n'
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,122 @@
+"""A torch.profiler run of the model summarised by kernel family (GEMMs, MoE, attention, indexer, ...).
+
+While profiling, every module and model function of a family runs inside a `ds4::<family>` profiler range
+(forward hooks on the modules, wrappers on the functions, both removed afterwards). Each op's own time (on
+CUDA the kernels it launched, on a CPU its self time) goes to the innermost family range around it, so a
+Linear inside the MoE's shared expert counts as GEMMs and the rest of the MoE as MoE. Time no range claims
+(embedding, sampling, host work) is "other". Run eagerly: kernels replayed from a CUDA graph have no ranges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerActivity, profile
+
+FAMILIES = ("GEMMs", "MoE", "attention", "indexer", "top-k", "mHC", "compressor", "norms", "other")
+_PREFIX = "ds4::"
+
+# (module class, family): the innermost wins, so Linear sits inside the others.
+_MODULES = (
+    ("ds4.model.block", "Block", "mHC"),
+    ("ds4.model.attention", "Attention", "attention"),
+    ("ds4.model.indexer", "Indexer", "indexer"),
+    ("ds4.model.compressor", "Compressor", "compressor"),
+    ("ds4.model.moe", "MoE", "MoE"),
+    ("ds4.model.linear", "Linear", "GEMMs"),
+)
+# (module, function it calls by its global name, family).
+_FUNCTIONS = (
+    ("ds4.model.block", "hc_pre", "mHC"),
+    ("ds4.model.block", "hc_post", "mHC"),
+    ("ds4.model.deepseek_v4", "hc_head", "mHC"),
+    ("ds4.model.block", "rms_norm", "norms"),
+    ("ds4.model.attention", "rms_norm", "norms"),
+    ("ds4.model.compressor", "rms_norm", "norms"),
+    ("ds4.model.deepseek_v4", "rms_norm", "norms"),
+    ("ds4.model.indexer", "topk_indices", "top-k"),
+    ("ds4.model.indexer", "top_entries", "top-k"),
+)
+
+
+@contextlib.contextmanager
+def family_ranges(model: torch.nn.Module) -> Iterator[None]:
+    """Profiler ranges named by family around the model's modules and functions (and its head)."""
+    classes = {}
+    for module_name, class_name, family in _MODULES:
+        cls = getattr(importlib.import_module(module_name), class_name, None)
+        if cls is not None:
+            classes[cls] = family
+    handles, open_ranges = [], {}
+
+    def enter(module, _args):
+        rng = record_function(_PREFIX + classes[type(module)])
+        rng.__enter__()
+        open_ranges.setdefault(id(module), []).append(rng)
+
+    def leave(module, _args, _output):
+        open_ranges[id(module)].pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        if type(module) in classes:
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave))
+    patched = []
+    for module_name, function, family in _FUNCTIONS:
+        module = importlib.import_module(module_name)
+        original = getattr(module, function, None)
+        if original is not None:
+            setattr(module, function, _in_range(original, family))
+            patched.append((module, function, original))
+    logits = model.compute_logits
+    model.compute_logits = _in_range(logits, "GEMMs")
+    try:
+        yield
+    finally:
+        model.compute_logits = logits
+        for module, function, original in patched:
+            setattr(module, function, original)
+        for handle in handles:
+            handle.remove()
+
+
+def _in_range(fn: Callable, family: str) -> Callable:
+    def wrapped(*args, **kwargs):
+        with record_function(_PREFIX + family):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def profile_families(model: torch.nn.Module, run: Callable[[], object], device: torch.device) -> dict[str, float]:
+    """Milliseconds per family of one call of run (device time on CUDA, CPU time otherwise), plus "total"."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with family_ranges(model), profile(activities=activities) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return summarise(prof.events(), device.type == "cuda")
+
+
+def summarise(events, on_device: bool) -> dict[str, float]:
+    times = dict.fromkeys(FAMILIES, 0.0)
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        us = sum(k.duration for k in event.kernels) if on_device else event.self_cpu_time_total
+        if us:
+            times[_family(event)] += us / 1e3
+    times["total"] = sum(times.values())
+    return times
+
+
+def _family(event) -> str:
+    while event is not None:
+        if event.name.startswith(_PREFIX):
+            return event.name[len(_PREFIX) :]
+        event = event.cpu_parent
+    return "other"
