@@ -19,6 +19,7 @@ Progress goes to stderr, the tables to stdout.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -77,6 +78,18 @@ def main(argv: list[str]) -> int:
         parser.error("--batch-sizes, --prefill-lengths, --context and --decode-steps must be positive")
     result = run(args)
     print(table(result))
+    _write(args, result)
+    if args.compare_transformers:
+        from ds4.engine.loader import model_config
+
+        cfg = model_config(args.model, args.config, args.load_format, args.layers)
+        result["transformers"] = _transformers(cfg, args, torch.device(result["device_type"]), random.Random(args.seed))
+        print(_transformers_lines(result["transformers"]))
+        _write(args, result)
+    return 0
+
+
+def _write(args: argparse.Namespace, result: dict) -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -85,7 +98,6 @@ def main(argv: list[str]) -> int:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         args.plot.write_text(plot_svg(result))
         print(f"wrote {args.plot}")
-    return 0
 
 
 def _ints(text: str) -> list[int]:
@@ -183,15 +195,15 @@ def run(args: argparse.Namespace) -> dict:
         "extrapolated": _extrapolate(cfg, full_cfg, decode, prefill),
         "published": _published(args, full_cfg),
         "device": _device_name(device),
+        "device_type": device.type,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "commit": _commit(),
     }
-    del engine, model
-    if args.compare_transformers:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        result["transformers"] = _transformers(cfg, args, device, rng)
+    del engine, model, finite
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
@@ -244,6 +256,15 @@ def _greedy(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def _step(engine) -> list:
+    """One engine step; a failed step fails the benchmark (the engine itself would only fail its requests)."""
+    outputs = engine.step()
+    for out in outputs:
+        if out.error is not None:
+            raise SystemExit(f"engine step failed for {out.request_id}: {out.error}")
+    return outputs
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -259,7 +280,7 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, steps_total) -
         started = set()
         while len(started) < len(ids):
             before = engine.stats().prompt_tokens
-            for out in engine.step():
+            for out in _step(engine):
                 started.add(out.request_id)
             bar.update(engine.stats().prompt_tokens - before)
     rows = []
@@ -268,12 +289,12 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, steps_total) -
             engine.abort(request_id)
         ids = ids[:batch]
         for _ in range(3):  # warm-up (and the aborted requests leave)
-            engine.step()
+            _step(engine)
         times = []
         for _ in tqdm(range(args.decode_steps), desc=f"decode batch {batch}", file=sys.stderr):
             _sync(engine.device)
             t0 = time.perf_counter()
-            engine.step()  # returns after sampling, which waits for the step's tokens
+            _step(engine)  # returns after sampling, which waits for the step's tokens
             times.append((time.perf_counter() - t0) * 1e3)
         times.sort()
         ms = times[len(times) // 2]
@@ -292,12 +313,12 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, steps_total) -
         }
         if not args.no_profile and batch == batches[0]:
             _progress(f"profiling one decode step at batch {batch} (eager)")
-            families = _eager_profile(engine, engine.step)
+            families = _eager_profile(engine, lambda: _step(engine))
             row["profile"] = _with_rooflines(families, _decode_family_bytes(parts), rates["copy_bytes_per_s"])
         rows.append(row)
     for request_id in ids:
         engine.abort(request_id)
-    engine.step()
+    _step(engine)
     return sorted(rows, key=lambda r: r["batch"])
 
 
@@ -353,7 +374,7 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
         with tqdm(total=length, desc=f"prefill {length}", unit="tok", file=sys.stderr) as bar:
             while engine.has_unfinished_requests():
                 before = engine.stats().prompt_tokens
-                engine.step()
+                _step(engine)
                 bar.update(engine.stats().prompt_tokens - before)
         return time.perf_counter() - t0
 
@@ -510,8 +531,6 @@ def table(result: dict) -> str:
             lines += ["", f"profile of one {title} ({row.get('batch', row.get('tokens'))}) by family:"]
             lines.append(_profile_rows(row["profile"]))
     lines += ["", _extrapolation_lines(result)]
-    if "transformers" in result:
-        lines += ["", _transformers_lines(result["transformers"])]
     return "\n".join(lines)
 
 
