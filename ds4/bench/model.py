@@ -142,13 +142,17 @@ def run(args: argparse.Namespace) -> dict:
     load_s = time.perf_counter() - start
     finite = _FiniteLogits(model)
 
-    steps_total = len(args.batch_sizes) * (args.decode_steps + 3) + 1
     max_batch = max(args.batch_sizes)
+    # Every request decodes during the prefill steps of the others, then through each batch size's steps.
+    prefill_steps = math.ceil(max_batch * args.context / args.prefill_chunk) + 1
+    max_tokens = prefill_steps + len(args.batch_sizes) * (args.decode_steps + 3) + 8
     engine_config = EngineConfig(
         max_num_seqs=max_batch,
-        max_num_batched_tokens=max(args.prefill_chunk, max_batch),
+        max_num_batched_tokens=args.prefill_chunk + max_batch,
         long_prefill_token_threshold=args.prefill_chunk,
-        max_model_len=max(args.context + steps_total + 9, max(args.prefill_lengths) + 1),
+        max_num_partial_prefills=max_batch,
+        max_long_partial_prefills=max_batch,
+        max_model_len=max(args.context + max_tokens + 1, max(args.prefill_lengths) + 1),
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
         enforce_eager=args.enforce_eager,
@@ -156,18 +160,18 @@ def run(args: argparse.Namespace) -> dict:
     )
     _progress("starting the engine (cache plan, CUDA-graph capture)")
     engine = LLMEngine(model, engine_config, tokenizer=None, seed=args.seed)
-    needed = max_batch * (args.context + steps_total)
+    needed = max_batch * (args.context + max_tokens)
     if engine.allocator.capacity_tokens < needed:
         raise SystemExit(
             f"the cache holds {engine.allocator.capacity_tokens} tokens; {max_batch} requests of "
-            f"{args.context + steps_total} need {needed}: lower --context or --batch-sizes, or give more memory"
+            f"{args.context + max_tokens} need {needed}: lower --context or --batch-sizes, or give more memory"
         )
 
     item = dtype.itemsize
     kv_entry = cfg.head_dim * item
     index_entry = ENTRY_BYTES if packed_index_keys(cfg, args.kv_cache_dtype) else cfg.index_head_dim * item
     rng = random.Random(args.seed)
-    decode = _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, steps_total)
+    decode = _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens)
     prefill = _prefill(engine, args, cfg, rates, rng)
     if not finite.ok():
         raise SystemExit("non-finite logits: the dummy weights' scaling (or the model) is broken")
@@ -270,12 +274,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, steps_total) -> list[dict]:
+def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) -> list[dict]:
     """Prefill max(batch) requests of --context tokens, then time decode steps at each batch size, largest first."""
     batches = sorted(set(args.batch_sizes), reverse=True)
     ids = [f"decode-{i}" for i in range(batches[0])]
     for request_id in ids:
-        engine.add_request(request_id, _random_prompt(rng, args.context, cfg.vocab_size), _greedy(steps_total + 8))
+        engine.add_request(request_id, _random_prompt(rng, args.context, cfg.vocab_size), _greedy(max_tokens))
     with tqdm(total=len(ids) * args.context, desc="prefill the decode batch", unit="tok", file=sys.stderr) as bar:
         started = set()
         while len(started) < len(ids):
@@ -298,7 +302,9 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, steps_total) -
             times.append((time.perf_counter() - t0) * 1e3)
         times.sort()
         ms = times[len(times) // 2]
-        context = min(len(engine.requests[i].prompt_token_ids) + len(engine.requests[i].output_token_ids) for i in ids)
+        if any(i not in engine.requests for i in ids):
+            raise SystemExit(f"decode batch {batch}: a request finished early (max_tokens {max_tokens} too small)")
+        context = min(engine.requests[i].num_tokens for i in ids)
         parts = roofline.decode_bytes(cfg, batch, context, kv_entry, index_entry)
         roof_ms = sum(parts.values()) / rates["copy_bytes_per_s"] * 1e3
         row = {
