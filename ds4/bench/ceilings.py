@@ -2,7 +2,7 @@
 
 Copy bandwidth counts bytes read + written of a large device-to-device copy (a step's bytes to read over it
 give the memory roofline). GEMM rates: bf16 (torch.matmul) and fp8 e4m3 (torch._scaled_mm, rowwise scales),
-on square problems. On a CPU the fp8 rate is not measured (None).
+on square problems. Without fp8 tensor cores (a CPU, sm_80) the fp8 rate is None.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float | None:
     """FLOP/s of an n^3 GEMM in bf16 (fp32 on CPU) or, with dtype float8_e4m3fn, fp8 via torch._scaled_mm."""
     if dtype == torch.float8_e4m3fn:
-        if device.type != "cuda":
+        # fp8 tensor cores start with sm_89 (Ada, Hopper); older GPUs and CPUs have no fp8 GEMM to measure.
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
             return None
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype).t()

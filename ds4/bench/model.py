@@ -320,7 +320,8 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         if not args.no_profile and batch == batches[0]:
             _progress(f"profiling one decode step at batch {batch} (eager)")
             families = _eager_profile(engine, lambda: _step(engine))
-            row["profile"] = _with_rooflines(families, _decode_family_bytes(parts), rates["copy_bytes_per_s"])
+            work = _decode_family_bytes(parts)
+            row["profile"] = _with_rooflines(families, work, dict.fromkeys(work, rates["copy_bytes_per_s"]))
         rows.append(row)
     for request_id in ids:
         engine.abort(request_id)
@@ -349,17 +350,15 @@ def _decode_family_bytes(parts: dict) -> dict:
     }
 
 
-def _with_rooflines(families: dict, work: dict, rate) -> dict:
-    """Per family: ms, share of the profiled time and, where counted, roofline ms and the ratio."""
+def _with_rooflines(families: dict, work: dict, rates: dict) -> dict:
+    """Per family: ms, share of the profiled time and, where counted, roofline ms (work / rate) and the ratio."""
     total = families["total"] or 1.0
     out = {}
     for name in (*FAMILIES, "total"):
         entry = {"ms": families[name], "share": families[name] / total}
-        if name in work and rate:
-            rate_of = rate[name] if isinstance(rate, dict) else rate
-            if rate_of:
-                entry["roofline_ms"] = work[name] / rate_of * 1e3
-                entry["ratio"] = families[name] / entry["roofline_ms"] if entry["roofline_ms"] else None
+        if work.get(name) and rates.get(name):
+            entry["roofline_ms"] = work[name] / rates[name] * 1e3
+            entry["ratio"] = families[name] / entry["roofline_ms"]
         out[name] = entry
     return out
 
@@ -405,11 +404,9 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
         _progress(f"profiling the prefill of {length} tokens")
         families = profile_families(engine.model, lambda: prefill(length, "prefill-profiled"), engine.device)
         flops = roofline.prefill_flops(cfg, length)
-        work = {"GEMMs": flops["dense"], "MoE": flops["experts"], "attention": flops["attention"]}
-        work["indexer"] = flops["indexer"]
-        rate = {"GEMMs": per_kind["dense"], "MoE": per_kind["experts"], "attention": per_kind["attention"]}
-        rate["indexer"] = per_kind["indexer"]
-        rows[0]["profile"] = _with_rooflines(families, work, rate)
+        family_of = {"dense": "GEMMs", "experts": "MoE", "attention": "attention", "indexer": "indexer"}
+        work = {family_of[kind]: f for kind, f in flops.items()}
+        rows[0]["profile"] = _with_rooflines(families, work, {family_of[k]: r for k, r in per_kind.items()})
     return rows
 
 
