@@ -80,9 +80,10 @@ def main(argv: list[str]) -> int:
     print(table(result))
     _write(args, result)
     if args.compare_transformers:
-        from ds4.engine.loader import model_config
+        from ds4.engine.loader import checkpoint_dir, model_config
 
-        cfg = model_config(args.model, args.config, args.load_format, args.layers)
+        model_dir = checkpoint_dir(args.model, args.load_format)
+        cfg = model_config(model_dir, args.config, args.load_format, args.layers)
         result["transformers"] = _transformers(cfg, args, torch.device(result["device_type"]), random.Random(args.seed))
         print(_transformers_lines(result["transformers"]))
         _write(args, result)
@@ -114,13 +115,13 @@ def _progress(message: str) -> None:
 def run(args: argparse.Namespace) -> dict:
     from ds4.engine.config import EngineConfig
     from ds4.engine.engine import LLMEngine, _resolve_dtype
-    from ds4.engine.loader import load_model, model_config
+    from ds4.engine.loader import checkpoint_dir, load_model, model_config
     from ds4.kernels.indexer import ENTRY_BYTES
     from ds4.model.cache import packed_index_keys
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _resolve_dtype(args.dtype, device)
-    model_dir = Path(args.model) if args.model is not None else None
+    model_dir = checkpoint_dir(args.model, args.load_format)
     cfg = model_config(model_dir, args.config, args.load_format, args.layers)
     full_cfg = model_config(model_dir, args.config, args.load_format, None)
     if device.type == "cuda":

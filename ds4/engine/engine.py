@@ -123,14 +123,11 @@ class LLMEngine:
 
         load_format "dummy" builds the model from a config alone (see ds4.engine.loader): `config` "flash", "pro"
         or a directory, else model_dir's config.json, else the tiny model's; num_layers keeps the first layers."""
-        from ds4.checkpoint.tiny import default_model_dir
-        from ds4.engine.loader import load_model, model_config
+        from ds4.engine.loader import checkpoint_dir, load_model, model_config
         from ds4.tokenizer import load_tokenizer
 
         engine_config = EngineConfig.from_kwargs(**engine_flags)
-        if load_format == "auto" and model_dir is None:
-            model_dir = default_model_dir()
-        model_dir = Path(model_dir) if model_dir is not None else None
+        model_dir = checkpoint_dir(model_dir, load_format)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch_dtype = _resolve_dtype(dtype, device)
         cfg = model_config(model_dir, config, load_format, num_layers)

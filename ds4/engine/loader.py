@@ -14,6 +14,16 @@ from ds4.config import ModelConfig
 LOAD_FORMATS = ("auto", "dummy")
 
 
+def checkpoint_dir(model_dir: str | Path | None, load_format: str) -> Path | None:
+    """The directory weights (and a tokenizer) come from: the given one, the built-in tiny model's when reading
+    a checkpoint without one, none when dummy weights come from a config alone."""
+    from ds4.checkpoint.tiny import default_model_dir
+
+    if model_dir is not None:
+        return Path(model_dir)
+    return default_model_dir() if load_format == "auto" else None
+
+
 def model_config(
     model_dir: str | Path | None, config: str | Path | None, load_format: str, num_layers: int | None
 ) -> ModelConfig:
