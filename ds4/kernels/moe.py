@@ -288,11 +288,19 @@ class GemmPlan:
 
 # BM: the smallest of these holding the average rows a touched expert gets. BN: the largest of these that
 # still gives every SM two programs (decode: few experts, many column tiles); large tiles when rows are many.
+# Shared memory holds `stages` copies of the loaded operand tiles plus the dequantised weight tiles.
 _ROW_TILES = (16, 32, 64, 128)
 _COL_TILES = (128, 64, 32)
 _PROGRAMS_PER_SM = 2
-_SHARED_MEMORY_SHARE = 0.75  # of the per-block limit, for the staged operand tiles (the rest: MMA, conversions)
+_SHARED_MEMORY_SHARE = 0.9  # of the per-block limit (the rest: barriers, the compiler's own scratch)
 _MAX_STAGES = 4
+
+
+def plan_shared_memory(bm: int, bn: int, stages: int, gated: bool, mxfp4: bool, a_bytes: int) -> int:
+    """Bytes of shared memory a plan's operand tiles take: loaded stages plus the bf16 weight tiles."""
+    weights = 2 if gated else 1
+    w_bytes = (ACT_GROUP // 2 + ACT_GROUP // MXFP4_GROUP) if mxfp4 else ACT_GROUP * a_bytes
+    return stages * (bm * ACT_GROUP * a_bytes + weights * bn * w_bytes) + weights * bn * ACT_GROUP * a_bytes
 
 
 def gemm_plan(
@@ -302,12 +310,18 @@ def gemm_plan(
     touched = max(1, min(rows, n_experts))
     bm = next((b for b in _ROW_TILES if rows / touched <= b), _ROW_TILES[-1])
     bn = next((b for b in _COL_TILES if touched * triton.cdiv(n, b) >= _PROGRAMS_PER_SM * sms), _COL_TILES[-1])
-    w_bytes = (ACT_GROUP // 2 + ACT_GROUP // MXFP4_GROUP) if mxfp4 else ACT_GROUP * 4
-    stage = bm * ACT_GROUP * a_bytes + (2 if gated else 1) * bn * w_bytes
-    while bm > _ROW_TILES[0] and 2 * stage > _SHARED_MEMORY_SHARE * shared_memory:
+    budget = _SHARED_MEMORY_SHARE * shared_memory
+
+    def stages_that_fit(bm, bn):
+        fixed = plan_shared_memory(bm, bn, 0, gated, mxfp4, a_bytes)
+        per_stage = plan_shared_memory(bm, bn, 1, gated, mxfp4, a_bytes) - fixed
+        return int((budget - fixed) // per_stage)
+
+    while stages_that_fit(bm, bn) < 2 and bm > _ROW_TILES[0]:
         bm //= 2
-        stage = bm * ACT_GROUP * a_bytes + (2 if gated else 1) * bn * w_bytes
-    stages = int(max(1, min(_MAX_STAGES, _SHARED_MEMORY_SHARE * shared_memory // stage)))
+    while stages_that_fit(bm, bn) < 2 and bn > _COL_TILES[-1]:
+        bn //= 2
+    stages = max(1, min(_MAX_STAGES, stages_that_fit(bm, bn)))
     warps = 8 if bm * bn >= 128 * 128 else 4
     return GemmPlan(bm, bn, warps, stages)
 
@@ -375,11 +389,19 @@ def _check(x: torch.Tensor, experts: ExpertWeights) -> None:
 
 
 def routed_experts_triton(
-    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: ExpertWeights, limit: float
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    experts: ExpertWeights,
+    limit: float,
+    plans: tuple[GemmPlan, GemmPlan] | None = None,
 ) -> torch.Tensor:
-    """routed_experts_reference through the grouped-GEMM kernels (no host sync; any device Triton runs on)."""
+    """routed_experts_reference through the grouped-GEMM kernels (no host sync; any device Triton runs on).
+    plans: (gate-up pass, down pass) instead of gemm_plan's, for tile sweeps."""
     _check(x, experts)
     t, k = indices.shape
+    if t == 0:
+        return x.new_zeros(0, experts.hidden, dtype=torch.float32)
     n_experts, inter, hidden = experts.gate.shape[0], experts.inter, experts.hidden
     out_dtype = torch.bfloat16 if experts.mxfp4 else x.dtype
     sorted_experts, order = torch.sort(indices.reshape(-1), stable=True)
@@ -387,8 +409,10 @@ def routed_experts_triton(
     order = order.to(torch.int32)
     sms, smem = num_sms(x.device), shared_memory_per_block(x.device)
     a_bytes = 2 if x.dtype == torch.bfloat16 and not interpreting() else 4
-    plan1 = gemm_plan(t * k, n_experts, inter, True, experts.mxfp4, a_bytes, sms, smem)
-    plan2 = gemm_plan(t * k, n_experts, hidden, False, experts.mxfp4, a_bytes, sms, smem)
+    plan1, plan2 = plans or (
+        gemm_plan(t * k, n_experts, inter, True, experts.mxfp4, a_bytes, sms, smem),
+        gemm_plan(t * k, n_experts, hidden, False, experts.mxfp4, a_bytes, sms, smem),
+    )
     h = torch.empty(t * k, inter, dtype=out_dtype, device=x.device)
     out = torch.empty(t * k, hidden, dtype=out_dtype, device=x.device)
     route_w = weights.reshape(-1).float()

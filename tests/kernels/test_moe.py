@@ -9,7 +9,14 @@ from interpreted import interpreted
 import ds4.kernels.moe as moe_module
 from ds4.checkpoint.quant import E2M1_VALUES, mxfp4_dequantize, mxfp4_quantize, pack_e2m1
 from ds4.kernels.fp8_kv import fp8_quant_dequant
-from ds4.kernels.moe import ExpertWeights, act_quant, gemm_plan, mxfp4_to_float, routed_experts_reference
+from ds4.kernels.moe import (
+    ExpertWeights,
+    act_quant,
+    gemm_plan,
+    mxfp4_to_float,
+    plan_shared_memory,
+    routed_experts_reference,
+)
 
 
 def _dense(e, d, i, gen, dtype=torch.float32):
@@ -154,11 +161,13 @@ def test_interpreted_kernels_equal_the_reference_dequantized(kernels):
 
 
 def test_plans_follow_the_device():
-    """Decode rows get narrow row tiles and enough column tiles for every SM; less shared memory, fewer stages."""
+    """Decode rows get narrow row tiles and enough column tiles for every SM; the operand tiles fit the
+    device's shared memory, with fewer stages or smaller tiles where it has less."""
     decode = gemm_plan(6, 256, 2048, True, True, 2, 132, 232448)
     assert decode.bm == 16 and 6 * 2048 // decode.bn >= 2 * 132
-    prefill = gemm_plan(49152, 256, 2048, True, True, 2, 132, 232448)
-    assert prefill.bm == 128 and prefill.bn == 128
+    big = gemm_plan(49152, 256, 2048, True, True, 2, 132, 232448)
     small = gemm_plan(49152, 256, 2048, True, True, 2, 188, 101376)
-    stage = small.bm * 128 * 2 + 2 * small.bn * (64 + 4)
-    assert small.stages * stage <= 0.75 * 101376 and small.stages < prefill.stages
+    assert big.bm == 128 and big.bn == 128 and big.stages >= 2
+    for plan, smem in ((big, 232448), (small, 101376)):
+        assert plan_shared_memory(plan.bm, plan.bn, plan.stages, True, True, 2) <= smem
+    assert (small.bm * small.bn, small.stages) < (big.bm * big.bn, big.stages)
