@@ -163,16 +163,14 @@ def kernel_breakdown(layer: MoE, tokens: int) -> dict[str, float]:
 
 
 SWEEP = {
-    "decode": [km.GemmPlan(16, bn, 4, s) for bn in (32, 64, 128) for s in (3, 5)],
+    "decode": [km.GemmPlan(16, bn, 4, 3) for bn in (32, 64, 128)] + [km.GemmPlan(16, 64, 4, 3, scaled=False)],
     "prefill": [
-        km.GemmPlan(bm, bn, w, s)
-        for bm, bn, w, s in [
-            (128, 128, 8, 3),
-            (128, 128, 8, 2),
-            (128, 64, 4, 3),
-            (64, 128, 4, 3),
-            (128, 256, 8, 2),
-        ]
+        km.GemmPlan(128, 128, 8, 3),
+        km.GemmPlan(128, 128, 8, 4),
+        km.GemmPlan(128, 64, 4, 3),
+        km.GemmPlan(64, 128, 4, 3),
+        km.GemmPlan(128, 256, 8, 3),
+        km.GemmPlan(128, 128, 8, 3, scaled=False),
     ],
 }
 

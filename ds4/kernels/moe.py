@@ -19,8 +19,9 @@ weight -> h (rows in expert order), then h -> down -> one row per (token, slot).
 one expert and BN weight rows; it finds its expert from the segment bounds (tiles of BM rows, expert after
 expert), so the grid is a bound on the tile count known without reading the routing and surplus programs
 return at once. Weight rows are the MMA's M and tokens its N, so a one-token tile reads each weight once;
-e2m1 codes are dequantised in registers (Hopper has no FP4 MMA; e2m1 times a power of two is exact in
-bf16) and activations quantised as they are loaded.
+e2m1 codes become bf16 on the way to the MMA (Hopper has no FP4 MMA; e2m1 times a power of two is exact in
+bf16; `tl.dot_scaled` on GPUs, the kernel's own bit arithmetic under the interpreter) and activations are
+quantised as they are loaded.
 """
 
 from __future__ import annotations
@@ -212,6 +213,7 @@ def _grouped_gemm_kernel(
     GATED: tl.constexpr,
     QUANT_ACT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    SCALED: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -246,12 +248,32 @@ def _grouped_gemm_kernel(
         a = a.to(tl.float32)
         if QUANT_ACT:
             a = _act_quant_tile(a)
-        a_t = tl.trans(a.to(DOT))
-        w = _weight_tile(gate_ptr + w_off, gate_scale_ptr + s_off, cols, col_ok, k0, K, stride_wn, stride_sn, BK, MXFP4)
-        acc_gate = tl.dot(w.to(DOT), a_t, acc_gate, input_precision=PRECISION)
-        if GATED:
-            w = _weight_tile(up_ptr + w_off, up_scale_ptr + s_off, cols, col_ok, k0, K, stride_wn, stride_sn, BK, MXFP4)
-            acc_up = tl.dot(w.to(DOT), a_t, acc_up, input_precision=PRECISION)
+        if SCALED:
+            a_t = tl.trans(a.to(tl.bfloat16))
+            kb = k0 // 2 + tl.arange(0, BK // 2)
+            ks = k0 // 32 + tl.arange(0, BK // 32)
+            w_at = cols[:, None] * stride_wn + kb[None, :]
+            s_at = cols[:, None] * stride_sn + ks[None, :]
+            w_ok = col_ok[:, None] & (kb < K // 2)[None, :]
+            s_ok = col_ok[:, None] & (ks < K // 32)[None, :]
+            w = tl.load(gate_ptr + w_off + w_at, mask=w_ok, other=0)
+            sc = tl.load(gate_scale_ptr + s_off + s_at, mask=s_ok, other=127)
+            acc_gate = tl.dot_scaled(w, sc, "e2m1", a_t, None, "bf16", acc_gate)
+            if GATED:
+                w = tl.load(up_ptr + w_off + w_at, mask=w_ok, other=0)
+                sc = tl.load(up_scale_ptr + s_off + s_at, mask=s_ok, other=127)
+                acc_up = tl.dot_scaled(w, sc, "e2m1", a_t, None, "bf16", acc_up)
+        else:
+            a_t = tl.trans(a.to(DOT))
+            w = _weight_tile(
+                gate_ptr + w_off, gate_scale_ptr + s_off, cols, col_ok, k0, K, stride_wn, stride_sn, BK, MXFP4
+            )
+            acc_gate = tl.dot(w.to(DOT), a_t, acc_gate, input_precision=PRECISION)
+            if GATED:
+                w = _weight_tile(
+                    up_ptr + w_off, up_scale_ptr + s_off, cols, col_ok, k0, K, stride_wn, stride_sn, BK, MXFP4
+                )
+                acc_up = tl.dot(w.to(DOT), a_t, acc_up, input_precision=PRECISION)
     mask = col_ok[:, None] & row_ok[None, :]
     if GATED:
         gate = acc_gate
@@ -278,12 +300,14 @@ def _grouped_gemm_kernel(
 
 @dataclass(frozen=True)
 class GemmPlan:
-    """Tiles and launch settings of one grouped-GEMM pass."""
+    """Tiles and launch settings of one grouped-GEMM pass. scaled: MXFP4 through tl.dot_scaled (which dequantises
+    e2m1 on the way to the MMA; the interpreter lacks it) rather than the kernel's own dequantisation."""
 
     bm: int
     bn: int
     warps: int
     stages: int
+    scaled: bool = True
 
 
 # BM: the smallest of these holding the average rows a touched expert gets. BN: the largest of these that
@@ -368,6 +392,7 @@ def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_expe
         GATED=gated,
         QUANT_ACT=mxfp4,
         ROUND_BF16=out.dtype == torch.bfloat16,
+        SCALED=mxfp4 and plan.scaled and not interpreting(),
         DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32",
         num_warps=plan.warps,
