@@ -318,6 +318,7 @@ _COL_TILES = (128, 64, 32)
 _PROGRAMS_PER_SM = 2
 _SHARED_MEMORY_SHARE = 0.9  # of the per-block limit (the rest: barriers, the compiler's own scratch)
 _MAX_STAGES = 4
+_SCALED_MAX_ROWS = 32  # tl.dot_scaled for decode tiles; the kernel's own dequantisation won at 128 rows (H200)
 
 
 def plan_shared_memory(bm: int, bn: int, stages: int, gated: bool, mxfp4: bool, a_bytes: int) -> int:
@@ -347,7 +348,7 @@ def gemm_plan(
         bn //= 2
     stages = max(1, min(_MAX_STAGES, stages_that_fit(bm, bn)))
     warps = 8 if bm * bn >= 128 * 128 else 4
-    return GemmPlan(bm, bn, warps, stages)
+    return GemmPlan(bm, bn, warps, stages, scaled=bm <= _SCALED_MAX_ROWS)
 
 
 @functools.cache
