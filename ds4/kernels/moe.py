@@ -160,9 +160,8 @@ def _act_quant_tile(a):
 
 
 @triton.jit
-def _load_weights(w_ptr, s_ptr, cols, col_ok, k0, K, stride_wn, stride_sn, BK: tl.constexpr, MXFP4: tl.constexpr):
-    """Weight rows `cols`, columns k0 .. k0+BK of one expert as stored: (codes [BN, BK/2], scales [BN, BK/32])
-    for MXFP4, else the tile twice. Columns past K load nothing."""
+def _weight_tile(w_ptr, s_ptr, cols, col_ok, k0, K, stride_wn, stride_sn, BK: tl.constexpr, MXFP4: tl.constexpr):
+    """Weight rows `cols`, columns k0 .. k0+BK of one expert, as fp32 [BN, BK]."""
     if MXFP4:
         kb = k0 // 2 + tl.arange(0, BK // 2)
         packed = tl.load(
@@ -172,44 +171,16 @@ def _load_weights(w_ptr, s_ptr, cols, col_ok, k0, K, stride_wn, stride_sn, BK: t
         sc = tl.load(
             s_ptr + cols[:, None] * stride_sn + ks[None, :], mask=col_ok[:, None] & (ks < K // 32)[None, :], other=127
         )
-        return packed, sc
+        codes = tl.join(packed & 15, packed >> 4).reshape(cols.shape[0], BK).to(tl.int32)
+        exponent, mantissa = (codes >> 1) & 3, codes & 1
+        bits = tl.where(exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22))
+        value = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+        scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        return (value.reshape(cols.shape[0], BK // 32, 32) * scale[:, :, None]).reshape(cols.shape[0], BK)
     else:
         kk = k0 + tl.arange(0, BK)
         w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0)
-        return w, w
-
-
-@triton.jit
-def _mxfp4_to_float(packed, sc, BK: tl.constexpr):
-    """(codes [BN, BK/2], scales [BN, BK/32]) -> fp32 [BN, BK]."""
-    rows: tl.constexpr = packed.shape[0]
-    codes = tl.join(packed & 15, packed >> 4).reshape(rows, BK).to(tl.int32)
-    exponent, mantissa = (codes >> 1) & 3, codes & 1
-    bits = tl.where(exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22))
-    value = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
-    scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return (value.reshape(rows, BK // 32, 32) * scale[:, :, None]).reshape(rows, BK)
-
-
-@triton.jit
-def _mma(
-    acc,
-    w,
-    sc,
-    a,
-    BK: tl.constexpr,
-    MXFP4: tl.constexpr,
-    SCALED: tl.constexpr,
-    DOT: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """acc [BN, BM] += weights (as loaded) times a [BM, BK] (fp32 values exact in DOT) transposed."""
-    if SCALED:
-        return tl.dot_scaled(w, sc, "e2m1", tl.trans(a.to(tl.bfloat16)), None, "bf16", acc)
-    else:
-        if MXFP4:
-            w = _mxfp4_to_float(w, sc, BK)
-        return tl.dot(w.to(DOT), tl.trans(a.to(DOT)), acc, input_precision=PRECISION)
+        return w.to(tl.float32)
 
 
 @triton.jit
@@ -243,7 +214,6 @@ def _grouped_gemm_kernel(
     QUANT_ACT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     SCALED: tl.constexpr,
-    PREFETCH: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -272,35 +242,38 @@ def _grouped_gemm_kernel(
     s_off = expert.to(tl.int64) * stride_se
     acc_gate = tl.zeros((BN, BM), tl.float32)
     acc_up = tl.zeros((BN, BM), tl.float32)
-    kk = tl.arange(0, BK)
-    a_at = a_ptr + a_rows[:, None] * stride_a + kk[None, :]
-    gate_w, gate_s = gate_ptr + w_off, gate_scale_ptr + s_off
-    up_w, up_s = up_ptr + w_off, up_scale_ptr + s_off
-    # With PREFETCH the next step's tiles are loaded before this step's MMAs (one step of lookahead).
-    a_next = tl.load(a_at, mask=row_ok[:, None] & (kk < K)[None, :], other=0)
-    wg_next, sg_next = _load_weights(gate_w, gate_s, cols, col_ok, 0, K, stride_wn, stride_sn, BK, MXFP4)
-    wu_next, su_next = wg_next, sg_next
-    if GATED:
-        wu_next, su_next = _load_weights(up_w, up_s, cols, col_ok, 0, K, stride_wn, stride_sn, BK, MXFP4)
     for k0 in range(0, K, BK):
-        a, wg, sg, wu, su = a_next, wg_next, sg_next, wu_next, su_next
-        if PREFETCH:
-            k1 = k0 + BK
-            a_next = tl.load(a_at + k1, mask=row_ok[:, None] & (k1 + kk < K)[None, :], other=0)
-            wg_next, sg_next = _load_weights(gate_w, gate_s, cols, col_ok, k1, K, stride_wn, stride_sn, BK, MXFP4)
-            if GATED:
-                wu_next, su_next = _load_weights(up_w, up_s, cols, col_ok, k1, K, stride_wn, stride_sn, BK, MXFP4)
-        else:
-            a = tl.load(a_at + k0, mask=row_ok[:, None] & (k0 + kk < K)[None, :], other=0)
-            wg, sg = _load_weights(gate_w, gate_s, cols, col_ok, k0, K, stride_wn, stride_sn, BK, MXFP4)
-            if GATED:
-                wu, su = _load_weights(up_w, up_s, cols, col_ok, k0, K, stride_wn, stride_sn, BK, MXFP4)
+        kk = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0)
         a = a.to(tl.float32)
         if QUANT_ACT:
             a = _act_quant_tile(a)
-        acc_gate = _mma(acc_gate, wg, sg, a, BK, MXFP4, SCALED, DOT, PRECISION)
-        if GATED:
-            acc_up = _mma(acc_up, wu, su, a, BK, MXFP4, SCALED, DOT, PRECISION)
+        if SCALED:
+            a_t = tl.trans(a.to(tl.bfloat16))
+            kb = k0 // 2 + tl.arange(0, BK // 2)
+            ks = k0 // 32 + tl.arange(0, BK // 32)
+            w_at = cols[:, None] * stride_wn + kb[None, :]
+            s_at = cols[:, None] * stride_sn + ks[None, :]
+            w_ok = col_ok[:, None] & (kb < K // 2)[None, :]
+            s_ok = col_ok[:, None] & (ks < K // 32)[None, :]
+            w = tl.load(gate_ptr + w_off + w_at, mask=w_ok, other=0)
+            sc = tl.load(gate_scale_ptr + s_off + s_at, mask=s_ok, other=127)
+            acc_gate = tl.dot_scaled(w, sc, "e2m1", a_t, None, "bf16", acc_gate)
+            if GATED:
+                w = tl.load(up_ptr + w_off + w_at, mask=w_ok, other=0)
+                sc = tl.load(up_scale_ptr + s_off + s_at, mask=s_ok, other=127)
+                acc_up = tl.dot_scaled(w, sc, "e2m1", a_t, None, "bf16", acc_up)
+        else:
+            a_t = tl.trans(a.to(DOT))
+            w = _weight_tile(
+                gate_ptr + w_off, gate_scale_ptr + s_off, cols, col_ok, k0, K, stride_wn, stride_sn, BK, MXFP4
+            )
+            acc_gate = tl.dot(w.to(DOT), a_t, acc_gate, input_precision=PRECISION)
+            if GATED:
+                w = _weight_tile(
+                    up_ptr + w_off, up_scale_ptr + s_off, cols, col_ok, k0, K, stride_wn, stride_sn, BK, MXFP4
+                )
+                acc_up = tl.dot(w.to(DOT), a_t, acc_up, input_precision=PRECISION)
     mask = col_ok[:, None] & row_ok[None, :]
     if GATED:
         gate = acc_gate
@@ -335,7 +308,6 @@ class GemmPlan:
     warps: int
     stages: int
     scaled: bool = True
-    prefetch: bool = False
 
 
 # BM: the smallest of these holding the average rows a touched expert gets. BN: the largest of these that
@@ -422,7 +394,6 @@ def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_expe
         QUANT_ACT=mxfp4,
         ROUND_BF16=out.dtype == torch.bfloat16,
         SCALED=mxfp4 and plan.scaled and not interpreting(),
-        PREFETCH=plan.prefetch,
         DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32",
         num_warps=plan.warps,
