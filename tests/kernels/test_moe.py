@@ -148,6 +148,20 @@ def test_interpreted_kernels_equal_the_reference_mxfp4(kernels, kind):
     assert (got - want).abs().mean() <= 1e-3 * want.abs().mean()
 
 
+def test_interpreted_kernels_split_a_heavy_expert_into_tiles(kernels):
+    """40 tokens send their first slot to expert 2: three 16-row tiles of one expert, experts 5.. empty."""
+    gen = torch.Generator().manual_seed(6)
+    e, d, i, t, k = 8, 128, 64, 40, 2
+    experts = _packed(_dense(e, d, i, gen))
+    x = torch.randn(t, d, generator=gen).to(torch.bfloat16)
+    indices = torch.stack((torch.full((t,), 2), torch.randint(0, 5, (t,), generator=gen)), dim=1)
+    weights = torch.rand(t, k, generator=gen)
+    plan = kernels.GemmPlan(16, 64, 4, 2)
+    want = routed_experts_reference(x, weights, indices, experts, 10.0)
+    got = kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (plan, plan))
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
 def test_interpreted_kernels_equal_the_reference_dequantized(kernels):
     gen = torch.Generator().manual_seed(5)
     e, d, i, t, k = 5, 96, 80, 6, 2
