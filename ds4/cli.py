@@ -8,7 +8,12 @@ import sys
 
 from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args, model_flags_from_args
 
-_BENCHMARKS = {"kernels": "ds4.bench.kernels", "model": "ds4.bench.model", "throughput": "ds4.bench.throughput"}
+_BENCHMARKS = {
+    "kernels": "ds4.bench.kernels",
+    "model": "ds4.bench.model",
+    "moe": "ds4.bench.moe",
+    "throughput": "ds4.bench.throughput",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--seed", type=int, default=0)
 
     commands.add_parser("serve", help="the OpenAI-compatible server: `ds4 serve --help`")
-    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|model|throughput --help`")
+    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|model|moe|throughput --help`")
 
     args = parser.parse_args(argv)
     if args.command == "generate":

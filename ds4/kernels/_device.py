@@ -29,6 +29,18 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.cache
+def _cuda_shared_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on `device` (the interpreter has no such limit)."""
+    if device.type != "cuda":
+        return 1 << 20
+    return _cuda_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
 def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

@@ -37,7 +37,7 @@ class Block(nn.Module):
         x = self.attn(rms_norm(x, self.attn_norm.weight, self.eps), batch, layout, cache)
         h = hc_post(x, h, post, comb)
         x, post, comb = self._pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        x = self.ffn(rms_norm(x, self.ffn_norm.weight, self.eps), batch.input_ids, static=layout is None)
+        x = self.ffn(rms_norm(x, self.ffn_norm.weight, self.eps), batch.input_ids)
         return hc_post(x, h, post, comb)
 
     def _pre(self, h, fn, scale, base):

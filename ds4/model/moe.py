@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4.config import ModelConfig
-from ds4.kernels.moe import routed_experts, routed_experts_dense, swiglu
+from ds4.kernels.moe import ExpertWeights, routed_experts, swiglu
 from ds4.model.linear import Linear
 
 
@@ -49,6 +49,8 @@ class Gate(nn.Module):
 class Experts(nn.Module):
     """Routed experts stacked per projection: w1/w3 [E, inter, hidden], w2 [E, hidden, inter]."""
 
+    format = "dequantized"
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -78,12 +80,25 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, static: bool = False) -> torch.Tensor:
-        """static: fixed shapes and no host syncs (the decode path; see routed_experts_dense for the cost)."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Fixed shapes, no host sync: the same call serves prefill and captured decode steps."""
         weights, indices = self.gate(x, input_ids)
-        e = self.experts
-        experts = routed_experts_dense if static else routed_experts
-        y = experts(x, weights, indices, e.w1, e.w2, e.w3, self.limit)
+        y = routed_experts(x, weights, indices, expert_weights(self.experts), self.limit)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)
+
+
+def expert_weights(experts: Experts) -> ExpertWeights:
+    """The routed-experts op's view of the Experts module in either storage format."""
+    if experts.format == "mxfp4":
+        inter = experts.w13.shape[1] // 2
+        return ExpertWeights(
+            experts.w13[:, :inter],
+            experts.w13[:, inter:],
+            experts.w2,
+            experts.w13_scale[:, :inter],
+            experts.w13_scale[:, inter:],
+            experts.w2_scale,
+        )
+    return ExpertWeights(experts.w1, experts.w3, experts.w2)

@@ -1,40 +1,187 @@
-"""Routed experts: the grouped loop and the dense fixed-shape form (the decode path's) equal a per-token sum."""
+"""Routed experts: the reference equals a per-token oracle in both weight formats, and the grouped-GEMM
+kernels (interpreted) equal the reference under hash and score routing, uneven and empty experts, and
+tokens routed twice to one expert."""
 
+import pytest
 import torch
+from interpreted import interpreted
 
-from ds4.kernels.moe import routed_experts, routed_experts_dense
+import ds4.kernels.moe as moe_module
+from ds4.checkpoint.quant import E2M1_VALUES, mxfp4_dequantize, mxfp4_quantize, pack_e2m1
+from ds4.kernels.fp8_kv import fp8_quant_dequant
+from ds4.kernels.moe import (
+    ExpertWeights,
+    act_quant,
+    gemm_plan,
+    mxfp4_to_float,
+    plan_shared_memory,
+    routed_experts_reference,
+)
 
 
-def _per_token(x, weights, indices, w1, w2, w3, limit):
-    """Each token alone: sum over its k experts of w2 (silu(min(w1 x, limit)) * clamp(w3 x) * weight)."""
-    out = torch.zeros(x.shape[0], w2.shape[1])
+def _dense(e, d, i, gen, dtype=torch.float32):
+    w1, w3 = torch.randn(e, i, d, generator=gen) / d**0.5, torch.randn(e, i, d, generator=gen) / d**0.5
+    w2 = torch.randn(e, d, i, generator=gen) / i**0.5
+    return ExpertWeights(w1.to(dtype), w3.to(dtype), w2.to(dtype))
+
+
+def _packed(dense: ExpertWeights) -> ExpertWeights:
+    """The contract's storage: w13 uint8 [E, 2I, D/2] + e8m0 bytes [E, 2I, D/32], w2 [E, D, I/2] + [E, D, I/32]."""
+
+    def quantize(w):
+        pairs = [mxfp4_quantize(m) for m in w.float()]
+        return torch.stack([p.view(torch.uint8) for p, _ in pairs]), torch.stack(
+            [s.view(torch.uint8) for _, s in pairs]
+        )
+
+    w13, s13 = quantize(torch.cat((dense.gate, dense.up), dim=1))
+    w2, s2 = quantize(dense.down)
+    i = dense.gate.shape[1]
+    return ExpertWeights(w13[:, :i], w13[:, i:], w2, s13[:, :i], s13[:, i:], s2)
+
+
+def _per_token(x, weights, indices, experts: ExpertWeights, limit):
+    """Each token alone: sum over its k slots of down(silu(min(gate x, limit)) * clamp(up x) * weight), MXFP4
+    weights dequantised by quant.py, activations through fp8_kv's e4m3 rounding (block 128), bf16 outputs."""
+    mx = experts.mxfp4
+
+    def weight(name, e):
+        w = getattr(experts, name)[e]
+        if not mx:
+            return w.float()
+        scale = getattr(experts, name + "_scale")[e]
+        return mxfp4_dequantize(w.view(torch.int8), scale.view(torch.float8_e8m0fnu), torch.float32)
+
+    def rnd(v):
+        return v.to(torch.bfloat16).float() if mx else v
+
+    def e4m3(v):  # groups of 128, or one shorter group
+        return fp8_quant_dequant(v[None], 128 if v.numel() % 128 == 0 else v.numel())[0] if mx else v
+
+    out = torch.zeros(x.shape[0], experts.down.shape[1])
     for t in range(x.shape[0]):
-        for weight, e in zip(weights[t].tolist(), indices[t].tolist()):
-            gate = (w1[e] @ x[t]).clamp(max=limit)
-            up = (w3[e] @ x[t]).clamp(-limit, limit)
-            out[t] += w2[e] @ (gate * torch.sigmoid(gate) * up * weight)
+        xt = e4m3(x[t].float())
+        for w, e in zip(weights[t].tolist(), indices[t].tolist()):
+            gate = rnd(weight("gate", e) @ xt).clamp(max=limit)
+            up = rnd(weight("up", e) @ xt).clamp(-limit, limit)
+            h = e4m3(rnd(gate * torch.sigmoid(gate) * up * w))
+            out[t] += rnd(weight("down", e) @ h)
     return out
 
 
-def test_dense_and_grouped_experts_equal_the_per_token_sum():
-    gen = torch.Generator().manual_seed(0)
-    e, d, i, t, k = 6, 16, 24, 9, 2
+def _routing(kind, t, k, e, gen):
+    if kind == "score":  # top-k of random scores: distinct experts
+        return torch.randn(t, e, generator=gen).topk(k, dim=-1).indices
+    if kind == "hash":  # a tid2eid table may repeat an expert within a token's row
+        table = torch.randint(0, e, (50, k), generator=gen)
+        table[7] = torch.tensor([3] * k)
+        ids = torch.randint(0, 50, (t,), generator=gen)
+        ids[0] = 7
+        return table[ids]
+    if kind == "skewed":  # one expert takes most slots; experts 5.. stay empty
+        idx = torch.randint(0, 5, (t, k), generator=gen)
+        idx[: t // 2 + 1, 0] = 1
+        return idx
+    raise ValueError(kind)
+
+
+def test_mxfp4_to_float_equals_quant_dequantize():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 64, generator=gen) * torch.logspace(-6, 3, 64)
+    packed, scale = mxfp4_quantize(w)
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2, 2)  # every code in both nibbles
+    everything = pack_e2m1(codes)
+    all_scale = torch.tensor([[100], [140]], dtype=torch.uint8)
+    assert torch.equal(
+        mxfp4_to_float(packed.view(torch.uint8), scale.view(torch.uint8)),
+        mxfp4_dequantize(packed, scale, torch.float32),
+    )
+    want = mxfp4_dequantize(everything, all_scale.view(torch.float8_e8m0fnu), torch.float32)
+    assert torch.equal(mxfp4_to_float(everything.view(torch.uint8), all_scale), want)
+    assert torch.equal(want[0, :8] / 2.0**-27, torch.tensor(E2M1_VALUES)) and torch.equal(want[0, 8:16], -want[0, :8])
+
+
+def test_act_quant_rounds_each_128_group_through_e4m3():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 384, generator=gen) * torch.logspace(-5, 4, 384)
+    x[1, :128] = 0.0  # an all-zero group: the 1e-4 floor keeps its scale finite
+    assert torch.equal(act_quant(x), fp8_quant_dequant(x, 128))
+    assert torch.equal(
+        act_quant(x[:, :200]), torch.cat([fp8_quant_dequant(x[:, :128], 128), fp8_quant_dequant(x[:, 128:200], 72)], 1)
+    )
+
+
+@pytest.mark.parametrize("fmt", ["dequantized", "mxfp4"])
+def test_reference_equals_the_per_token_oracle(fmt):
+    gen = torch.Generator().manual_seed(3)
+    e, d, i, t, k = 6, 128, 64, 9, 3
+    experts = _dense(e, d, i, gen)
+    if fmt == "mxfp4":
+        experts = _packed(experts)
     x = torch.randn(t, d, generator=gen)
-    w1, w3 = torch.randn(e, i, d, generator=gen), torch.randn(e, i, d, generator=gen)
-    w2 = torch.randn(e, d, i, generator=gen) * 0.1
-    indices = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
-    indices[3] = torch.tensor([5, 0])  # expert 1..4 unused by this token; expert 5 first in its list
+    for kind in ("score", "hash"):
+        indices = _routing(kind, t, k, e, gen)
+        weights = torch.rand(t, k, generator=gen) * 2
+        want = _per_token(x, weights, indices, experts, 2.0)
+        got = routed_experts_reference(x, weights, indices, experts, 2.0)
+        tol = 1e-5 if fmt == "dequantized" else 2e-2
+        assert (got - want).abs().max() <= tol * want.abs().max(), kind
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return interpreted(moe_module, "_grouped_gemm_kernel")
+
+
+@pytest.mark.parametrize("kind", ["score", "hash", "skewed"])
+def test_interpreted_kernels_equal_the_reference_mxfp4(kernels, kind):
+    gen = torch.Generator().manual_seed(4)
+    e, d, i, t, k = 8, 256, 96, 7, 3  # I = 96: a partial activation group and partial column tiles
+    experts = _packed(_dense(e, d, i, gen))
+    x = (torch.randn(t, d, generator=gen) * 3).to(torch.bfloat16)
+    indices = _routing(kind, t, k, e, gen)
     weights = torch.rand(t, k, generator=gen)
-    expected = _per_token(x, weights, indices, w1, w2, w3, limit=2.0)
-    for experts in (routed_experts, routed_experts_dense):
-        got = experts(x, weights, indices, w1, w2, w3, 2.0)
-        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), experts.__name__
+    want = routed_experts_reference(x, weights, indices, experts, 1.5)
+    got = kernels.routed_experts_triton(x, weights, indices, experts, 1.5)
+    assert got.dtype == torch.float32 and got.shape == (t, d)
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+    assert (got - want).abs().mean() <= 1e-3 * want.abs().mean()
 
 
-def test_dense_experts_ignore_overflow_in_experts_a_token_did_not_pick():
-    x = torch.tensor([[1.0], [1.0]])
-    w1 = torch.tensor([[[1.0]], [[3e38]]])  # expert 1 overflows to inf without a clamp (limit 0: none)
-    w3 = torch.tensor([[[1.0]], [[3e38]]])
-    w2 = torch.ones(2, 1, 1)
-    got = routed_experts_dense(x, torch.ones(2, 1), torch.tensor([[0], [0]]), w1, w2, w3, 0.0)
-    assert torch.isfinite(got).all()
+def test_interpreted_kernels_split_a_heavy_expert_into_tiles(kernels):
+    """40 tokens send their first slot to expert 2: three 16-row tiles of one expert, experts 5.. empty."""
+    gen = torch.Generator().manual_seed(6)
+    e, d, i, t, k = 8, 128, 64, 40, 2
+    experts = _packed(_dense(e, d, i, gen))
+    x = torch.randn(t, d, generator=gen).to(torch.bfloat16)
+    indices = torch.stack((torch.full((t,), 2), torch.randint(0, 5, (t,), generator=gen)), dim=1)
+    weights = torch.rand(t, k, generator=gen)
+    plan = kernels.GemmPlan(16, 64, 4, 2)
+    want = routed_experts_reference(x, weights, indices, experts, 10.0)
+    got = kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (plan, plan))
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+def test_interpreted_kernels_equal_the_reference_dequantized(kernels):
+    gen = torch.Generator().manual_seed(5)
+    e, d, i, t, k = 5, 96, 80, 6, 2
+    experts = _dense(e, d, i, gen)
+    x = torch.randn(t, d, generator=gen)
+    indices = _routing("hash", t, k, e, gen)
+    weights = torch.rand(t, k, generator=gen)
+    want = routed_experts_reference(x, weights, indices, experts, 0.0)
+    got = kernels.routed_experts_triton(x, weights, indices, experts, 0.0)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_plans_follow_the_device():
+    """Decode rows get narrow row tiles and enough column tiles for every SM; the operand tiles fit the
+    device's shared memory, with fewer stages or smaller tiles where it has less."""
+    decode = gemm_plan(6, 256, 2048, True, True, 2, 132, 232448)
+    assert decode.bm == 16 and 6 * 2048 // decode.bn >= 2 * 132
+    big = gemm_plan(49152, 256, 2048, True, True, 2, 132, 232448)
+    small = gemm_plan(49152, 256, 2048, True, True, 2, 188, 101376)
+    assert big.bm == 128 and big.bn == 128 and big.stages >= 2
+    for plan, smem in ((big, 232448), (small, 101376)):
+        assert plan_shared_memory(plan.bm, plan.bn, plan.stages, True, True, 2) <= smem
+    assert (small.bm * small.bn, small.stages) < (big.bm * big.bn, big.stages)

@@ -1,0 +1,232 @@
+"""`ds4 bench moe`: the MoE layer with MXFP4 routed experts at a config's shapes, against rooflines measured in
+the same run.
+
+Decode-sized batches: the bytes of the experts the batch touches (packed weights and scales, each read once)
+over the device-to-device copy bandwidth (bytes read + written per second). Prefill-sized batches: the routed
+FLOPs (6 x slots x hidden x inter) over the bf16 GEMM rate at 8192^3. Times are medians of eager calls and of
+CUDA-graph replays; inputs rotate over several routings so that touched weights do not come from L2.
+Weights are random stored-form bytes (any byte is two valid e2m1 codes; scales 2^-9 .. 2^-6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+from torch import nn
+
+from ds4.config import ModelConfig, load_config
+from ds4.kernels import moe as km
+from ds4.model.moe import Gate, MoE, SharedExpert, expert_weights
+
+FLASH_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "deepseek-v4-flash.json"
+TOKENS = (1, 8, 32, 64, 8192)
+ROTATE_BYTES = 512 << 20  # touched expert bytes per timed call, at least: more than L2 holds
+
+
+def _median_ms(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"))
+
+
+def _graph_ms(fn) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _median_ms(graph.replay)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second of a 1 GiB device-to-device copy."""
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (_median_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def bf16_gemm_rate(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / (_median_ms(lambda: a @ b) * 1e-3)
+
+
+class PackedExperts(nn.Module):
+    """Random experts in the checkpoint storage of the Experts module ("mxfp4": w13, w13_scale, w2, w2_scale)."""
+
+    format = "mxfp4"
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        super().__init__()
+        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        g = torch.Generator(device="cuda").manual_seed(seed)
+
+        def codes(*shape):
+            return torch.randint(0, 256, shape, device="cuda", generator=g, dtype=torch.uint8)
+
+        def scales(*shape):
+            return torch.randint(118, 122, shape, device="cuda", generator=g, dtype=torch.uint8)
+
+        self.register_buffer("w13", codes(e, 2 * i, d // 2))
+        self.register_buffer("w13_scale", scales(e, 2 * i, d // 32))
+        self.register_buffer("w2", codes(e, d, i // 2))
+        self.register_buffer("w2_scale", scales(e, d, i // 32))
+
+    def bytes_per_expert(self) -> int:
+        return sum(t[0].numel() for t in (self.w13, self.w13_scale, self.w2, self.w2_scale))
+
+
+def moe_layer(cfg: ModelConfig) -> MoE:
+    """A score-routed MoE layer with random weights, packed routed experts and a bf16 shared expert."""
+    layer = MoE(cfg, hashed=False, dtype=torch.bfloat16, device=torch.device("meta"))
+    layer.gate = Gate(cfg, hashed=False, device=torch.device("cuda"))
+    layer.gate.weight.normal_(0.0, cfg.hidden_size**-0.5)
+    layer.experts = PackedExperts(cfg)
+    if layer.shared_experts is not None:
+        layer.shared_experts = SharedExpert(cfg, torch.bfloat16, torch.device("cuda"))
+        for p in layer.shared_experts.parameters():
+            p.normal_(0.0, p.shape[1] ** -0.5)
+    return layer
+
+
+def bench_moe(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, plans=None, whole_layer=True) -> dict:
+    """One batch size: the routed-experts op and the whole layer (gate, routed, shared), eager and graphed.
+    whole_layer False: only the routed op's graph time (tile sweeps)."""
+    cfg_d = layer.gate.weight.shape[1]
+    per_expert = layer.experts.bytes_per_expert()
+    sets = max(1, min(16, ROTATE_BYTES // (per_expert * min(tokens * layer.gate.topk, layer.gate.weight.shape[0]))))
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    xs = [torch.randn(tokens, cfg_d, device="cuda", generator=g).bfloat16() for _ in range(sets)]
+    ids = torch.zeros(tokens, dtype=torch.long, device="cuda")
+    routes = [layer.gate(x, ids) for x in xs]
+    weights = expert_weights(layer.experts)
+    touched = sum(int(idx.unique().numel()) for _, idx in routes) / sets
+    slots = tokens * layer.gate.topk
+    d, i = cfg_d, layer.experts.w2.shape[2] * 2
+
+    def routed():
+        for x, (w, idx) in zip(xs, routes):
+            km.routed_experts_triton(x, w, idx, weights, layer.limit, plans)
+
+    def whole():
+        for x in xs:
+            layer(x, ids)
+
+    routed_graph_ms = _graph_ms(routed) / sets
+    if not whole_layer:
+        return {"tokens": tokens, "routed_graph_ms": routed_graph_ms}
+    routed_ms = _median_ms(routed) / sets
+    layer_graph_ms = _graph_ms(whole) / sets
+    bytes_roof_ms = touched * per_expert / bandwidth * 1e3
+    flops = 6 * slots * d * i
+    flops_roof_ms = flops / gemm_rate * 1e3
+    return {
+        "tokens": tokens,
+        "experts_touched": touched,
+        "touched_gb": touched * per_expert / 1e9,
+        "routed_ms": routed_ms,
+        "routed_graph_ms": routed_graph_ms,
+        "layer_ms": _median_ms(whole) / sets,
+        "layer_graph_ms": layer_graph_ms,
+        "bytes_roofline_ms": bytes_roof_ms,
+        "bytes_ratio_graph": routed_graph_ms / bytes_roof_ms,
+        "flops_roofline_ms": flops_roof_ms,
+        "routed_tflops": flops / (routed_graph_ms * 1e-3) / 1e12,
+        "flops_fraction_graph": flops_roof_ms / routed_graph_ms,
+    }
+
+
+def kernel_breakdown(layer: MoE, tokens: int) -> dict[str, float]:
+    """CUDA time per kernel name (us per call) of the whole layer, from the profiler."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(tokens, layer.gate.weight.shape[1], device="cuda", generator=g).bfloat16()
+    ids = torch.zeros(tokens, dtype=torch.long, device="cuda")
+    layer(x, ids)
+    torch.cuda.synchronize()
+    calls = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            layer(x, ids)
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            times[event.key[:60]] = event.device_time_total / calls
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+SWEEP = {
+    "decode": [km.GemmPlan(16, bn, 4, 3) for bn in (32, 64, 128)] + [km.GemmPlan(16, 64, 4, 3, scaled=False)],
+    "prefill": [
+        km.GemmPlan(128, 128, 8, 3),
+        km.GemmPlan(128, 128, 8, 4),
+        km.GemmPlan(128, 64, 4, 3),
+        km.GemmPlan(64, 128, 4, 3),
+        km.GemmPlan(128, 256, 8, 3),
+        km.GemmPlan(128, 128, 8, 3, scaled=False),
+    ],
+}
+
+
+def sweep(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float) -> list[dict]:
+    """Graph time of the routed op with each candidate plan (both passes the same plan)."""
+    runs = []
+    for plan in SWEEP["decode" if tokens <= 64 else "prefill"]:
+        try:
+            row = bench_moe(layer, tokens, bandwidth, gemm_rate, plans=(plan, plan), whole_layer=False)
+            runs.append({"plan": plan.__dict__, "routed_graph_ms": row["routed_graph_ms"]})
+        except Exception as error:  # an over-sized plan (shared memory) is reported, not fatal
+            runs.append({"plan": plan.__dict__, "error": str(error)[:200]})
+    return runs
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ds4 bench moe", description=__doc__)
+    parser.add_argument("--config", default=str(FLASH_CONFIG), help="config.json (default: the Flash config)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--json", metavar="PATH", help="write the full report here")
+    parser.add_argument("--sweep", action="store_true", help="also time candidate tile plans")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ds4 bench moe needs a CUDA device", file=sys.stderr)
+        return 2
+    cfg = load_config(args.config)
+    torch.set_grad_enabled(False)
+    layer = moe_layer(cfg)
+    bandwidth, gemm = copy_bandwidth(), bf16_gemm_rate()
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_bandwidth_tbps": bandwidth / 1e12,
+        "bf16_gemm_tflops": gemm / 1e12,
+        "rows": [],
+    }
+    for tokens in args.tokens:
+        report["rows"].append(bench_moe(layer, tokens, bandwidth, gemm))
+        print(f"tokens {tokens}: {report['rows'][-1]}", file=sys.stderr)
+    report["profile"] = {t: kernel_breakdown(layer, t) for t in (1, 8192) if t in args.tokens}
+    if args.sweep:
+        report["sweep"] = {t: sweep(layer, t, bandwidth, gemm) for t in args.tokens if t in (1, 64, 8192)}
+    print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s ({report['device']})")
+    print("tokens  touched  GB     routed ms  graph ms  layer graph ms  bytes roof ms  ratio  TFLOP/s  of bf16")
+    for r in report["rows"]:
+        print(
+            f"{r['tokens']:6d}  {r['experts_touched']:7.1f}  {r['touched_gb']:5.2f}  {r['routed_ms']:9.4f}  "
+            f"{r['routed_graph_ms']:8.4f}  {r['layer_graph_ms']:14.4f}  {r['bytes_roofline_ms']:13.4f}  "
+            f"{r['bytes_ratio_graph']:5.2f}  {r['routed_tflops']:7.1f}  {r['flops_fraction_graph']:6.1%}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
