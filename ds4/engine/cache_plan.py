@@ -2,8 +2,9 @@
 
 The budget is --kv-cache-memory bytes when given; on CUDA otherwise --gpu-memory-utilization of the
 device minus what is already in use (weights) and the activation peak of one full step, measured by
-running one; on CPU otherwise 1 GiB. Slots (sliding windows, compressor states) are paid first, the
-rest becomes pages. Pages beyond max_num_seqs requests of max_model_len tokens would never be used.
+running one; on CPU otherwise 1 GiB. Slots (sliding windows, compressor states) and the prefix cache's
+boundary snapshots (ds4.engine.prefix_cache) are paid first, the rest becomes pages. Pages beyond
+max_num_seqs requests of max_model_len tokens would never be used.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import torch
 
 from ds4.engine.config import EngineConfig, GiB
 from ds4.model.batch import ForwardBatch
-from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot
+from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot, bytes_per_snapshot
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_CACHE_BYTES = GiB
+# Share of the cache budget given to boundary snapshots when --prefix-cache-snapshots is not set.
+DEFAULT_SNAPSHOT_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class CachePlan:
     max_model_len: int
     page_bytes: int
     slot_bytes: int
+    num_snapshots: int = 0  # prefix caching's boundary snapshots (0: prefix caching off)
+    snapshot_bytes: int = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -37,12 +42,22 @@ class CachePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_pages * self.page_bytes + self.num_slots * self.slot_bytes
+        return self.num_pages * self.page_bytes + self.num_slots * self.slot_bytes + self.snapshot_bytes_total
+
+    @property
+    def snapshot_bytes_total(self) -> int:
+        return self.num_snapshots * self.snapshot_bytes
 
     def describe(self) -> str:
         return (
             f"KV cache: {self.num_pages} pages x {self.page_size} tokens = {self.capacity_tokens} tokens of context, "
-            f"{self.num_slots} request slots, {self.total_bytes / GiB:.3f} GiB; max_model_len {self.max_model_len}"
+            f"{self.num_slots} request slots, {self.total_bytes / GiB:.3f} GiB; max_model_len {self.max_model_len}; "
+            + (
+                f"prefix caching on: {self.num_snapshots} page-end snapshots "
+                f"({self.snapshot_bytes_total / GiB:.3f} GiB, {self.snapshot_bytes} bytes each)"
+                if self.num_snapshots
+                else "prefix caching off"
+            )
         )
 
 
@@ -53,18 +68,27 @@ def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int
     budget = config.kv_cache_memory
     if budget is None:
         budget = cuda_cache_budget(model, config, device) if device.type == "cuda" else CPU_DEFAULT_CACHE_BYTES
+    snapshot_bytes = bytes_per_snapshot(cfg, model.dtype, model.with_mtp)
+    num_snapshots = 0
+    if config.enable_prefix_caching:
+        num_snapshots = config.prefix_cache_snapshots or max(1, int(budget * DEFAULT_SNAPSHOT_SHARE) // snapshot_bytes)
     # The cache also holds scratch pages that absorb writes going nowhere (padding rows, unfinished windows).
     # A model of sliding-window layers only has nothing paged: its pages cost nothing.
-    num_pages = (budget - num_slots * slot_bytes) // max(page_bytes, 1) - SCRATCH_PAGES
+    num_pages = (budget - num_slots * slot_bytes - num_snapshots * snapshot_bytes) // max(page_bytes, 1) - SCRATCH_PAGES
     if num_pages < 1:
         raise ValueError(
-            f"the cache budget of {budget} bytes does not cover {num_slots} request slots ({slot_bytes} bytes each) "
-            f"and one page ({page_bytes} bytes): give more memory or lower max_num_seqs"
+            f"the cache budget of {budget} bytes does not cover {num_slots} request slots ({slot_bytes} bytes each), "
+            f"{num_snapshots} prefix-cache snapshots ({snapshot_bytes} bytes each) and one page ({page_bytes} bytes): "
+            "give more memory, lower max_num_seqs or prefix_cache_snapshots"
         )
     wanted_len = config.max_model_len or cfg.max_position_embeddings
     num_pages = min(num_pages, config.max_num_seqs * -(-wanted_len // config.page_size))
     max_model_len = config.max_model_len or min(cfg.max_position_embeddings, num_pages * config.page_size)
-    plan = CachePlan(num_pages, num_slots, config.page_size, max_model_len, page_bytes, slot_bytes)
+    if config.prefix_cache_snapshots is None:
+        num_snapshots = min(num_snapshots, num_pages)  # no use for more than one per page
+    plan = CachePlan(
+        num_pages, num_slots, config.page_size, max_model_len, page_bytes, slot_bytes, num_snapshots, snapshot_bytes
+    )
     logger.info(plan.describe())
     return plan
 

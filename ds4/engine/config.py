@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field, fields
 
 GiB = 1 << 30
@@ -40,6 +41,14 @@ class EngineConfig:
     )
     page_size: int = _flag(256, "tokens per cache page; a multiple of every compression ratio of the model")
     enforce_eager: bool = _flag(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    enable_prefix_caching: bool = _flag(
+        True, "keep full pages of prompts and outputs under a hash of their tokens; requests reuse cached prefixes"
+    )
+    prefix_cache_snapshots: int | None = _flag(
+        None,
+        "prefix caching: page-end states kept (sliding window + CSA overlap rows; a cached prefix resumes only "
+        "where one is kept; default: a tenth of the cache memory)",
+    )
     max_cuda_graph_batch_size: int = _flag(
         256, "CUDA: the largest decode batch captured as a graph (larger decode batches run eagerly)"
     )
@@ -78,6 +87,10 @@ class EngineConfig:
             raise EngineConfigError(
                 f"max_model_len must be an integer >= 2 (a prompt token and an output), got {self.max_model_len!r}"
             )
+        if self.prefix_cache_snapshots is not None and (
+            not isinstance(self.prefix_cache_snapshots, int) or self.prefix_cache_snapshots < 1
+        ):
+            raise EngineConfigError(f"prefix_cache_snapshots must be >= 1, got {self.prefix_cache_snapshots!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
@@ -130,7 +143,9 @@ def add_engine_args(parser) -> None:
         flag = "--" + f.name.replace("_", "-")
         help = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
         if f.type in (bool, "bool"):
-            group.add_argument(flag, action="store_true", help=help)
+            # Flags on by default get their --no- form too (--enable-prefix-caching / --no-enable-prefix-caching).
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            group.add_argument(flag, action=action, default=f.default, help=help)
         else:
             kind = float if f.name == "gpu_memory_utilization" else int
             group.add_argument(flag, type=kind, default=f.default, help=help)

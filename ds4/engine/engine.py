@@ -22,6 +22,7 @@ from ds4.engine.cuda_graphs import DecodeGraphs
 from ds4.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from ds4.engine.model_runner import ChunkResult, ModelRunner
 from ds4.engine.page_allocator import PageAllocator
+from ds4.engine.prefix_cache import PrefixCache
 from ds4.engine.sampler import Sampler, TokenLogprobs
 from ds4.engine.sampling_params import SamplingParams
 from ds4.engine.scheduler import RequestRejected, Scheduler
@@ -65,6 +66,17 @@ class EngineStats:
     generation_tokens: int  # tokens sampled since start
     num_steps: int
     num_finished: int
+    # Prefix caching: pages kept under a hash (held by requests or reclaimable), and since start the tokens
+    # of admitted requests, of those the tokens taken from the cache, and the cached pages evicted.
+    num_cached_pages: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_evicted_pages: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queried = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / queried if queried else 0.0
 
     @property
     def cache_usage(self) -> float:
@@ -85,8 +97,10 @@ class LLMEngine:
             use_graphs = False
         # With graphs, one extra slot is the scratch slot that padding rows write to.
         self.plan = plan_cache(model, self.config, self.device, self.config.max_num_seqs + use_graphs)
-        self.cache = model.new_cache(self.plan.num_slots, self.plan.num_pages, self.plan.page_size)
-        self.allocator = PageAllocator(self.plan.num_pages, self.config.max_num_seqs, self.plan.page_size)
+        plan = self.plan
+        self.cache = model.new_cache(plan.num_slots, plan.num_pages, plan.page_size, plan.num_snapshots)
+        self.prefix_cache = PrefixCache(plan.page_size, plan.num_snapshots) if plan.num_snapshots else None
+        self.allocator = PageAllocator(plan.num_pages, self.config.max_num_seqs, plan.page_size, self.prefix_cache)
         self.scheduler = Scheduler(self.config, self.allocator, self.plan.max_model_len)
         self.sampler = Sampler(eos_token_ids=(model.cfg.eos_token_id,), seed=seed)
         graphs = None
@@ -193,17 +207,25 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return outputs
+        snapshots = self.prefix_cache.plan_step(scheduled.chunks) if self.prefix_cache is not None else None
         try:
-            results = self.runner.run(scheduled.chunks)
+            results = self.runner.run(scheduled.chunks, snapshots)
         except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("engine step failed")
             for chunk in scheduled.chunks:
                 outputs.append(self._fail(chunk.seq, f"{type(e).__name__}: {e}"))
+            if self.prefix_cache is not None:
+                self.prefix_cache.end_step()
             return outputs
         self._steps += 1
+        for chunk in scheduled.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(chunk.seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.end_step()
         for chunk, result in zip(scheduled.chunks, results):
             seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
             if result.token_id is None:
                 self._prompt_tokens += chunk.num_tokens
             else:
@@ -214,6 +236,7 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> EngineStats:
+        cached = self.prefix_cache
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -225,6 +248,10 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             num_steps=self._steps,
             num_finished=self._finished,
+            num_cached_pages=cached.num_cached_pages if cached is not None else 0,
+            prefix_cache_queried_tokens=cached.stats.queried_tokens if cached is not None else 0,
+            prefix_cache_hit_tokens=cached.stats.hit_tokens if cached is not None else 0,
+            prefix_cache_evicted_pages=cached.stats.evicted_pages if cached is not None else 0,
         )
 
     def _postprocess(self, seq: Sequence, result: ChunkResult) -> RequestOutput | None:

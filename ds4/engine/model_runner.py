@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ds4.engine.cuda_graphs import DecodeGraphs
+from ds4.engine.prefix_cache import StepSnapshots
 from ds4.engine.sampler import Sampler, TokenLogprobs, compute_logprobs
 from ds4.engine.scheduler import ScheduledChunk
 from ds4.model.batch import ForwardBatch
@@ -35,12 +36,17 @@ class ModelRunner:
         self.device = torch.device(device)
         self.graphs = graphs
 
-    def run(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
+    def run(self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None = None) -> list[ChunkResult]:
         batch = build_batch(chunks, self.device)
+        if snapshots is not None:  # prefix caching: resume admitted requests, keep page-end states
+            self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots)
+            batch.snapshots = tuple(snapshots.inner)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
             hidden = self.model.forward(batch, self.cache)
+        if snapshots is not None:
+            self.cache.save_snapshots(snapshots.save_slots, snapshots.save_snapshots)
         sample_rows, prompt_rows = logit_rows(chunks)
         rows = [r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows]
         results = [ChunkResult() for _ in chunks]

@@ -11,7 +11,9 @@ scheduled whole in the first step after it arrives and so gets its first token f
 many long prompts are prefilling.
 
 When pages run out, the newest request is preempted: its pages and slot go back and it restarts from
-zero later, keeping the tokens it generated. The scheduler deals only in tokens, pages and slots.
+zero later (or from its longest cached prefix), keeping the tokens it generated. With prefix caching a
+request is admitted after its longest cached prefix (ds4.engine.prefix_cache) and prefills only the rest.
+The scheduler deals only in tokens, pages and slots.
 """
 
 from __future__ import annotations
@@ -118,8 +120,8 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:
                 if not admitting:
                     continue
-                n = min(seq.num_uncomputed_tokens, budget, limit)
-                if not self._admit(seq, n):
+                n = self._admit(seq, budget, limit)
+                if n == 0:
                     # Later arrivals must not overtake a request that waits for room, or it could starve.
                     admitting = False
                     continue
@@ -139,14 +141,26 @@ class Scheduler:
         pages = len(seq.page_table) + self.allocator.num_free_pages
         return pages * self.allocator.page_size - seq.num_computed_tokens
 
-    def _admit(self, seq: Sequence, n: int) -> bool:
-        if len(self.running) >= self.config.max_num_seqs or not self.allocator.can_grow([], n):
-            return False
+    def _admit(self, seq: Sequence, budget: int, limit: int) -> int:
+        """Give seq a slot and its longest cached prefix; the tokens it computes now (0: no room, it waits)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return 0
+        cache = self.allocator.prefix_cache
+        pages, snapshot = cache.lookup(seq) if cache is not None else ([], None)
+        self.allocator.share(seq.page_table, pages)
+        cached = len(pages) * self.allocator.page_size
+        n = min(seq.num_tokens - cached, budget, limit)
+        if not self.allocator.can_grow(seq.page_table, cached + n):
+            self.allocator.free_pages(seq.page_table)
+            return 0
         self.waiting.remove(seq)
         seq.slot = self.allocator.allocate_slot()
         seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens, seq.num_cached_pages = cached, len(pages)
+        if cache is not None:
+            cache.admitted(seq, cached, snapshot)
         self.running.append(seq)
-        return True
+        return n
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput, newer_only: bool) -> bool:
         """Preempt the newest unscheduled requests until seq can grow by n tokens; False if seq itself went."""

@@ -24,7 +24,8 @@ class Sequence:
     """Token ids, how many of them the cache already holds, and where in the cache they live.
 
     Tokens `[0, num_computed_tokens)` are in the cache; the rest still have to run through the model.
-    A preempted sequence drops its cache and starts again from zero, keeping the tokens it generated.
+    A preempted sequence drops its cache and starts again from zero (or from its longest cached prefix),
+    keeping the tokens it generated.
     The sequence owns `prompt_token_ids` (`sampling` reads the same list). `detokenizer` and `stop_checker`
     are None for an engine without a tokenizer.
     """
@@ -54,6 +55,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.page_table: list[int] = []
         self.slot: int | None = None
+        # Prefix caching: chain keys of its full pages (memo), and how many of page_table are cached or settled.
+        self.page_keys: list[bytes] = []
+        self.num_cached_pages = 0
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         # The prompt logprobs gathered so far: one per prompt token, None for the first; None if not asked for.

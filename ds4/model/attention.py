@@ -81,8 +81,12 @@ class Attention(nn.Module):
 
     def _attend(self, x, qr, q, kv, batch: ForwardBatch, layout: StepLayout, cache: LayerCache) -> torch.Tensor:
         key_sets = [self._window_keys(kv, batch, layout, cache)]
+        self._snapshot_windows(*key_sets[0], batch, layout, cache)
         if self.kind != WINDOW:
-            self.compressor(x, batch, layout, cache.compressor, cache.compressed, self.inv_freq, self._round_kv)
+            snapshot = cache.snapshot.compressor if cache.snapshot is not None else None
+            self.compressor(
+                x, batch, layout, cache.compressor, cache.compressed, self.inv_freq, self._round_kv, snapshot
+            )
             if self.kind == CSA:
                 rows = self.indexer(x, qr, batch, layout, cache, self.inv_freq, self._round_index)
             else:
@@ -120,6 +124,19 @@ class Attention(nn.Module):
         cached = req[:, None] * win + key_pos % win
         rows = torch.where(key_pos >= ctx, fresh, cached)
         return source, torch.where(key_pos >= 0, rows, -1)
+
+    def _snapshot_windows(self, source, rows, batch: ForwardBatch, layout: StepLayout, cache: LayerCache) -> None:
+        """The window ring at each snapshot's page end e: the keys of token e - 1's window, in ring order
+        (rows of positions below 0 get stand-ins that nothing reads)."""
+        if not batch.snapshots:
+            return
+        dev = source.device
+        snaps = batch.snapshots
+        tokens = [layout.starts[s.request] + s.position - 1 - layout.context_lens[s.request] for s in snaps]
+        ends = torch.tensor([s.position for s in snaps], device=dev)
+        ring = (ends[:, None] - self.window + torch.arange(self.window, device=dev)) % self.window
+        ids = torch.tensor([s.snapshot for s in snaps], device=dev)
+        cache.snapshot.window[ids[:, None], ring] = source[rows[torch.tensor(tokens, device=dev)].clamp_min(0)]
 
     def _store_window(self, kv, batch: ForwardBatch, layout: StepLayout, cache: LayerCache) -> None:
         """The last `window` tokens of each request go into its ring at position % window."""

@@ -7,6 +7,15 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class BoundarySnapshot:
+    """Keep the state of request `request` at page end `position` (inside its chunk) as snapshot `snapshot`."""
+
+    request: int
+    position: int
+    snapshot: int
+
+
 @dataclass
 class ForwardBatch:
     """Tokens of R requests laid end to end; request r owns tokens query_start_loc[r]:query_start_loc[r + 1].
@@ -21,6 +30,9 @@ class ForwardBatch:
     trusts the batch: a page a token needs must be in its block table (`validate(page_size)` checks).
     Padding rows (position 0, a scratch slot, block-table rows of -1) write only to the scratch slot
     and the pools' scratch page.
+
+    `snapshots` (general path only, host side) name page ends strictly inside a request's tokens whose
+    boundary state the model writes to the cache's snapshot store as it passes them (prefix caching).
     """
 
     input_ids: torch.Tensor  # [T] long
@@ -30,6 +42,7 @@ class ForwardBatch:
     slots: torch.Tensor  # [R] int
     block_tables: torch.Tensor  # [R, max_pages] int
     decode_only: bool = False
+    snapshots: tuple[BoundarySnapshot, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,13 @@ Storage only; the engine hands out slots and pages. Per layer:
 With kv_cache_dtype "fp8" the stores hold fp8-rounded values (kept dequantised in the compute dtype for now,
 except the indexer keys, whose MXFP4-rounded values the packed e4m3 cache holds exactly).
 
+Boundary snapshots (prefix caching): the state a request needs to resume at a page end e, for `num_snapshots`
+snapshot ids. At a page end every compressor window is complete (page_size is a multiple of every ratio), so
+the unfinished-window rows hold nothing and only two things are kept per layer: the window ring (raw entries
+of tokens e - sliding_window .. e - 1, ring order) and, for CSA, the previous full window's rows of the
+compressor and indexer states (the overlap). `save_snapshots` / `restore_snapshots` copy them from / to slots;
+the model also writes them directly for page ends inside a prefill chunk (ForwardBatch.snapshots).
+
 Every paged pool has one page more than num_pages: the last page (index num_pages) is a scratch page
 that no block table names. The decode path writes there what must go nowhere (entries of windows that
 did not complete, padding rows of a CUDA-graph batch), so its writes need no data-dependent shapes.
@@ -47,6 +54,16 @@ class LayerCache:
     index_keys: torch.Tensor | None = None
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+    snapshot: LayerSnapshots | None = None
+
+
+@dataclass
+class LayerSnapshots:
+    """One layer's boundary snapshots (see the module docstring); `compressor` / `indexer` only for CSA."""
+
+    window: torch.Tensor  # [snapshots, sliding_window, head_dim]
+    compressor: CompressorState | None = None  # kv / score [snapshots, ratio, 2 * head_dim]
+    indexer: CompressorState | None = None  # [snapshots, ratio, 2 * index_head_dim]
 
 
 def check_kv_cache_dtype(cfg: ModelConfig, kv_cache_dtype: str) -> None:
@@ -127,6 +144,17 @@ def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = False)
     return total
 
 
+def bytes_per_snapshot(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = False) -> int:
+    """Bytes one boundary snapshot takes: windows plus CSA's overlap rows (fp32 kv and score)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for i in cache_layers(cfg, with_mtp):
+        total += cfg.sliding_window * cfg.head_dim * item
+        if cfg.layer_kinds[i] == CSA:
+            total += 2 * cfg.compress_ratios[i] * 2 * (cfg.head_dim + cfg.index_head_dim) * 4
+    return total
+
+
 class ModelCache:
     """Every layer's cache storage, allocated up front."""
 
@@ -140,12 +168,14 @@ class ModelCache:
         device: torch.device | str = "cpu",
         kv_cache_dtype: str = "auto",
         with_mtp: bool = False,
+        num_snapshots: int = 0,
     ):
         check_kv_cache_dtype(cfg, kv_cache_dtype)
         check_page_size(cfg, page_size, with_mtp)
         if num_slots < 1 or num_pages < 1:
             raise ValueError(f"ModelCache: need at least one slot and one page (got {num_slots}, {num_pages})")
         self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
+        self.num_snapshots = num_snapshots
         self.kv_cache_dtype = kv_cache_dtype
         self.layers = [self._layer(cfg, i, dtype, torch.device(device)) for i in cache_layers(cfg, with_mtp)]
 
@@ -154,6 +184,9 @@ class ModelCache:
         layer = LayerCache(
             kind, ratio, torch.zeros(self.num_slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
         )
+        if self.num_snapshots:
+            window = torch.zeros(self.num_snapshots, *layer.window.shape[1:], dtype=dtype, device=device)
+            layer.snapshot = LayerSnapshots(window)
         if kind == WINDOW:
             return layer
         entries, pages = self.page_size // ratio, self.num_pages + SCRATCH_PAGES
@@ -165,6 +198,9 @@ class ModelCache:
             else:
                 layer.index_keys = torch.zeros(pages, entries, cfg.index_head_dim, dtype=dtype, device=device)
             layer.indexer = self._state(kind, ratio, cfg.index_head_dim, device)
+            if layer.snapshot is not None:
+                layer.snapshot.compressor = _overlap_rows(layer.compressor, self.num_snapshots, ratio)
+                layer.snapshot.indexer = _overlap_rows(layer.indexer, self.num_snapshots, ratio)
         return layer
 
     def _state(self, kind: str, ratio: int, head_dim: int, device: torch.device) -> CompressorState:
@@ -173,3 +209,37 @@ class ModelCache:
             torch.zeros(shape, dtype=torch.float32, device=device),
             torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
         )
+
+    def save_snapshots(self, slots: list[int], snapshots: list[int]) -> None:
+        """Keep each slot's state, which must stand at a page end, as its boundary snapshot."""
+        if slots:
+            self._copy_snapshots(self._index(snapshots), self._index(slots), save=True)
+
+    def restore_snapshots(self, snapshots: list[int], slots: list[int]) -> None:
+        """Put each slot in the state of its boundary snapshot (requests resuming at those page ends)."""
+        if slots:
+            self._copy_snapshots(self._index(snapshots), self._index(slots), save=False)
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.layers[0].window.device)
+
+    def _copy_snapshots(self, snapshots: torch.Tensor, slots: torch.Tensor, save: bool) -> None:
+        for layer in self.layers:
+            kept = layer.snapshot
+            pairs = [(layer.window, kept.window, slice(None))]
+            for state, rows in ((layer.compressor, kept.compressor), (layer.indexer, kept.indexer)):
+                if rows is not None:
+                    pairs += [(state.kv, rows.kv, slice(layer.ratio)), (state.score, rows.score, slice(layer.ratio))]
+            for live, store, part in pairs:
+                if save:
+                    store[snapshots] = live[slots, part]
+                else:
+                    live[slots, part] = store[snapshots]
+
+
+def _overlap_rows(state: CompressorState, num_snapshots: int, ratio: int) -> CompressorState:
+    shape = (num_snapshots, ratio, state.kv.shape[-1])
+    return CompressorState(
+        torch.zeros(shape, dtype=torch.float32, device=state.kv.device),
+        torch.full(shape, float("-inf"), dtype=torch.float32, device=state.kv.device),
+    )

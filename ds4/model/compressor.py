@@ -43,11 +43,13 @@ class Compressor(nn.Module):
         pool: torch.Tensor,
         inv_freq: torch.Tensor,
         finish: Callable[[torch.Tensor], torch.Tensor],
+        snapshots: CompressorState | None = None,
     ) -> None:
         """Write every entry whose window completes in this step into `pool` (page_size // ratio entries a page;
         dense [pages, entries, head_dim], or the packed indexer cache).
 
         `finish` applies the storage rounding (fp8 / fp4 simulation) to normalised, rotated entries.
+        `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots (overlap only).
         """
         xf = x.float()
         kv = self.wkv(xf)
@@ -56,7 +58,10 @@ class Compressor(nn.Module):
             if layout.counts[r] == 0:
                 continue
             tokens = layout.token_slice(r)
-            entries, first = self._request(kv[tokens], score[tokens], layout.context_lens[r], layout.slots[r], state)
+            keep = [(s.position, s.snapshot) for s in batch.snapshots if s.request == r] if self.overlap else []
+            entries, first = self._request(
+                kv[tokens], score[tokens], layout.context_lens[r], layout.slots[r], state, keep, snapshots
+            )
             if entries is None:
                 continue
             entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
@@ -107,8 +112,9 @@ class Compressor(nn.Module):
         target = torch.where(completes & (target >= 0), target, scratch)
         store_entries(pool, target, entries)
 
-    def _request(self, kv: torch.Tensor, score: torch.Tensor, start: int, slot: int, state: CompressorState):
-        """Pool the windows one request completes; update its state.
+    def _request(self, kv, score, start: int, slot: int, state: CompressorState, keep=(), snapshots=None):
+        """Pool the windows one request completes; update its state. keep: (page end e, snapshot id) pairs
+        inside the chunk, whose overlap rows (the full window e - ratio .. e - 1) go to `snapshots`.
 
         Returns (entries [m, head_dim] | None, first index)."""
         ratio = self.ratio
@@ -128,6 +134,10 @@ class Compressor(nn.Module):
             else:
                 pooled_kv, pooled_score = win_kv, win_score
             entries = (pooled_kv * pooled_score.softmax(dim=1)).sum(dim=1)
+            if keep:
+                windows = torch.tensor([end // ratio - first - 1 for end, _ in keep], device=kv.device)
+                ids = torch.tensor([snapshot for _, snapshot in keep], device=kv.device)
+                snapshots.kv[ids], snapshots.score[ids] = win_kv[windows], win_score[windows]
             if self.overlap:
                 state.kv[slot, :ratio] = win_kv[-1]
                 state.score[slot, :ratio] = win_score[-1]

@@ -50,10 +50,18 @@ class DeepseekV4Model(nn.Module):
         self.hc_head_scale = fp32_param(1, device=device)
         self.mtp = nn.ModuleList([MTPBlock(cfg, dtype, device, kv_cache_dtype)] if with_mtp else [])
 
-    def new_cache(self, num_slots: int, num_pages: int, page_size: int) -> ModelCache:
+    def new_cache(self, num_slots: int, num_pages: int, page_size: int, num_snapshots: int = 0) -> ModelCache:
         device = self.embed.weight.device
         return ModelCache(
-            self.cfg, num_slots, num_pages, page_size, self.dtype, device, self.kv_cache_dtype, self.with_mtp
+            self.cfg,
+            num_slots,
+            num_pages,
+            page_size,
+            self.dtype,
+            device,
+            self.kv_cache_dtype,
+            self.with_mtp,
+            num_snapshots,
         )
 
     @torch.inference_mode()

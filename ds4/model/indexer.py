@@ -32,12 +32,14 @@ _PIECE_BYTES = 1 << 28
 def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores per row (the order among them does not matter).
 
-    On CUDA the exact Triton top-k (ties to the lowest index, no host sync, graph-safe); torch.topk elsewhere.
+    On CUDA the exact Triton top-k (ties to the lowest index, no host sync, graph-safe); elsewhere a stable
+    sort, which breaks ties the same way. Ties are common (relu makes whole scores 0), and torch.topk breaks
+    them by the row's length, so chunked and whole prefill would pick different entries.
     """
     if scores.is_cuda and k > 0 and scores.shape[0] > 0:
         lengths = torch.full((scores.shape[0],), scores.shape[1], dtype=torch.int32, device=scores.device)
         return topk_indices(scores, lengths, k).long()
-    return torch.topk(scores, k, dim=-1).indices
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 class Indexer(nn.Module):
@@ -61,7 +63,8 @@ class Indexer(nn.Module):
         finish: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """Rows of the flattened compressed pool each token attends to: [T, k] (-1 = none)."""
-        self.compressor(x, batch, layout, cache.indexer, cache.index_keys, inv_freq, finish)
+        snapshot = cache.snapshot.indexer if cache.snapshot is not None else None
+        self.compressor(x, batch, layout, cache.indexer, cache.index_keys, inv_freq, finish, snapshot)
         q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
         q = finish(apply_rope(q, batch.positions, inv_freq)).float()
         weights = self.weights_proj(x).float() * self.weight_scale

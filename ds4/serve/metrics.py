@@ -24,6 +24,11 @@ class _EngineCollector:
             "ds4_num_requests_waiting": ("Requests queued for a cache slot", s.num_waiting),
             "ds4_cache_usage_ratio": ("Fraction of cache pages in use", s.cache_usage),
             "ds4_cache_capacity_tokens": ("Tokens the cache can hold", s.capacity_tokens),
+            "ds4_prefix_cache_pages": ("Pages kept by the prefix cache (held or reclaimable)", s.num_cached_pages),
+            "ds4_prefix_cache_hit_rate": (
+                "Prompt tokens taken from the prefix cache / prompt tokens of admitted requests, since start",
+                s.prefix_cache_hit_rate,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -31,6 +36,12 @@ class _EngineCollector:
             "ds4_num_preemptions": ("Requests preempted (cache full) since start", s.num_preemptions),
             "ds4_prompt_tokens": ("Prompt tokens run through the model since start", s.prompt_tokens),
             "ds4_generation_tokens": ("Tokens generated since start", s.generation_tokens),
+            "ds4_prefix_cache_queries": (
+                "Prompt tokens of admitted requests (prefix cache lookups)",
+                s.prefix_cache_queried_tokens,
+            ),
+            "ds4_prefix_cache_hits": ("Prompt tokens taken from the prefix cache", s.prefix_cache_hit_tokens),
+            "ds4_prefix_cache_evictions": ("Cached pages evicted to make room", s.prefix_cache_evicted_pages),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -68,10 +68,10 @@ def test_the_event_loop_runs_while_a_step_is_in_the_model(model):
     timed_out = []
     run = engine.engine.runner.run
 
-    def gated_run(chunks):
+    def gated_run(*args):
         if not gate.wait(timeout=10):
             timed_out.append(True)
-        return run(chunks)
+        return run(*args)
 
     engine.engine.runner.run = gated_run
 

@@ -100,11 +100,14 @@ def greedy(max_tokens):
 def test_greedy_under_continuous_batching_equals_each_request_alone(model, flags):
     num_pages = flags.pop("num_pages", None)
     if num_pages is not None:
-        from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot
+        from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot, bytes_per_snapshot
 
-        flags["kv_cache_memory"] = flags["max_num_seqs"] * bytes_per_slot(model.cfg, model.dtype) + (
-            num_pages + SCRATCH_PAGES
-        ) * bytes_per_page(model.cfg, PAGE, model.dtype)
+        flags["prefix_cache_snapshots"] = 4
+        flags["kv_cache_memory"] = (
+            flags["max_num_seqs"] * bytes_per_slot(model.cfg, model.dtype)
+            + 4 * bytes_per_snapshot(model.cfg, model.dtype)
+            + (num_pages + SCRATCH_PAGES) * bytes_per_page(model.cfg, PAGE, model.dtype)
+        )
     eng = engine(model, **flags)
     prompts = random_prompts(7, seed=1)
     arrivals = {}
@@ -231,17 +234,20 @@ def test_penalties_and_logprobs_match_plain_torch(model):
 
 
 def test_prompt_logprobs_survive_chunking_and_preemption(model):
-    from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot
+    from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot, bytes_per_snapshot
 
     prompt = random_prompts(1, seed=12, lo=40, hi=50)[0]
     cache = model.new_cache(1, 8, PAGE)
     full = model.compute_logits(model.forward(one_request_batch(prompt, 0, list(range(8))), cache))
     expected = torch.log_softmax(full[:-1], dim=-1)
-    memory = 3 * bytes_per_slot(model.cfg, model.dtype) + (6 + SCRATCH_PAGES) * bytes_per_page(
-        model.cfg, PAGE, model.dtype
+    memory = (
+        3 * bytes_per_slot(model.cfg, model.dtype)
+        + 2 * bytes_per_snapshot(model.cfg, model.dtype)
+        + (6 + SCRATCH_PAGES) * bytes_per_page(model.cfg, PAGE, model.dtype)
     )
     eng = engine(
         model,
+        prefix_cache_snapshots=2,
         max_num_seqs=3,
         max_num_batched_tokens=16,
         long_prefill_token_threshold=8,

@@ -68,7 +68,7 @@ def test_padded_decode_batches_equal_each_request_alone(model):
         ),
     )
     # As the engine does with graphs on: one more cache slot, the scratch slot padding rows write to.
-    cache = model.new_cache(eng.plan.num_slots + 1, eng.plan.num_pages, PAGE)
+    cache = model.new_cache(eng.plan.num_slots + 1, eng.plan.num_pages, PAGE, eng.plan.num_snapshots)
     eng.cache = eng.runner.cache = cache
     graphs = EagerDecodeGraphs(
         model,
