@@ -158,6 +158,8 @@ def run(args: argparse.Namespace) -> dict:
         kv_cache_memory=args.kv_cache_memory,
         enforce_eager=args.enforce_eager,
         max_cuda_graph_batch_size=max_batch,
+        # Random prompts share no prefix: the cache's page-end snapshots would only cost memory and copies.
+        enable_prefix_caching=False,
     )
     _progress("starting the engine (cache plan, CUDA-graph capture)")
     engine = LLMEngine(model, engine_config, tokenizer=None, seed=args.seed)
