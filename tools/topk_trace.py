@@ -42,7 +42,7 @@ def insert(src: str, anchor: str, text: str, after: bool = True) -> str:
 def traced_module():
     """ds4/kernels/topk_triton.py with a trace pointer passed down to every step and a stamp after each; the
     module's TRACE tensor (16 stamps a program) is where they go."""
-    src = pathlib.Path("ds4/kernels/topk_triton.py").read_text()
+    src = (pathlib.Path(__file__).parents[1] / "ds4/kernels/topk_triton.py").read_text()
     for helper in ("_count_split(", "_finish(", "_row_tau_and_hot_groups("):
         src = src.replace(helper, helper + "trace, ")
     for kernel in ("def _scan_kernel(", "def _count_kernel("):

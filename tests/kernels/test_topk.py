@@ -2,6 +2,8 @@
 
 import dataclasses
 import inspect
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -216,3 +218,18 @@ def test_benchmark_sweep_variants_are_exact(topk, kernels):
         for batch, lengths in ((long_rows, torch.tensor([5000, 4321])), (short_rows, torch.tensor([300, 299, 9, 7]))):
             got = kernels.launch(batch, lengths, 8, vary(chosen, changes))
             assert torch.equal(got, topk.topk_indices_reference(batch, lengths, 8)), name
+
+
+def test_trace_tool_patches_the_current_kernels():
+    """tools/topk_trace.py edits a copy of the kernel file by its text: every edit still finds its place, and
+    the copy passes a trace pointer down to the steps it stamps."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "tools"))
+    try:
+        import topk_trace
+    finally:
+        sys.path.pop(0)
+    traced = topk_trace.traced_module()
+    for step in (traced._count_split, traced._finish, traced._row_tau_and_hot_groups):
+        assert next(iter(inspect.signature(step.fn).parameters)) == "trace"
+    for kernel in (traced._scan_kernel, traced._count_kernel):
+        assert next(iter(inspect.signature(kernel.fn).parameters)) == "trace_ptr"
