@@ -67,9 +67,10 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Everything a launch is planned from; the defaults are the chosen values, `settings_for` adds the device's."""
+    """Everything a launch is planned from. The defaults are the chosen values; `settings_for` fills in what
+    comes from the device (sms, one_program.max_registers, early_count_launch, stagger_ns_per_byte)."""
 
-    sms: int = 1
+    sms: int  # a wave is programs_per_sm * sms programs
     programs_per_sm: int = 4  # a batch of fewer rows than programs_per_sm * sms (a wave) has its rows split
     split: Layout = Layout(tile=4096, prefetch=True, tau_linear=True, coarse_list=False, warps=4)
     one_program: Layout = Layout(tile=8192, prefetch=False, tau_linear=False, coarse_list=True, warps=8)
@@ -88,7 +89,7 @@ class Settings:
 @functools.cache
 def _cuda_settings(index: int, sms: int, early_count_launch: bool) -> Settings:
     reported = triton.runtime.driver.active.utils.get_device_properties(index)
-    chosen = Settings()
+    chosen = Settings(sms=sms)
     one_program = chosen.one_program
     registers = reported.get("max_num_regs", 0)  # a block's share of the register file: an SM's on sm_80-sm_120
     if registers:
@@ -97,7 +98,6 @@ def _cuda_settings(index: int, sms: int, early_count_launch: bool) -> Settings:
     peak_bytes_per_s = 2 * reported.get("mem_clock_rate", 0) * 1e3 * reported.get("mem_bus_width", 0) / 8
     return dataclasses.replace(
         chosen,
-        sms=sms,
         one_program=one_program,
         early_count_launch=early_count_launch,
         stagger_ns_per_byte=1e9 / peak_bytes_per_s if peak_bytes_per_s > 0 else 0.0,
