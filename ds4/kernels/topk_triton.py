@@ -959,8 +959,8 @@ def topk_indices_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> 
 
 
 def launch(scores: torch.Tensor, lengths: torch.Tensor, k: int, settings: Settings) -> torch.Tensor:
-    """The Triton path under the given settings: a row of one program each when a batch fills a wave of
-    programs or a row fits one split tile, otherwise each row split over programs_per_sm * sms // rows."""
+    """The Triton path under the given settings: one program a row when the batch fills a wave of programs or
+    a row fits one split tile, otherwise each row split over about a wave's share of programs."""
     rows, n_cols = scores.shape
     device = scores.device
     out = torch.empty((rows, k), dtype=torch.int32, device=device)
