@@ -105,6 +105,13 @@ def test_nan_ranks_above_inf_and_ties_take_lowest_index(topk):
         assert torch.topk(scores[0], 2).values.isnan().all()  # torch.topk also puts NaN first
 
 
+def test_empty_batches_and_rows(topk):
+    for impl in ("torch", "triton"):
+        assert topk.topk_indices(torch.zeros(0, 64), torch.zeros(0), 4, impl=impl).shape == (0, 4)
+        got = topk.topk_indices(torch.zeros(2, 0), torch.tensor([0, 5]), 3, impl=impl)
+        assert torch.equal(got, torch.full((2, 3), -1, dtype=torch.int32))
+
+
 def test_bad_arguments_fail_loudly(topk):
     with pytest.raises(ValueError):
         topk.topk_indices(torch.zeros(2, 8), torch.tensor([8, 8]), 0)
