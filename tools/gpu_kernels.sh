@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# GPU check for the top-k and indexer kernels: gpu-marked tests, then the benchmark.
-# Run on the lent H200 from the repo root; logs and JSON go to $OUT (default .out/). Under 5 minutes.
+# GPU check of the kernels in one device call: `ds4 bench kernels` (extra arguments go to it, e.g.
+# --all-tiles), then the gpu-marked kernel tests, then each quoted line of $TOPK_SWEEPS through
+# tools/topk_sweep.py. Run from the repo root; logs and JSON go to $OUT (default .out/).
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-.out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv \
-  > "$OUT/gpu.txt" 2>&1
-git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
-timeout 130 python3 -m pytest -q --maxfail=6 -m gpu tests/kernels/test_gpu_kernels.py "$@" 2>&1 | tee "$OUT/gpu_tests.log"
-tests=${PIPESTATUS[0]}
-timeout 150 python3 -c "import sys; from ds4.bench.kernels import main; sys.exit(main(sys.argv[1:]))" \
-  --json "$OUT/bench_kernels.json" --all-tiles 2>&1 | tee "$OUT/bench.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu \
+  --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
+timeout 150 python3 -m ds4.cli bench kernels --json "$OUT/kernels.json" "$@" 2>&1 | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels 2>&1 | tee "$OUT/gpu_tests.log"
+tests=${PIPESTATUS[0]}
+while IFS= read -r sweep; do
+  [ -n "$sweep" ] && eval "timeout 60 python3 tools/topk_sweep.py $sweep" 2>&1 | tee -a "$OUT/sweep.log"
+done <<< "${TOPK_SWEEPS:-}"
+cat "$OUT/gpu.txt"
 echo "gpu tests rc=$tests bench rc=$bench"
 exit $(( tests || bench ))

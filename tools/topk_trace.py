@@ -1,8 +1,9 @@
-"""Where a top-k call's time goes, program by program: runs a copy of ds4/kernels/topk.py with globaltimer
-stamps at each step (written to a trace buffer) and prints each step's median and worst duration.
+"""Where a top-k call's time goes, program by program: runs a copy of ds4/kernels/topk_triton.py with
+globaltimer stamps at each step (written to a trace buffer) and prints each step's median and worst duration.
 
-Run on the GPU from the repo root: python tools/topk_trace.py [ROWSxCOLS ...] [knob=value ...]
-(the shapes default to 1x1048576 64x131072 2048x65536; k is 512)."""
+Run on the GPU from the repo root: python tools/topk_trace.py [ROWSxCOLS ...] ["field=value ..."]
+(the shapes default to 1x1048576 64x131072 2048x65536; k is 512; the settings' changes read as in
+tools/topk_sweep.py)."""
 
 import importlib.util
 import pathlib
@@ -11,6 +12,10 @@ import sys
 import tempfile
 
 import torch
+from topk_sweep import parse_changes
+
+from ds4.bench.kernels import vary
+from ds4.kernels.topk import topk_indices_reference
 
 STEPS = {
     0: "scan start",
@@ -29,59 +34,40 @@ def mark(i: int, indent: str) -> str:
     return f"{indent}tl.debug_barrier()\n{indent}tl.store(trace + {i}, tl.extra.cuda.globaltimer())\n"
 
 
+def insert(src: str, anchor: str, text: str, after: bool = True) -> str:
+    assert src.count(anchor) == 1, anchor
+    return src.replace(anchor, anchor + text if after else text + anchor)
+
+
 def traced_module():
-    src = pathlib.Path("ds4/kernels/topk.py").read_text()
-    edits = [
-        ("def _count_split(row_scores,", "def _count_split(trace, row_scores,"),
-        ("_count_split(row_scores, row_gm,", "_count_split(trace, row_scores, row_gm,"),
-        ("_count_split(_row_scores(", "_count_split(trace, _row_scores("),
-        ("def _finish(row_scores,", "def _finish(trace, row_scores,"),
-        ("        _finish(row_scores,", "        _finish(trace, row_scores,"),
-        ("def _scan_kernel(scores_ptr,", "def _scan_kernel(trace_ptr, scores_ptr,"),
-        ("def _count_kernel(scores_ptr,", "def _count_kernel(trace_ptr, scores_ptr,"),
-        ("](*head, tiles_per_split", "](TRACE, *head, tiles_per_split"),
-        ("](*head, count_tiles", "](TRACE, *head, count_tiles"),
-        ("def _row_tau_and_hot_groups(row_gm,", "def _row_tau_and_hot_groups(trace, row_gm,"),
-        ("_row_tau_and_hot_groups(row_gm, cm_offset,", "_row_tau_and_hot_groups(trace, row_gm, cm_offset,"),
-        (
-            "        hot = real & (unit_keys >= tau)\n",
-            mark(2, "        ") + "        hot = real & (unit_keys >= tau)\n",
-        ),
-        ("    tl.debug_barrier()\n    split_cand", mark(3, "    ") + "    split_cand"),
-        (
-            "    tl.store(counts_row + split, found)\n    tl.debug_barrier()\n",
-            "    tl.store(counts_row + split, found)\n" + mark(4, "    "),
-        ),
-        ("    if last:\n        _finish(", mark(5, "    ") + "    if last:\n        _finish("),
-        (
-            "    if total <= CAP:\n        _select_candidates",
-            mark(6, "    ") + "    if total <= CAP:\n        _select_candidates",
-        ),
-        (
-            "                SPLIT_BLOCK, SINGLE, SELECT_BITS)\n",
-            "                SPLIT_BLOCK, SINGLE, SELECT_BITS)\n" + mark(7, "        "),
-        ),
-    ]
-    for old, new in edits:
-        assert old in src, old
-        src = src.replace(old, new)
-    tau_line = re.compile(r"^( +)(tau = _row_tau\(row_gm, cm_offset, .*\)\n)", re.M)
-    assert tau_line.search(src)
-    src = tau_line.sub(lambda m: m.group(0) + mark(2, m.group(1)), src)
+    """ds4/kernels/topk_triton.py with a trace pointer passed down to every step and a stamp after each; the
+    module's TRACE tensor (16 stamps a program) is where they go."""
+    src = (pathlib.Path(__file__).parents[1] / "ds4/kernels/topk_triton.py").read_text()
+    for helper in ("_count_split(", "_finish(", "_row_tau_and_hot_groups("):
+        src = src.replace(helper, helper + "trace, ")
+    for kernel in ("def _scan_kernel(", "def _count_kernel("):
+        src = src.replace(kernel, kernel + "trace_ptr, ")
+    src, launches = re.subn(r"\]\(\n( +)\*head,", r"](\n\1TRACE,\n\1*head,", src)
+    assert launches == 2
     program = "    trace = trace_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 16\n"
-    scan_head = "        _stagger_start(row, length, stagger_rows, stagger_sms, stagger_ns_per_entry)\n"
-    assert src.count(scan_head) == 1
-    src = src.replace(scan_head, scan_head + program + mark(0, "    "))  # the scan starts after the stagger
-    src = src.replace(
-        "                G, C, TILE, PREFETCH)\n", "                G, C, TILE, PREFETCH)\n" + mark(1, "    ")
+    src = insert(
+        src, "    row_scores = _row_scores(scores_ptr, row, stride_row, VEC)\n", program + mark(0, "    "), False
     )
-    count_head = "    if PDL:\n        tl.extra.cuda.gdc_wait()\n"
-    assert src.count(count_head) == 1
-    src = src.replace(count_head, count_head + program + mark(8, "    "))
+    src = insert(src, "        PREFETCH,\n    )\n", mark(1, "    "))
+    src = insert(src, "    if PDL:\n        tl.extra.cuda.gdc_wait()\n", program + mark(8, "    "))
+    src = insert(src, "        hot = real & (unit_keys >= tau)\n", mark(2, "        "), False)
+    src, taus = re.subn(r"^( +)(tau = _row_tau\(.*\)\n)", lambda m: m.group(0) + mark(2, m.group(1)), src, flags=re.M)
+    assert taus == 3
+    src = insert(src, "    split_cand = cand_row", mark(3, "    "), False)
+    src = insert(src, "    tl.store(counts_row + split, found)\n", mark(4, "    "))
+    src = insert(src, "    if last:\n        _finish(", mark(5, "    "), False)
+    src = insert(src, "    if total <= CAP:\n        _select_candidates", mark(6, "    "), False)
+    src = insert(src, "            K_PAD,\n            SINGLE,\n        )\n", mark(7, "        "))
     path = pathlib.Path(tempfile.mkdtemp()) / "topk_traced.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("topk_traced", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -111,24 +97,23 @@ def report(trace: torch.Tensor, label: str):
 
 
 def main(argv):
-    knobs = {
-        k: (v == "True" if v in ("True", "False") else int(v)) for k, v in (a.split("=") for a in argv if "=" in a)
-    }
+    changes = parse_changes(" ".join(a for a in argv if "=" in a))
     shapes = [tuple(int(v) for v in a.split("x")) for a in argv if "=" not in a]
     tk = traced_module()
+    settings = vary(tk.settings_for(torch.device("cuda")), changes)
     for rows, cols in shapes or ((1, 1048576), (64, 131072), (2048, 65536)):
         x = torch.randn(rows, cols, device="cuda")
         lengths = torch.full((rows,), cols, device="cuda", dtype=torch.int32)
         tk.TRACE = torch.zeros(rows * 1024 * 16, dtype=torch.int64, device="cuda")
-        tk._topk_triton(x, lengths, 512, **knobs)
+        tk.launch(x, lengths, 512, settings)
         for _ in range(3):
             tk.TRACE.zero_()
-            got = tk._topk_triton(x, lengths, 512, **knobs)
+            got = tk.launch(x, lengths, 512, settings)
         torch.cuda.synchronize()
-        assert torch.equal(got, tk.topk_indices_reference(x, lengths, 512))
+        assert torch.equal(got, topk_indices_reference(x, lengths, 512))
         used = tk.TRACE.view(-1, 16)
         used = used[(used[:, 0] > 0) | (used[:, 8] > 0)]
-        report(used, f"{rows} x {cols} {knobs}")
+        report(used, f"{rows} x {cols} {changes}")
 
 
 if __name__ == "__main__":

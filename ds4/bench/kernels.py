@@ -8,6 +8,7 @@ copy bandwidth (top-k, decode) or its useful FLOPs over the fp8 rate (prefill lo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -17,6 +18,7 @@ import triton.testing
 
 from ds4.kernels import indexer as ix
 from ds4.kernels import topk as tk
+from ds4.kernels import topk_triton
 
 TOPK_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512), (64, 131072, 1024), (128, 32768, 512)]
 ROTATE_BYTES = 256 << 20  # inputs smaller than this are rotated so timings do not come from L2
@@ -93,37 +95,51 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
     }
 
 
-TOPK_VARIANTS = [
-    {},  # the defaults
-    dict(tau_linear=True),
-    dict(tau_linear=False),
-    dict(coarse_list=False),
-    dict(prefetch=True),
-    dict(tile=8192),
-    dict(fused_warps=4, fused_maxnreg=128),
-    dict(pdl=False),
-    dict(count_merge=1),
-    dict(fused=False, count_warps=4, maxnreg=64),
-    dict(stagger=0.0),
-]
+# Changes to the chosen top-k settings that --all-tiles times: a field of topk_triton.Settings, or one of its
+# row layouts ("split", "one_program") with changes to the layout's fields.
+TOPK_VARIANTS = {
+    "chosen": {},
+    "split rows: radix tau": {"split": {"tau_linear": False}},
+    "split rows: 8192-entry tiles": {"split": {"tile": 8192}},
+    "one-program rows: linear tau": {"one_program": {"tau_linear": True}},
+    "one-program rows: no coarse listing": {"one_program": {"coarse_list": False}},
+    "one-program rows: prefetch": {"one_program": {"prefetch": True}},
+    "one-program rows: 4 warps, 128 registers": {"one_program": {"warps": 4, "max_registers": 128}},
+    "one scan split per count program": {"count_merge": 1},
+    "no early count launch": {"early_count_launch": False},
+    "no staggered first wave": {"stagger_ns_per_byte": 0.0},
+}
 TOPK_SWEEP_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512), (128, 32768, 512)]
 
 
-def sweep_topk(rows: int, cols: int, k: int) -> list[dict]:
-    """Graph-replay time of each tuning variant of the Triton path (checked exact on the first input)."""
+def vary(settings: topk_triton.Settings, changes: dict) -> topk_triton.Settings:
+    """`settings` with `changes` (see TOPK_VARIANTS)."""
+    fields = {
+        name: dataclasses.replace(getattr(settings, name), **value) if isinstance(value, dict) else value
+        for name, value in changes.items()
+    }
+    return dataclasses.replace(settings, **fields)
+
+
+def sweep_topk(rows: int, cols: int, k: int, variants: dict = TOPK_VARIANTS) -> list[dict]:
+    """Graph-replay time of each variant of the Triton path's settings (checked exact on the first input)."""
     sets = max(1, ROTATE_BYTES // (rows * cols * 4))
     inputs = [torch.randn(rows, cols, device="cuda") for _ in range(sets)]
     lengths = torch.full((rows,), cols, device="cuda", dtype=torch.int32)
     want = tk.topk_indices_reference(inputs[0], lengths, k)
+    chosen = topk_triton.settings_for(inputs[0].device)
     runs = []
-    for knobs in TOPK_VARIANTS:
+    for name, changes in variants.items():
+        settings = vary(chosen, changes)
 
         def ours():
             for x in inputs:
-                tk._topk_triton(x, lengths, k, **knobs)
+                topk_triton.launch(x, lengths, k, settings)
 
-        exact = bool(torch.equal(tk._topk_triton(inputs[0], lengths, k, **knobs), want))
-        runs.append({**knobs, "exact": exact, "ms": _median_ms(ours) / sets, "graph_ms": _graph_ms(ours) / sets})
+        exact = bool(torch.equal(topk_triton.launch(inputs[0], lengths, k, settings), want))
+        runs.append(
+            {"variant": name, "exact": exact, "ms": _median_ms(ours) / sets, "graph_ms": _graph_ms(ours) / sets}
+        )
     return runs
 
 
@@ -250,6 +266,7 @@ def _print_table(report: dict) -> None:
         f"\n{report['device']}  copy {report['copy_bandwidth_tbps']:.2f} TB/s  "
         f"fp8 gemm {report['fp8_gemm_tflops']:.0f} TFLOP/s"
     )
+    print("top-k settings:", report["topk_settings"])
     print(
         f"{'top-k rows x cols, k':>26} {'ds4 ms':>8} {'graph':>8} {'torch':>8} {'t.graph':>8} {'x torch':>8} "
         f"{'x(graph)':>8} {'roof%':>6} {'roof%g':>6} exact"
@@ -266,8 +283,7 @@ def _print_table(report: dict) -> None:
     for case in report.get("topk_sweep", []):
         print(f"sweep {case['rows']} x {case['cols']}, {case['k']} (knobs: eager / graph ms):")
         for r in case["runs"]:
-            knobs = {key: value for key, value in r.items() if key not in ("exact", "ms", "graph_ms")}
-            print(f"   {knobs}: {r['ms']:.4f} / {r['graph_ms']:.4f}{'' if r['exact'] else ' INEXACT'}")
+            print(f"   {r['variant']:42} {r['ms']:.4f} / {r['graph_ms']:.4f}{'' if r['exact'] else ' INEXACT'}")
     if "indexer_prefill" in report:
         p = report["indexer_prefill"]
         print(
@@ -307,6 +323,7 @@ def main(argv: list[str]) -> int:
         "triton": triton.__version__,
         "copy_bandwidth_tbps": bandwidth / 1e12,
         "fp8_gemm_tflops": gemm / 1e12,
+        "topk_settings": dataclasses.asdict(topk_triton.settings_for(torch.device("cuda"))),
     }
     sections = [("topk", lambda: [bench_topk(r, c, k, bandwidth) for r, c, k in TOPK_CASES])]
     sections += [
@@ -336,7 +353,7 @@ def main(argv: list[str]) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
     report["compiled"] = compiled_resources(
-        {"scan": tk._scan_kernel, "count": tk._count_kernel, "indexer": ix._indexer_logits_kernel}
+        {"scan": topk_triton._scan_kernel, "count": topk_triton._count_kernel, "indexer": ix._indexer_logits_kernel}
     )
     _print_table(report)
     for entry in report["compiled"]:

@@ -5,6 +5,7 @@ import torch
 
 from ds4.kernels import indexer as ix
 from ds4.kernels import topk as tk
+from ds4.kernels import topk_triton
 
 pytestmark = pytest.mark.gpu
 
@@ -130,7 +131,7 @@ def compiled_variants(kernels):
 
 def test_two_hundred_shapes_compile_few_variants():
     g = torch.Generator(device="cuda").manual_seed(13)
-    kernels = [tk._scan_kernel, tk._count_kernel]
+    kernels = [topk_triton._scan_kernel, topk_triton._count_kernel]
     before = compiled_variants(kernels)
     for i in range(200):
         rows = 1 + (i * 7) % 37
@@ -144,6 +145,22 @@ def test_two_hundred_shapes_compile_few_variants():
             assert_exact(scores, lengths, 512, got)
     new_variants = compiled_variants(kernels) - before
     assert new_variants <= 16, new_variants  # per kernel: two group sizes x aligned or not, not one per shape
+
+
+def test_topk_settings_come_from_the_device():
+    """The launch plan's device facts are the device's: its SMs, early count launches from sm_90 on, a register
+    cap that fits programs_per_sm one-program launches in an SM's register file, and the first wave's offsets
+    from the memory's peak rate (clock x bus width, as torch reports them where it does)."""
+    props = torch.cuda.get_device_properties(0)
+    settings = topk_triton.settings_for(torch.device("cuda", 0))
+    assert settings.sms == props.multi_processor_count
+    assert settings.early_count_launch == (props.major >= 9)
+    one_program = settings.one_program
+    assert one_program.max_registers * one_program.warps * 32 * settings.programs_per_sm == 65536
+    assert settings.stagger_ns_per_byte > 0
+    if getattr(props, "memory_bus_width", 0) and getattr(props, "memory_clock_rate", 0):
+        peak = 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8
+        assert abs(1e9 / settings.stagger_ns_per_byte / peak - 1) < 1e-6
 
 
 def test_indexer_logits_match_fp32_reference():

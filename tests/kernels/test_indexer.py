@@ -6,12 +6,13 @@ from interpreted import interpreted
 
 import ds4.kernels.indexer
 import ds4.kernels.topk
+import ds4.kernels.topk_triton
 from ds4.kernels.fp4_act import fp4_quant_dequant, hadamard_rotate
 
 
 @pytest.fixture(scope="module")
 def indexer():
-    return interpreted(ds4.kernels.indexer, "_indexer_logits_kernel", ds4.kernels.topk)
+    return interpreted(ds4.kernels.indexer, "_indexer_logits_kernel", ds4.kernels.topk_triton)
 
 
 def paged_keys(indexer, requests, keys_per_request, pages_per_request, generator, per_page=None):

@@ -1,17 +1,42 @@
 """Exact top-k: the Triton kernels (through the CPU interpreter) and the torch path against torch.topk."""
 
+import dataclasses
 import inspect
+import pathlib
+import sys
 
 import pytest
 import torch
 from interpreted import interpreted
 
 import ds4.kernels.topk
+import ds4.kernels.topk_triton
+
+LAYOUT_FIELDS = ("tile", "prefetch", "tau_linear", "coarse_list")
 
 
 @pytest.fixture(scope="module")
-def topk():
-    return interpreted(ds4.kernels.topk, "_scan_kernel")
+def kernels():
+    """ds4.kernels.topk_triton with its kernels interpreted."""
+    return interpreted(ds4.kernels.topk_triton, "_scan_kernel")
+
+
+@pytest.fixture(scope="module")
+def topk(kernels):
+    return ds4.kernels.topk
+
+
+def cpu_settings(kernels, **changes):
+    """The CPU's chosen settings with `changes`; the layout fields (tile, prefetch, tau_linear, coarse_list)
+    change both row layouts."""
+    chosen = kernels.settings_for(torch.device("cpu"))
+    layout = {name: changes.pop(name) for name in LAYOUT_FIELDS if name in changes}
+    return dataclasses.replace(
+        chosen,
+        split=dataclasses.replace(chosen.split, **layout),
+        one_program=dataclasses.replace(chosen.one_program, **layout),
+        **changes,
+    )
 
 
 def check_against_torch(scores, lengths, k, got):
@@ -80,6 +105,13 @@ def test_nan_ranks_above_inf_and_ties_take_lowest_index(topk):
         assert torch.topk(scores[0], 2).values.isnan().all()  # torch.topk also puts NaN first
 
 
+def test_empty_batches_and_rows(topk):
+    for impl in ("torch", "triton"):
+        assert topk.topk_indices(torch.zeros(0, 64), torch.zeros(0), 4, impl=impl).shape == (0, 4)
+        got = topk.topk_indices(torch.zeros(2, 0), torch.tensor([0, 5]), 3, impl=impl)
+        assert torch.equal(got, torch.full((2, 3), -1, dtype=torch.int32))
+
+
 def test_bad_arguments_fail_loudly(topk):
     with pytest.raises(ValueError):
         topk.topk_indices(torch.zeros(2, 8), torch.tensor([8, 8]), 0)
@@ -91,7 +123,7 @@ def test_bad_arguments_fail_loudly(topk):
         topk.topk_indices(torch.zeros(8, 2).t(), torch.tensor([8, 8]), 2)
 
 
-def test_kernels_take_no_shape_as_constexpr(topk):
+def test_kernels_take_no_shape_as_constexpr(kernels):
     allowed = {
         "G",
         "C",
@@ -102,41 +134,36 @@ def test_kernels_take_no_shape_as_constexpr(topk):
         "CAP",
         "K_PAD",
         "VEC",
-        "EXACT_TILE",
         "SINGLE",
         "FUSED",
-        "SPLIT_BLOCK",
         "PREFETCH",
-        "BITS",
-        "TAU_HISTS",
-        "SELECT_BITS",
         "PDL",
         "TAU_LINEAR",
         "COARSE_LIST",
         "STAGGER",
     }
-    for kernel in (topk._scan_kernel, topk._count_kernel):
+    for kernel in (kernels._scan_kernel, kernels._count_kernel):
         params = inspect.signature(kernel.fn).parameters.values()
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
         assert constexprs and constexprs <= allowed, constexprs
 
 
-def test_rows_split_over_many_programs_equal_reference(topk):
+def test_rows_split_over_many_programs_equal_reference(topk, kernels):
     """Many programs per row: candidates joined from every split's area, including rows whose candidates
-    overflow (ties) and rows shorter than one split; one program per row with small blocks, with the count
-    in the scan program or launched after it; count programs that take several scan splits, or a whole row;
-    other digit widths; tau from more maxima than fit in registers at once; rows too short for coarse maxima
-    (1500: tau from the group maxima); one program a row (the 16384 tile) with more coarse maxima than a block."""
+    overflow (ties) and rows shorter than one split; one program per row with small blocks; count programs
+    that take several scan splits, or a whole row; tau from more maxima than fit in registers at once; rows
+    too short for coarse maxima (1500: tau from the group maxima); one program a row (the 16384 tile) with
+    more coarse maxima than a block."""
     scores = hard_rows(9000)
     lengths = torch.tensor([9000, 8999, 5000, 1, 17, 1500])
     for knobs in (
         dict(tile=512, programs_per_sm=8),
         dict(tile=512, programs_per_sm=8, prefetch=False),
         dict(tile=1024, programs_per_sm=1, gm_block=256, gather=128),
-        dict(tile=1024, programs_per_sm=1, fused=False, radix_bits=8, unit_block=32),
-        dict(tile=512, programs_per_sm=8, radix_bits=6, unit_block=64, units_per_k=8),
-        dict(tile=512, programs_per_sm=8, count_merge=3, select_bits=8),
-        dict(tile=512, programs_per_sm=8, count_merge=64, select_bits=6),
+        dict(tile=1024, programs_per_sm=1, unit_block=32),
+        dict(tile=512, programs_per_sm=8, unit_block=64, units_per_k=8),
+        dict(tile=512, programs_per_sm=8, count_merge=3),
+        dict(tile=512, programs_per_sm=8, count_merge=64),
         dict(tile=512, programs_per_sm=8, tau_linear=False),
         dict(tile=1024, programs_per_sm=1, tau_linear=True),
         dict(tile=512, programs_per_sm=8, coarse_list=True),
@@ -145,20 +172,21 @@ def test_rows_split_over_many_programs_equal_reference(topk):
         dict(tile=16384, unit_block=32),
     ):
         scores = scores * 2.0  # the same order, other keys: a workspace left from the last call cannot pass
-        got = topk._topk_triton(scores, lengths, 16, **knobs)
+        got = kernels.launch(scores, lengths, 16, cpu_settings(kernels, **knobs))
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, 16))
         check_against_torch(scores, lengths, 16, got)
 
 
-def test_one_finite_entry_per_coarse_group_is_exact(topk):
+def test_one_finite_entry_per_coarse_group_is_exact(topk, kernels):
     """The tightest case for tau: each coarse group holds a single finite entry (the rest -inf), so exactly
     the k largest maxima are the answer and a threshold one rank too high, or a hot group skipped by the
     gather's pipeline (a few groups a step here), would lose one. Both tau paths: maxima held in registers
     (radix or linear bins), and streamed in blocks; rows split over programs, and one program a row (the
     16384 tile; tau and the hot coarse groups from one load of the maxima, or streamed)."""
     k, cols = 16, 9000
-    group = topk._group_size(cols, k)
-    span = group * topk._coarse_size(cols, k, group, 1024)
+    chosen = kernels.settings_for(torch.device("cpu"))
+    group = kernels._group_size(cols, k, chosen.groups_per_k)
+    span = group * kernels._coarse_size(cols, k, group, 1024, chosen.units_per_k)
     g = torch.Generator().manual_seed(5)
     scores = torch.full((3, cols), float("-inf"))
     starts = torch.arange(0, cols, span)
@@ -170,7 +198,7 @@ def test_one_finite_entry_per_coarse_group_is_exact(topk):
     for knobs in (
         dict(tile=1024, programs_per_sm=1, gather=64),
         dict(tile=1024, programs_per_sm=1, unit_block=16),
-        dict(tile=1024, programs_per_sm=4, radix_bits=8, unit_block=16),
+        dict(tile=1024, programs_per_sm=4, unit_block=16),
         dict(tile=1024, programs_per_sm=1, tau_linear=False),
         dict(tile=1024, programs_per_sm=4, tau_linear=False),
         dict(tile=1024, programs_per_sm=1, coarse_list=True),
@@ -180,19 +208,35 @@ def test_one_finite_entry_per_coarse_group_is_exact(topk):
         dict(tile=16384, gather=64, unit_block=16),
     ):
         scores = scores * 2.0  # the same order, other keys: a workspace left from the last call cannot pass
-        got = topk._topk_triton(scores, lengths, k, **knobs)
+        got = kernels.launch(scores, lengths, k, cpu_settings(kernels, **knobs))
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))
         check_against_torch(scores, lengths, k, got)
 
 
-def test_benchmark_sweep_variants_are_exact(topk):
-    """Every knob set `ds4 bench kernels --all-tiles` times names real knobs and stays exact, on rows split
+def test_benchmark_sweep_variants_are_exact(topk, kernels):
+    """Every variant `ds4 bench kernels --all-tiles` times names real settings and stays exact, on rows split
     over programs (two rows longer than a tile) and on rows of one program each (rows of a tile or less)."""
-    from ds4.bench.kernels import TOPK_VARIANTS
+    from ds4.bench.kernels import TOPK_VARIANTS, vary
 
     long_rows = hard_rows(5000)[[0, 2]]
     short_rows = hard_rows(300)[[1, 3, 4, 5]]
-    for knobs in TOPK_VARIANTS:
+    chosen = kernels.settings_for(torch.device("cpu"))
+    for name, changes in TOPK_VARIANTS.items():
         for batch, lengths in ((long_rows, torch.tensor([5000, 4321])), (short_rows, torch.tensor([300, 299, 9, 7]))):
-            got = topk._topk_triton(batch, lengths, 8, **knobs)
-            assert torch.equal(got, topk.topk_indices_reference(batch, lengths, 8)), knobs
+            got = kernels.launch(batch, lengths, 8, vary(chosen, changes))
+            assert torch.equal(got, topk.topk_indices_reference(batch, lengths, 8)), name
+
+
+def test_trace_tool_patches_the_current_kernels():
+    """tools/topk_trace.py edits a copy of the kernel file by its text: every edit still finds its place, and
+    the copy passes a trace pointer down to the steps it stamps."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "tools"))
+    try:
+        import topk_trace
+    finally:
+        sys.path.pop(0)
+    traced = topk_trace.traced_module()
+    for step in (traced._count_split, traced._finish, traced._row_tau_and_hot_groups):
+        assert next(iter(inspect.signature(step.fn).parameters)) == "trace"
+    for kernel in (traced._scan_kernel, traced._count_kernel):
+        assert next(iter(inspect.signature(kernel.fn).parameters)) == "trace_ptr"
