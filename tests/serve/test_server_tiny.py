@@ -6,6 +6,7 @@ Random weights write endless free text, so strict-output tests use schemas whose
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -103,3 +104,15 @@ def test_json_schema_from_random_weights_validates(client):
     )
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content), BOUNDED)
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [{"type": "nope"}, {"type": "object", "properties": 5}, {"type": "object", "properties": {"a": {"$ref": "#/x"}}}],
+)
+def test_bad_tool_schema_of_a_strict_call_is_a_400_naming_tools(server, parameters):
+    tool = {"type": "function", "function": {"name": "bad", "parameters": parameters}}
+    body = {"model": "tiny", "messages": USER, "tools": [tool], "tool_choice": "required", "max_tokens": 4}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "tools"
