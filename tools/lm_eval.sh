@@ -13,17 +13,18 @@ OUT=${EVAL_OUT:-eval-results}
 NAME=ds4-eval
 URL=http://127.0.0.1:$PORT
 mkdir -p "$OUT"
+healthy() { python3 -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=2)" 2>/dev/null; }
 
 # shellcheck disable=SC2086  # DS4 and DS4_SERVE_ARGS may hold several words
 $DS4 serve --port "$PORT" --served-model-name "$NAME" ${DS4_SERVE_ARGS:-} >"$OUT/serve.log" 2>&1 &
 server=$!
 trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
-  if curl -sf "$URL/health" >/dev/null; then break; fi
+  if healthy; then break; fi
   if ! kill -0 "$server" 2>/dev/null; then cat "$OUT/serve.log"; exit 1; fi
   sleep 0.5
 done
-curl -sf "$URL/health" >/dev/null
+healthy
 
 # The tasks' data are local files: nothing may come from a hub.
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1

@@ -16,6 +16,12 @@ from ds4.tokenizer import load_tokenizer
 USER = [{"role": "user", "content": "hi"}]
 KEY = "sk-test-key"
 MAX_BODY = 1 << 20
+DEEP_ARGUMENTS = "[" * 100_000 + "]" * 100_000  # a string in the body, nested JSON inside it
+DEEP_CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP_ARGUMENTS}}],
+}
 
 
 @pytest.fixture(scope="module")
