@@ -84,7 +84,8 @@ FIELDS = [
 VALUES = [
     None, True, False, 0, 1, 2, 3, -1, 20, 21, 1024, 1025, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30,
     0.5, 1.5, 2.0000001, -0.0, 1e-300, 1e308, -1e308, "", "x", "auto", "required", "none", "\ud800",
-    "a" * 3000, [], [1], [[]], [None], ["a", 1], [0, 5], ["stop"], {}, {"a": 1}, {"type": "text"},
+    "a" * 3000, "[" * 3000 + "]" * 3000, [], [1], [[]], [None], ["a", 1], [0, 5], ["stop"], {}, {"a": 1},
+    {"type": "text"},
     {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(("}}},
     {"type": "function", "function": {"name": "ping"}}, {"thinking": "no"}, {"include_usage": True},
     {"1": 100}, {"-5": 1}, [{"role": "user"}], [{"role": "tool", "content": "x"}], [TOOL, TOOL],
