@@ -91,9 +91,12 @@ class _Choice:
             if request.echo:
                 texts.append(self.prompt.text)
                 if request.logprobs is not None:
+                    # None only when the choice ended (aborted) before its first token: nothing was scored.
+                    entries = out.prompt_logprobs or [None] * len(self.prompt.token_ids)
                     first = self.prompt.first_shown
-                    ids = self.prompt.token_ids[first:]
-                    logprobs.append(completion_logprobs(self.tokenizer, ids, (out.prompt_logprobs or [])[first:], 0))
+                    logprobs.append(
+                        completion_logprobs(self.tokenizer, self.prompt.token_ids[first:], entries[first:], 0)
+                    )
         if not self.turn.drops_output:
             offset = self.text_length + sum(len(t) for t in texts)
             texts.append(out.new_text)
