@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from ds4.engine.structured_output import GrammarCache
 from ds4.serve import chat, completions
+from ds4.serve.body import parse_body
 from ds4.serve.chat_encoding import ChatFormatError, encode_chat_request
-from ds4.serve.errors import APIError, bad_request, from_validation_error
+from ds4.serve.errors import APIError, bad_request
 from ds4.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from ds4.serve.sampling import sse
 from ds4.serve.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,10 @@ _ENDPOINTS = (
     "/metrics",
     "/tokenize",
     "/detokenize",
+    "/tokenizer_info",
 )
+# Larger request bodies get 413: a whole max-length prompt as token ids is a few MB.
+DEFAULT_MAX_BODY_BYTES = 64 << 20
 # How often a non-streaming request checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
 
@@ -43,6 +47,7 @@ def create_app(
     api_key: str | None = None,
     grammar_cache: GrammarCache | None = None,
     drain_timeout_s: float = 30.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """`engine`: an AsyncEngine. `grammar_cache`: share one across apps (tests); by default the app builds its own."""
     names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
@@ -60,16 +65,18 @@ def create_app(
     app = FastAPI(title="ds4", lifespan=lifespan)
     app.state.ds4 = state
 
-    app.add_middleware(_AuthAndCount, state=state)
+    app.add_middleware(_Guard, state=state)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
         return error.response()
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(error).__name__}: {error}").response()
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):  # unknown path, wrong method
+        return APIError(error.status_code, str(error.detail)).response()
+
+    async def _parse(request: Request, model):
+        return await parse_body(request, model, max_body_bytes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -77,7 +84,7 @@ def create_app(
         state.check_model(body.model)
         turn = chat.ChatTurn(state, body)
         await turn.attach_grammar(state)
-        request_id, outputs = await state.generate("chatcmpl", turn.prompt_ids, turn.params)
+        request_id, outputs = await state.generate("chatcmpl", turn.choices)
         if body.stream:
             return _stream(chat.stream_response(state, turn, request_id, outputs), outputs)
         return JSONResponse(
@@ -89,7 +96,7 @@ def create_app(
         body = await _parse(request, CompletionRequest)
         state.check_model(body.model)
         turn = completions.CompletionTurn(state, body)
-        request_id, outputs = await state.generate("cmpl", turn.prompt_ids, turn.params)
+        request_id, outputs = await state.generate("cmpl", turn.choices)
         if body.stream:
             return _stream(completions.stream_response(state, turn, request_id, outputs), outputs)
         return JSONResponse(
@@ -134,7 +141,9 @@ def create_app(
                 raise bad_request(str(e), param="messages") from e
             tokens = state.tokenizer.encode(text)
         else:
-            tokens = completions.prompt_token_ids(state, body.prompt)
+            tokens = state.tokenizer.encode(body.prompt)
+            if body.add_special_tokens:
+                tokens = completions.prompt_token_ids(state, tokens)
         result = {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
         if body.return_token_strs:
             result["token_strs"] = [state.tokenizer.id_to_token(t) for t in tokens]
@@ -150,12 +159,25 @@ def create_app(
             raise bad_request(f"token ids outside the vocabulary of {vocab}: {bad[:8]}", param="tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """What clients that tokenize through the server (lm-eval's remote tokenizer) need to know."""
+        special = state.tokenizer.special
+        return {
+            "tokenizer_class": "DSV4Tokenizer",
+            "bos_token": state.tokenizer.backend.id_to_token(special.bos),
+            "eos_token": state.tokenizer.backend.id_to_token(special.eos),
+            "model_max_length": state.max_model_len,
+            "vocab_size": state.vocab_size,
+        }
+
     return app
 
 
-class _AuthAndCount:
+class _Guard:
     """Plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide client disconnects from the handlers):
-    checks the API key and counts responses by endpoint and status."""
+    checks the API key, counts responses by endpoint and status, and turns an error that escaped a handler
+    into a 500 logged once here (Starlette's own last resort would log it twice and re-raise)."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -166,9 +188,12 @@ class _AuthAndCount:
             return await self.app(scope, receive, send)
         path = scope["path"]
         label = path if path in _ENDPOINTS else "other"
+        started = False
 
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.state.metrics.requests.labels(label, str(message["status"])).inc()
             await send(message)
 
@@ -178,7 +203,15 @@ class _AuthAndCount:
                 401, "invalid or missing API key (send `Authorization: Bearer <key>`)", code="invalid_api_key"
             ).response()
             return await response(scope, receive, counting_send)
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as error:
+            logger.exception("unhandled error on %s", path)
+            if not started:
+                response = APIError(500, f"internal error: {type(error).__name__}: {error}").response()
+                await response(scope, receive, counting_send)
+            else:  # the response is under way: end it cleanly rather than drop the connection
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _authorization(scope) -> str | None:
@@ -188,25 +221,15 @@ def _authorization(scope) -> str | None:
     return None
 
 
-async def _parse(request: Request, model):
-    raw = await request.body()
-    try:
-        payload = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(422, f"the request body is not valid JSON: {e}") from e
-    if not isinstance(payload, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(payload)
-    except ValidationError as e:
-        raise from_validation_error(e) from e
-
-
 def _stream(chunks: AsyncIterator[str], outputs) -> StreamingResponse:
     async def body():
         try:
             async for chunk in chunks:
                 yield chunk
+        except Exception as error:  # the headers are out: report in the stream, end it properly
+            logger.exception("stream failed")
+            yield sse(APIError(500, f"internal error: {type(error).__name__}: {error}").body())
+            yield "data: [DONE]\n\n"
         finally:  # also when the client went away: closing the outputs aborts the request
             await outputs.aclose()
 

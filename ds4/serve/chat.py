@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 
 from ds4.engine.structured_output import GrammarError, GrammarSpec, StructuredOutput
 from ds4.serve.chat_encoding import ChatFormatError, encode_chat_request
-from ds4.serve.errors import APIError, bad_request
+from ds4.serve.errors import APIError, bad_request, field_named_by
+from ds4.serve.fanout import ChoiceStreams
 from ds4.serve.output_parser import (
     ContentDelta,
     OutputParser,
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class ChatTurn:
-    """One chat request, prepared: prompt tokens, sampling params (with a grammar), how to read the output."""
+    """One chat request, prepared: prompt tokens, one SamplingParams per choice (each with its own grammar
+    matcher), how to read the output. Choice j samples with seed + j."""
 
     def __init__(self, state: ServerState, request: ChatCompletionRequest):
         self.request = request
@@ -44,14 +46,26 @@ class ChatTurn:
                 continue_final_message=request.continue_final_message,
             )
         except ChatFormatError as e:
-            raise bad_request(str(e), param="messages") from e
+            raise bad_request(str(e), param=field_named_by(str(e), type(request).model_fields) or "messages") from e
         self.thinking = prompt.output_starts_in_reasoning
         self.prompt_ids = state.tokenizer.encode(prompt.text)
-        state.check_prompt_length(len(self.prompt_ids), request.output_limit)
-        self.params = sampling_params(
-            request, request.output_limit, request.top_logprobs or 0 if request.logprobs else None
-        )
+        state.check_prompt(self.prompt_ids, request.output_limit, param="messages")
+        self.wants_logprobs = request.logprobs
+        self.params = [
+            sampling_params(
+                request,
+                state.vocab_size,
+                max_tokens=request.output_limit,
+                logprobs=request.top_logprobs or 0 if request.logprobs else None,
+                seed=request.choice_seed(j),
+            )
+            for j in range(request.n)
+        ]
         self.grammar = self._grammar_spec()
+
+    @property
+    def choices(self) -> list[tuple[list[int], object]]:
+        return [(self.prompt_ids, params) for params in self.params]
 
     def _grammar_spec(self) -> GrammarSpec | None:
         request = self.request
@@ -75,7 +89,7 @@ class ChatTurn:
         return GrammarSpec.json_schema(response_format.json_schema.json_schema)
 
     async def attach_grammar(self, state: ServerState) -> None:
-        """Compile (in the grammar pool, cached) and give the request its own matcher."""
+        """Compile (in the grammar pool, cached) and give each choice its own matcher."""
         if self.grammar is None:
             return
         try:
@@ -83,9 +97,10 @@ class ChatTurn:
         except GrammarError as e:
             raise bad_request(str(e), param="response_format" if self.grammar.kind != "tool_calls" else "tools") from e
         special = state.tokenizer.special
-        self.params.structured_output = StructuredOutput(
-            compiled, reasoning=self.thinking, think_end_token_id=special.think_end, eos_token_id=special.eos
-        )
+        for params in self.params:
+            params.structured_output = StructuredOutput(
+                compiled, reasoning=self.thinking, think_end_token_id=special.think_end, eos_token_id=special.eos
+            )
 
 
 class _Reader:
@@ -123,65 +138,86 @@ def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
     return "tool_calls" if has_calls and reason == "stop" else reason
 
 
-async def full_response(state: ServerState, turn: ChatTurn, request_id: str, outputs: AsyncIterator) -> dict:
-    reader = _Reader(turn)
-    reasoning, content, calls, logprobs = [], [], {}, []
-    last = None
-    async for out in outputs:
-        last = out
-        if out.new_logprobs:
-            logprobs += out.new_logprobs
-        for event in reader.feed(out.new_text, out.finished):
-            if isinstance(event, ReasoningDelta):
-                reasoning.append(event.text)
-            elif isinstance(event, ContentDelta):
-                content.append(event.text)
-            elif isinstance(event, ToolCallStart):
-                calls[event.index] = {
-                    "id": event.id,
-                    "type": "function",
-                    "function": {"name": event.name, "arguments": None},
-                }
-            elif isinstance(event, ToolCallEnd):
-                calls[event.index]["function"]["arguments"] = event.arguments
-    if last is None or last.finish_reason == "error":
-        raise APIError(500, f"generation failed: {getattr(last, 'error', None) or 'no output'}")
-    tool_calls = [call for call in calls.values() if call["function"]["arguments"] is not None]
-    message = {
-        "role": "assistant",
-        "content": "".join(content) or (None if tool_calls else ""),
-        "reasoning_content": "".join(reasoning) or None,
-    }
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    choice = {
-        "index": 0,
-        "message": message,
-        "logprobs": None,
-        "finish_reason": _finish_reason(last.finish_reason, bool(tool_calls)),
-        "stop_reason": last.stop_reason,
-    }
-    if turn.params.logprobs is not None:
-        choice["logprobs"] = {"content": chat_logprobs(state.tokenizer, logprobs)}
+def _usage(turn: ChatTurn, outputs: list) -> dict:
+    return usage(len(turn.prompt_ids), sum(out.num_output_tokens for out in outputs if out is not None))
+
+
+def _failed(out) -> APIError:
+    return APIError(500, f"generation failed: {getattr(out, 'error', None) or 'no output'}")
+
+
+class _Message:
+    """One choice's whole message, built from its parser events."""
+
+    def __init__(self):
+        self.reasoning, self.content, self.calls, self.logprobs = [], [], {}, []
+
+    def add(self, event) -> None:
+        if isinstance(event, ReasoningDelta):
+            self.reasoning.append(event.text)
+        elif isinstance(event, ContentDelta):
+            self.content.append(event.text)
+        elif isinstance(event, ToolCallStart):
+            self.calls[event.index] = {
+                "id": event.id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": None},
+            }
+        elif isinstance(event, ToolCallEnd):
+            self.calls[event.index]["function"]["arguments"] = event.arguments
+
+    def choice(self, state: ServerState, turn: ChatTurn, index: int, last) -> dict:
+        tool_calls = [call for call in self.calls.values() if call["function"]["arguments"] is not None]
+        message = {
+            "role": "assistant",
+            "content": "".join(self.content) or (None if tool_calls else ""),
+            "reasoning_content": "".join(self.reasoning) or None,
+        }
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": {"content": chat_logprobs(state.tokenizer, self.logprobs)} if turn.wants_logprobs else None,
+            "finish_reason": _finish_reason(last.finish_reason, bool(tool_calls)),
+            "stop_reason": last.stop_reason,
+        }
+
+
+async def full_response(state: ServerState, turn: ChatTurn, request_id: str, outputs: ChoiceStreams) -> dict:
+    readers = [_Reader(turn) for _ in turn.params]
+    messages = [_Message() for _ in turn.params]
+    last = [None] * len(turn.params)
+    async for index, out in outputs:
+        if out.finish_reason == "error":
+            raise _failed(out)
+        last[index] = out
+        messages[index].logprobs += out.new_logprobs or []
+        for event in readers[index].feed(out.new_text, out.finished):
+            messages[index].add(event)
+    if any(out is None for out in last):
+        raise _failed(None)
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": state.model_name,
-        "choices": [choice],
-        "usage": usage(last),
+        "choices": [message.choice(state, turn, i, last[i]) for i, message in enumerate(messages)],
+        "usage": _usage(turn, last),
     }
 
 
 async def stream_response(
-    state: ServerState, turn: ChatTurn, request_id: str, outputs: AsyncIterator
+    state: ServerState, turn: ChatTurn, request_id: str, outputs: ChoiceStreams
 ) -> AsyncIterator[str]:
-    reader = _Reader(turn)
+    readers = [_Reader(turn) for _ in turn.params]
+    last = [None] * len(turn.params)
+    has_calls = [False] * len(turn.params)
     created = int(time.time())
     include_usage = bool(turn.request.stream_options and turn.request.stream_options.include_usage)
 
-    def chunk(delta: dict, finish_reason: str | None = None, logprobs=None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse(
             {
                 "id": request_id,
@@ -192,35 +228,37 @@ async def stream_response(
             }
         )
 
-    yield chunk({"role": "assistant", "content": ""})
-    has_calls = False
-    async for out in outputs:
+    for index in range(len(turn.params)):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    async for index, out in outputs:
         if out.finish_reason == "error":
-            yield sse(APIError(500, f"generation failed: {out.error}").body())
+            yield sse(_failed(out).body())
             break
+        last[index] = out
         logprobs = None
-        if out.new_logprobs and turn.params.logprobs is not None:
+        if out.new_logprobs and turn.wants_logprobs:
             logprobs = {"content": chat_logprobs(state.tokenizer, out.new_logprobs)}
-        deltas = [_delta(event, reader) for event in reader.feed(out.new_text, out.finished)]
+        deltas = [_delta(event, readers[index]) for event in readers[index].feed(out.new_text, out.finished)]
         deltas = [d for d in deltas if d is not None]
-        has_calls = has_calls or any("tool_calls" in d for d in deltas)
+        has_calls[index] = has_calls[index] or any("tool_calls" in d for d in deltas)
         for i, delta in enumerate(deltas):
-            yield chunk(delta, logprobs=logprobs if i == 0 else None)
+            yield chunk(index, delta, logprobs=logprobs if i == 0 else None)
         if logprobs and not deltas:
-            yield chunk({}, logprobs=logprobs)
+            yield chunk(index, {}, logprobs=logprobs)
         if out.finished:
-            yield chunk({}, _finish_reason(out.finish_reason, has_calls))
-            if include_usage:
-                yield sse(
-                    {
-                        "id": request_id,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": state.model_name,
-                        "choices": [],
-                        "usage": usage(out),
-                    }
-                )
+            yield chunk(index, {}, _finish_reason(out.finish_reason, has_calls[index]))
+    else:
+        if include_usage:
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": state.model_name,
+                    "choices": [],
+                    "usage": _usage(turn, last),
+                }
+            )
     yield "data: [DONE]\n\n"
 
 

@@ -181,6 +181,8 @@ def _parse_arguments(arguments: Any, where: str) -> dict:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as err:
             raise ChatFormatError(f"{where}.function.arguments is not valid JSON: {err}") from None
+        except RecursionError:
+            raise ChatFormatError(f"{where}.function.arguments nests too deeply") from None
     if not isinstance(arguments, dict):
         raise ChatFormatError(f"{where}.function.arguments must be a JSON object")
     return arguments
@@ -421,9 +423,11 @@ def _flatten_content(content: Any, where: str) -> Any:
         return content
     texts = []
     for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ChatFormatError(f"{where}.content[{i}]: only text content parts are supported, got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ChatFormatError(f"{where}.content[{i}]: a text part needs a string 'text'")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -123,7 +123,7 @@ def _json_value(raw: str) -> str:
     """A `string="false"` value as JSON: verbatim when it is valid JSON, else as a JSON string."""
     try:
         json.loads(raw, parse_constant=_reject_constant)
-    except ValueError:
+    except (ValueError, RecursionError):  # a model can write JSON nested past the interpreter's limit
         return json.dumps(raw, ensure_ascii=False)
     return raw
 
@@ -394,6 +394,8 @@ def validate_tool_call(name: str, arguments: str, tools: list[dict] | None) -> s
         values = json.loads(arguments)
     except json.JSONDecodeError as err:
         return f"arguments of {name!r} are not valid JSON: {err}"
+    except RecursionError:
+        return f"arguments of {name!r} nest too deeply to check"
     schema = schemas[name]
     if schema is None:
         return None
@@ -402,7 +404,10 @@ def validate_tool_call(name: str, arguments: str, tools: list[dict] | None) -> s
         validator_class.check_schema(schema)
     except jsonschema.SchemaError as err:
         return f"the parameters schema of {name!r} is invalid: {err.message}"
-    error = jsonschema.exceptions.best_match(validator_class(schema).iter_errors(values))
+    try:
+        error = jsonschema.exceptions.best_match(validator_class(schema).iter_errors(values))
+    except RecursionError:
+        return f"arguments of {name!r} nest too deeply to check"
     if error is None:
         return None
     location = "/".join(str(p) for p in error.absolute_path)

@@ -14,10 +14,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
+from ds4.engine.async_engine import EngineDeadError
 from ds4.engine.structured_output import GrammarCache, grammar_tokenizer_info
-from ds4.serve.errors import APIError
+from ds4.serve.errors import APIError, bad_request
+from ds4.serve.fanout import ChoiceStreams
 from ds4.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model.cfg.vocab_size
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise APIError(
@@ -66,14 +71,20 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def check_prompt_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
+        """400 naming `param` for a prompt the engine would refuse: ids outside the vocabulary, too long."""
+        vocab = self.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"{param}: token ids outside the vocabulary of {vocab}: {bad[:8]}", param=param)
         limit = self.max_model_len
+        num_prompt_tokens = len(prompt_ids)
         if num_prompt_tokens >= limit:
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens; the prompt has "
                 f"{num_prompt_tokens} tokens, which leaves no room for output",
-                param="messages",
+                param=param,
                 code="context_length_exceeded",
             )
         if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
@@ -85,17 +96,30 @@ class ServerState:
                 code="context_length_exceeded",
             )
 
-    async def generate(self, prefix: str, prompt_ids: list[int], params) -> tuple[str, AsyncIterator]:
-        """Start a request; (request id, async iterator of its RequestOutputs). Leaving the iterator early
-        (client gone, handler error) aborts the request so its pages go back at once."""
+    async def generate(self, prefix: str, choices: list[tuple[list[int], object]]) -> tuple[str, ChoiceStreams]:
+        """Start one engine request per (prompt token ids, SamplingParams) choice, all of them or none; returns
+        (request id, their outputs as one ChoiceStreams). Leaving it early (client gone, handler error) aborts
+        every choice still running, so its pages go back at once."""
         if self.shutting_down:
             raise APIError(503, "the server is shutting down")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        engine_ids = [request_id] if len(choices) == 1 else [f"{request_id}-{i}" for i in range(len(choices))]
+        arrival = time.monotonic()
+        streams = []
         try:
-            stream = await self.engine.add_request(request_id, prompt_ids, params)
-        except ValueError as e:  # RequestRejected and bad parameters
-            raise APIError(400, str(e)) from e
-        return request_id, self._follow(request_id, stream, time.monotonic())
+            for engine_id, (prompt_ids, params) in zip(engine_ids, choices):
+                stream = await self.engine.add_request(engine_id, prompt_ids, params)
+                streams.append(self._follow(engine_id, stream, arrival))
+        except (ValueError, EngineDeadError) as e:  # RequestRejected and bad parameters; a dead engine
+            for engine_id in engine_ids[: len(streams)]:
+                self.abort(engine_id)
+            raise APIError(500 if isinstance(e, EngineDeadError) else 400, str(e)) from e
+
+        def abort_all() -> None:
+            for engine_id in engine_ids:
+                self.abort(engine_id)
+
+        return request_id, ChoiceStreams(streams, abort_all)
 
     async def _follow(self, request_id: str, stream, arrival: float):
         self._enter()

@@ -228,6 +228,14 @@ def test_non_json_value_of_a_json_parameter_becomes_a_string():
     assert every_split(text, thinking=False)[2] == [("f", '{"x": "Paris"}')]
 
 
+def test_json_value_nested_past_the_recursion_limit_becomes_a_string():
+    deep = "[" * 100_000 + "]" * 100_000
+    text = BLOCK.replace('string="true">1<', f'string="false">{deep}<')
+    parser = OutputParser(thinking=False)
+    calls = [e for e in parser.feed(text) + parser.finish() if isinstance(e, ToolCallEnd)]
+    assert [json.loads(call.arguments) for call in calls] == [{"x": deep}]
+
+
 def test_text_after_end_of_sentence_is_kept_and_reported():
     _, content, _, errors = every_split("A" + EOS + "B", thinking=False)
     assert content == "AB" and errors == ["text after the end-of-sentence token"]
@@ -267,6 +275,7 @@ WEATHER_TOOLS = [
         ("get_weather", '{"city": "Paris", "wind": 1}', "Additional properties"),
         ("get_weather", '{"city": ', "not valid JSON"),
         ("fly", "{}", "unknown tool 'fly'"),
+        ("get_weather", "[" * 100_000 + "]" * 100_000, "nest too deeply"),
     ],
 )
 def test_validate_tool_call_against_schema(name, arguments, problem):

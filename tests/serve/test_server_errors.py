@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
@@ -14,6 +15,13 @@ from ds4.tokenizer import load_tokenizer
 
 USER = [{"role": "user", "content": "hi"}]
 KEY = "sk-test-key"
+MAX_BODY = 1 << 20
+DEEP_ARGUMENTS = "[" * 100_000 + "]" * 100_000  # a string in the body, nested JSON inside it
+DEEP_CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP_ARGUMENTS}}],
+}
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +31,18 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    live = LiveServer(create_app(AsyncEngine(engine), served_model_names="ds4-test", api_key=KEY))
+    live = LiveServer(
+        create_app(AsyncEngine(engine), served_model_names="ds4-test", api_key=KEY, max_body_bytes=MAX_BODY)
+    )
     yield live
     live.stop()
 
 
 def post(server, path, body, key=KEY, **kwargs):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    if isinstance(body, (bytes, str)):
-        return httpx.post(server.url + path, content=body, headers=headers, timeout=30, **kwargs)
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=30, **kwargs)
+    if not isinstance(body, (bytes, str)):
+        body = json.dumps(body)  # escapes lone surrogates, which httpx's own encoder refuses
+    return httpx.post(server.url + path, content=body, headers=headers, timeout=30, **kwargs)
 
 
 def chat(**fields):
@@ -60,7 +70,22 @@ def test_auth(server):
 @pytest.mark.parametrize(
     "body, status, param, fragment",
     [
-        (chat(n=2), 400, "n", "n=1"),
+        (chat(n=0), 400, "n", "greater than or equal to 1"),
+        (chat(best_of=3), 400, "best_of", "best_of=3"),
+        (chat(seed=2**64), 400, "seed", "less than or equal"),
+        (chat(stop=5), 400, "stop", "valid string or"),
+        (chat(temperature="hot"), 400, "temperature", "number"),
+        (chat(logit_bias={"999999999": 1}), 400, "logit_bias", "outside the vocabulary"),
+        (chat(frobnicate=True), 400, "frobnicate", "unknown field"),
+        (chat(user="u-1", metadata={"k": "v"}, frobnicate=1), 400, "frobnicate", "unknown field"),
+        (chat(chat_template_kwargs={"thinking": "yes"}), 400, "chat_template_kwargs", "boolean"),
+        (chat(messages=[{"role": "user", "content": "\ud800"}]), 400, "messages.0.content", "surrogate"),
+        (
+            chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
+            400,
+            "tools.0.function.parameters",
+            "dict",
+        ),
         (chat(temperature=-1), 400, "temperature", "temperature"),
         (chat(messages=[]), 400, "messages", "messages"),
         (chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages", "wizard"),
@@ -77,7 +102,12 @@ def test_auth(server):
         (chat(max_tokens=10_000), 400, "max_tokens", "context length"),
         (chat(messages=[{"role": "user", "content": "word " * 400}]), 400, "messages", "context length"),
         (chat(model="gpt-4"), 404, "model", "gpt-4"),
-        ({"model": "ds4-test", "prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+        ({"model": "ds4-test", "prompt": ["a", 1]}, 400, "prompt", "list of token ids"),
+        ({"model": "ds4-test", "prompt": [[]]}, 400, "prompt", "empty"),
+        ({"model": "ds4-test", "prompt": [1, 10**30]}, 400, "prompt", "outside the vocabulary"),
+        ({"model": "ds4-test", "prompt": "\udfff x"}, 400, "prompt", "surrogate"),
+        ({"model": "ds4-test", "prompt": ["a"] * 600, "n": 2}, 400, None, "more than 1024 choices"),
+        ({"model": "ds4-test", "prompt": "a", "suffix": "b"}, 400, "suffix", "not supported"),
     ],
 )
 def test_bad_requests(server, body, status, param, fragment):
@@ -87,8 +117,59 @@ def test_bad_requests(server, body, status, param, fragment):
         assert error["param"] == param
 
 
-def test_malformed_json_is_422(server):
-    assert_error(post(server, "/v1/chat/completions", b'{"model": "ds4-test", "messages": ['), 422, "not valid JSON")
+@pytest.mark.parametrize(
+    "raw, status, fragment",
+    [
+        (b'{"model": "ds4-test", "messages": [', 422, "not valid JSON"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 422, "NaN"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_tokens": 3}', 400, "twice"),
+        (b'{"messages": [{"role": "user", "content": "\xff"}]}', 422, "not valid JSON"),
+        (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 422, "nests deeper"),
+        (
+            b'{"messages": [{"role": "user", "content": "hi"}], "metadata": ' + b'{"a":' * 80 + b"1" + b"}" * 81,
+            400,
+            "nests",
+        ),
+        (b'["not", "an", "object"]', 400, "JSON object"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1e999}', 400, "presence_penalty"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": -1e999}', 400, "repetition_penalty"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1e999}', 400, "finite"),
+    ],
+)
+def test_malformed_json(server, raw, status, fragment):
+    assert_error(post(server, "/v1/chat/completions", raw), status, fragment)
+
+
+def test_huge_body_is_413_and_the_connection_survives(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as client:
+        body = b'{"prompt": "' + b"x" * (MAX_BODY + 1) + b'"}'
+        assert_error(client.post("/v1/completions", content=body), 413, "at most")
+        assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+
+
+def test_unknown_path_and_method_get_openai_errors(server):
+    assert_error(httpx.get(server.url + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"}), 404)
+    assert_error(httpx.get(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}), 405)
+
+
+def test_a_server_failure_is_500_and_logged_once(server, engine, monkeypatch):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in ("ds4", "uvicorn.error")]
+    for logger in loggers:
+        logger.addHandler(handler)
+
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "check_request", broken)
+    try:
+        assert_error(post(server, "/v1/chat/completions", chat()), 500, "RuntimeError: boom")
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    assert [r.exc_info is not None for r in records] == [True]
 
 
 def test_shutting_down_is_503(server):

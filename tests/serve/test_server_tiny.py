@@ -6,6 +6,7 @@ Random weights write endless free text, so strict-output tests use schemas whose
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -96,10 +97,32 @@ def test_strict_tool_call_from_random_weights_validates(client, tool_choice):
         assert {call.function.name for call in choice.message.tool_calls} == {"forecast"}
 
 
-def test_json_schema_from_random_weights_validates(client):
+def test_json_schema_from_random_weights_validates_in_every_choice(client):
+    # Two sampled choices: each needs its own grammar matcher, or one would advance the other's.
     response_format = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": BOUNDED}}
     reply = client.chat.completions.create(
-        model="tiny", messages=USER, response_format=response_format, max_tokens=300, temperature=0, extra_body=CHAT
+        model="tiny",
+        messages=USER,
+        response_format=response_format,
+        max_tokens=300,
+        temperature=1.0,
+        seed=4,
+        n=2,
+        extra_body=CHAT,
     )
-    assert reply.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(reply.choices[0].message.content), BOUNDED)
+    assert [choice.index for choice in reply.choices] == [0, 1]
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), BOUNDED)
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [{"type": "nope"}, {"type": "object", "properties": 5}, {"type": "object", "properties": {"a": {"$ref": "#/x"}}}],
+)
+def test_bad_tool_schema_of_a_strict_call_is_a_400_naming_tools(server, parameters):
+    tool = {"type": "function", "function": {"name": "bad", "parameters": parameters}}
+    body = {"model": "tiny", "messages": USER, "tools": [tool], "tool_choice": "required", "max_tokens": 4}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "tools"
