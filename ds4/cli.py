@@ -10,6 +10,7 @@ from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from
 
 _BENCHMARKS = {
     "kernels": "ds4.bench.kernels",
+    "linear": "ds4.bench.linear",
     "model": "ds4.bench.model",
     "moe": "ds4.bench.moe",
     "throughput": "ds4.bench.throughput",
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--seed", type=int, default=0)
 
     commands.add_parser("serve", help="the OpenAI-compatible server: `ds4 serve --help`")
-    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|model|moe|throughput --help`")
+    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|linear|model|moe|throughput --help`")
 
     args = parser.parse_args(argv)
     if args.command == "generate":

@@ -1,4 +1,4 @@
-"""Load a DeepSeek-V4 model directory into official-name tensors, in one pass over the shards it needs.
+"""Read a DeepSeek-V4 model directory as a stream of (official name, stored tensor), one pass over its shards.
 
 Both layouts are read: the official hub format (FP8 block-scaled linears, FP8 or MXFP4 routed experts, `mtp.0.*`)
 and transformers' `save_pretrained` format (dequantised, `model.`-prefixed names). The expected tensor list
@@ -7,7 +7,8 @@ before a single data byte is read, and reported together in one CheckpointError.
 
 Which tensors are read is decided from names alone: `mtp.*` only with `with_mtp=True`, and a shard holding nothing
 needed is never opened. Each needed shard is opened once, its header parsed, and its tensors read in file order
-with plain `readinto` calls, counted per tensor in `ReadStats` so the byte traffic is observable.
+with plain `readinto` calls, counted per tensor in `ReadStats` so the byte traffic is observable. Tensors come
+as stored (FP8 / MXFP4 weights next to their `.scale`): the model keeps or dequantises them as it loads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ds4.checkpoint import hf_names
-from ds4.checkpoint.quant import QuantFormatError, fp8_block_dequantize, mxfp4_dequantize
-from ds4.checkpoint.weights_spec import EXPERT, FP8_LINEAR, FP32, INDEX, expected_parameter_shapes, stored_tensor_specs
+from ds4.checkpoint.weights_spec import INDEX, expected_parameter_shapes, stored_tensor_specs
 from ds4.config import ModelConfig, load_config
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -96,19 +97,16 @@ def load_checkpoint(
     model_dir: str | Path,
     config: ModelConfig | None = None,
     *,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
     with_mtp: bool = False,
-    keep_quantized: bool = False,
     progress: bool = True,
     stats: ReadStats | None = None,
-) -> dict[str, torch.Tensor]:
-    """Official name -> tensor, dequantised, on `device`.
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(official name, stored CPU tensor) pairs for `DeepseekV4Model.load_weights`, one tensor at a time.
 
-    Linears, experts, embeddings and norms come in `dtype`; tensors the checkpoint keeps in fp32 (hc_*, ape,
-    attn_sink, gate bias) stay float32; integer tables (tid2eid) come as int64. With `keep_quantized`, FP8 and
-    MXFP4 weights of an official checkpoint come as stored (float8_e4m3fn / int8) next to their `.scale`
-    (float8_e8m0fnu); a transformers-format checkpoint has nothing quantised to keep.
+    Everything is checked against the config from the index and the shard headers first: this call raises
+    CheckpointError before a data byte is read. An official checkpoint's tensors come as written (FP8 / MXFP4
+    weights and their float8_e8m0fnu `.scale`s, bf16, fp32, int32); a transformers-format checkpoint's come
+    under official names in the float dtype it was saved in.
     """
     model_dir = Path(model_dir)
     cfg = config if config is not None else load_config(model_dir)
@@ -118,22 +116,15 @@ def load_checkpoint(
         raise CheckpointError(
             f"{model_dir}: with_mtp=True, but the config has no MTP layer (num_nextn_predict_layers 0)"
         )
-    logical = expected_parameter_shapes(cfg, with_mtp=with_mtp)
     expected = _expected_stored(cfg, fmt, with_mtp)
     stats = stats if stats is not None else ReadStats()
-    with ExitStack() as files:
-        raw = _read_all(model_dir, weight_map, expected, with_mtp, files, stats, progress)
-    device = torch.device(device)
-    raw = {name: t.to(device) for name, t in raw.items()}
-    if fmt == HF:
-        raw = {hf_names.saved_to_official(name): t for name, t in raw.items()}
-    out: dict[str, torch.Tensor] = {}
+    files = ExitStack()
     try:
-        for name, spec in logical.items():
-            out.update(_materialise(cfg, name, spec.kind, raw, dtype, keep_quantized))
-    except QuantFormatError as e:
-        raise CheckpointError(f"{model_dir}: {e}") from e
-    return out
+        plan = _plan_reads(model_dir, weight_map, expected, with_mtp, files, stats)
+    except BaseException:
+        files.close()
+        raise
+    return _stream(plan, fmt, files, stats, progress)
 
 
 def _expected_stored(cfg: ModelConfig, fmt: str, with_mtp: bool) -> dict[str, _Expected]:
@@ -147,26 +138,6 @@ def _expected_stored(cfg: ModelConfig, fmt: str, with_mtp: bool) -> dict[str, _E
         hf_names.official_to_saved(name): _Expected(s.shape, _INT_DTYPES if s.kind == INDEX else _HF_FLOAT_DTYPES)
         for name, s in expected_parameter_shapes(cfg, with_mtp).items()
     }
-
-
-def _materialise(
-    cfg: ModelConfig, name: str, kind: str, raw: dict[str, torch.Tensor], dtype: torch.dtype, keep_quantized: bool
-) -> dict[str, torch.Tensor]:
-    """The output tensor(s) for one logical name; raw tensors are dropped as used to bound peak memory."""
-    t = raw.pop(name)
-    if kind == INDEX:
-        return {name: t.to(torch.int64)}
-    if kind == FP32:
-        return {name: t.to(torch.float32)}
-    scale_name = name.removesuffix(".weight") + ".scale"
-    scale = raw.pop(scale_name, None)
-    if kind not in (FP8_LINEAR, EXPERT) or scale is None:
-        return {name: t.to(dtype)}
-    if keep_quantized:
-        return {name: t, scale_name: scale}
-    if t.dtype == torch.int8:
-        return {name: mxfp4_dequantize(t, scale, dtype)}
-    return {name: fp8_block_dequantize(t, scale, cfg.fp8_block, dtype)}
 
 
 def _weight_map(model_dir: Path) -> dict[str, str]:
@@ -188,16 +159,18 @@ def _weight_map(model_dir: Path) -> dict[str, str]:
     raise CheckpointError(f"{model_dir}: no {INDEX_FILE} or {SINGLE_FILE}")
 
 
-def _read_all(
+_Plan = list[tuple[BinaryIO, list[tuple[str, _Entry]], int]]
+
+
+def _plan_reads(
     model_dir: Path,
     weight_map: dict[str, str],
     expected: dict[str, _Expected],
     with_mtp: bool,
     files: ExitStack,
     stats: ReadStats,
-    progress: bool,
-) -> dict[str, torch.Tensor]:
-    """Validate everything from the index and headers, then read the needed tensors shard by shard."""
+) -> _Plan:
+    """Validate everything from the index and headers; per needed shard (opened into `files`), its reads."""
     problems: list[str] = []
     wanted = {n: s for n, s in weight_map.items() if with_mtp or not n.startswith(MTP_PREFIX)}
     missing = sorted(set(expected) - set(wanted))
@@ -209,7 +182,7 @@ def _read_all(
     by_shard: dict[str, list[str]] = {}
     for name in sorted(set(wanted) & set(expected)):
         by_shard.setdefault(wanted[name], []).append(name)
-    plan: list[tuple[BinaryIO, list[tuple[str, _Entry]], int]] = []
+    plan: _Plan = []
     for shard, names in sorted(by_shard.items()):
         path = model_dir / shard
         if not path.is_file():
@@ -234,15 +207,21 @@ def _read_all(
         plan.append((f, sorted(reads, key=lambda r: r[1].begin), data_start))
     if problems:
         raise CheckpointError(f"{model_dir}: cannot load the checkpoint:\n  - " + "\n  - ".join(problems))
-    total = sum(e.end - e.begin for _, reads, _ in plan for _, e in reads)
-    out = {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
-        for f, reads, data_start in plan:
-            for name, entry in reads:
-                out[name] = _read_tensor(f, data_start, entry)
-                stats.bytes_read[name] = stats.bytes_read.get(name, 0) + entry.end - entry.begin
-                bar.update(entry.end - entry.begin)
-    return out
+    return plan
+
+
+def _stream(
+    plan: _Plan, fmt: str, files: ExitStack, stats: ReadStats, progress: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    with files:
+        total = sum(e.end - e.begin for _, reads, _ in plan for _, e in reads)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
+            for f, reads, data_start in plan:
+                for name, entry in reads:
+                    tensor = _read_tensor(f, data_start, entry)
+                    stats.bytes_read[name] = stats.bytes_read.get(name, 0) + entry.end - entry.begin
+                    bar.update(entry.end - entry.begin)
+                    yield (hf_names.saved_to_official(name) if fmt == HF else name), tensor
 
 
 def _check_entry(shard: str, name: str, entry: _Entry | None, want: _Expected) -> str | None:

@@ -127,6 +127,7 @@ class LLMEngine:
         device: str | None = None,
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",
+        weight_format: str = "auto",
         seed: int | None = None,
         load_format: str = "auto",
         config: str | Path | None = None,
@@ -136,7 +137,8 @@ class LLMEngine:
         """Load a checkpoint (default: the built-in tiny model) and its tokenizer; engine_flags: EngineConfig fields.
 
         load_format "dummy" builds the model from a config alone (see ds4.engine.loader): `config` "flash", "pro"
-        or a directory, else model_dir's config.json, else the tiny model's; num_layers keeps the first layers."""
+        or a directory, else model_dir's config.json, else the tiny model's; num_layers keeps the first layers.
+        weight_format: see DeepseekV4Model ("auto": checkpoint precision on CUDA, dequantised elsewhere)."""
         from ds4.engine.loader import checkpoint_dir, load_model, model_config
         from ds4.tokenizer import load_tokenizer
 
@@ -146,7 +148,14 @@ class LLMEngine:
         torch_dtype = _resolve_dtype(dtype, device)
         cfg = model_config(model_dir, config, load_format, num_layers)
         model = load_model(
-            cfg, model_dir, load_format, device=device, dtype=torch_dtype, kv_cache_dtype=kv_cache_dtype, seed=seed or 0
+            cfg,
+            model_dir,
+            load_format,
+            device=device,
+            dtype=torch_dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            weight_format=weight_format,
+            seed=seed or 0,
         )
         tokenizer_file = model_dir / "tokenizer.json" if model_dir is not None else None
         tokenizer = load_tokenizer(tokenizer_file if tokenizer_file is not None and tokenizer_file.exists() else None)

@@ -53,17 +53,20 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     kv_cache_dtype: str = "auto",
+    weight_format: str = "auto",
     seed: int = 0,
 ):
-    """A DeepseekV4Model with its weights: read from model_dir, or (dummy) generated on the device."""
-    from ds4.checkpoint.dummy import dequantised, dummy_weights
+    """A DeepseekV4Model with its weights, streamed in stored form: read from model_dir, or (dummy) generated on
+    the device."""
+    from ds4.checkpoint.dummy import dummy_weights
     from ds4.checkpoint.reader import load_checkpoint
     from ds4.model.deepseek_v4 import DeepseekV4Model
 
-    model = DeepseekV4Model(cfg, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+    model = DeepseekV4Model(
+        cfg, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format
+    )
     if load_format == "dummy":
-        # load_weights takes dequantised tensors for now; streaming stored ones is the checkpoint-precision work.
-        model.load_weights(dict(dequantised(cfg, dummy_weights(cfg, device, seed), dtype)))
+        model.load_weights(dummy_weights(cfg, device, seed))
     else:
-        model.load_weights(load_checkpoint(model_dir, cfg, dtype=dtype, device=device))
+        model.load_weights(load_checkpoint(model_dir, cfg))
     return model

@@ -23,32 +23,43 @@ from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.cache import LayerCache
 from ds4.model.compressor import Compressor
 from ds4.model.indexer import Indexer
-from ds4.model.linear import Linear, Norm, fp32_param
+from ds4.model.linear import DEQUANTIZED, Linear, Norm, fp32_param, kept_fp8_block
 from ds4.model.paging import visible_entry_rows
 from ds4.model.rope import layer_inv_freq
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: str,
+        weight_format: str = DEQUANTIZED,
+    ):
         super().__init__()
+        fp8 = kept_fp8_block(cfg, weight_format)
         d, hd, heads = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
         self.kind, self.ratio = cfg.layer_kinds[layer], cfg.compress_ratios[layer]
         self.heads, self.head_dim, self.rope_dim = heads, hd, cfg.qk_rope_head_dim
         self.groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
         self.window, self.eps, self.fp8 = cfg.sliding_window, cfg.rms_norm_eps, kv_cache_dtype == "fp8"
-        self.wq_a = Linear(d, cfg.q_lora_rank, dtype, device)
+        self.wq_a = Linear(d, cfg.q_lora_rank, dtype, device, fp8)
         self.q_norm = Norm(cfg.q_lora_rank, device)
-        self.wq_b = Linear(cfg.q_lora_rank, heads * hd, dtype, device)
-        self.wkv = Linear(d, hd, dtype, device)
+        self.wq_b = Linear(cfg.q_lora_rank, heads * hd, dtype, device, fp8)
+        self.wkv = Linear(d, hd, dtype, device, fp8)
         self.kv_norm = Norm(hd, device)
-        self.wo_a = Linear(heads * hd // self.groups, self.groups * self.o_lora_rank, dtype, device)
-        self.wo_b = Linear(self.groups * self.o_lora_rank, d, dtype, device)
+        # Grouped low-rank output projection; the reference multiplies it without act_quant.
+        in_a, out_a = heads * hd // self.groups, self.groups * self.o_lora_rank
+        self.wo_a = Linear(in_a, out_a, dtype, device, fp8, groups=self.groups, quantize_input=False)
+        self.wo_b = Linear(self.groups * self.o_lora_rank, d, dtype, device, fp8)
         self.attn_sink = fp32_param(heads, device=device)
         self.register_buffer("inv_freq", layer_inv_freq(cfg, layer).to(device), persistent=False)
         if self.kind != WINDOW:
             self.compressor = Compressor(d, self.ratio, hd, self.kind == CSA, self.eps, device)
         if self.kind == CSA:
-            self.indexer = Indexer(cfg, self.ratio, dtype, device)
+            self.indexer = Indexer(cfg, self.ratio, dtype, device, weight_format)
 
     def _round_kv(self, kv: torch.Tensor) -> torch.Tensor:
         """fp8 KV: the non-RoPE channels go through e4m3 (blocks of 64); RoPE channels stay exact."""
@@ -74,10 +85,8 @@ class Attention(nn.Module):
             o = self._attend_decode(x, qr, q, kv, batch, cache)
         else:
             o = self._attend(x, qr, q, kv, batch, layout, cache)
-        o = apply_rope(o, pos, self.inv_freq, inverse=True).view(t, self.groups, -1)
-        wo_a = self.wo_a.weight.view(self.groups, self.o_lora_rank, -1)
-        o = torch.einsum("tgd,grd->tgr", o, wo_a)
-        return self.wo_b(o.flatten(1))
+        o = apply_rope(o, pos, self.inv_freq, inverse=True).flatten(1)
+        return self.wo_b(self.wo_a(o))
 
     def _attend(self, x, qr, q, kv, batch: ForwardBatch, layout: StepLayout, cache: LayerCache) -> torch.Tensor:
         key_sets = [self._window_keys(kv, batch, layout, cache)]

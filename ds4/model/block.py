@@ -11,17 +11,25 @@ from ds4.model.attention import Attention
 from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.cache import LayerCache
 from ds4.model.hyper_connection import hc_post, hc_pre
-from ds4.model.linear import Norm, fp32_param
+from ds4.model.linear import DEQUANTIZED, Norm, fp32_param
 from ds4.model.moe import MoE
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: str,
+        weight_format: str = DEQUANTIZED,
+    ):
         super().__init__()
         hc, d = cfg.hc_mult, cfg.hidden_size
         self.hc, self.iters, self.hc_eps, self.eps = hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-        self.attn = Attention(cfg, layer, dtype, device, kv_cache_dtype)
-        self.ffn = MoE(cfg, cfg.is_hash_layer(layer), dtype, device)
+        self.attn = Attention(cfg, layer, dtype, device, kv_cache_dtype, weight_format)
+        self.ffn = MoE(cfg, cfg.is_hash_layer(layer), dtype, device, weight_format)
         self.attn_norm = Norm(d, device)
         self.ffn_norm = Norm(d, device)
         mix = (2 + hc) * hc

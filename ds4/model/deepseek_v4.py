@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds4.checkpoint.weights_spec import expected_parameter_shapes
+from ds4.checkpoint.weights_spec import StoredSpec, stored_tensor_specs
 from ds4.config import ModelConfig
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.block import Block
 from ds4.model.cache import ModelCache, check_kv_cache_dtype
 from ds4.model.hyper_connection import hc_head
-from ds4.model.linear import Norm, fp32_param
+from ds4.model.linear import CHECKPOINT, DEQUANTIZED, WEIGHT_FORMATS, Linear, Norm, fp32_param
 from ds4.model.mtp import MTPBlock
 
-_EXPERT_NAME = re.compile(r"^(.*\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
+_EXPERT_NAME = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+_QUANTISED_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
 
 
 class DeepseekV4Model(nn.Module):
@@ -32,23 +34,33 @@ class DeepseekV4Model(nn.Module):
         device: torch.device | str = "cpu",
         kv_cache_dtype: str = "auto",
         with_mtp: bool = False,
+        weight_format: str = "auto",
     ):
+        """weight_format: "checkpoint" keeps FP8 linears and MXFP4 experts as the checkpoint stores them (the
+        default on CUDA); "dequantized" holds every weight in `dtype` or fp32 (the default elsewhere: the spec)."""
         super().__init__()
         check_kv_cache_dtype(cfg, kv_cache_dtype)
         if with_mtp and cfg.num_mtp_layers < 1:
             raise ValueError("with_mtp: the config has no MTP layer (num_nextn_predict_layers is 0)")
         device = torch.device(device)
+        if weight_format == "auto":
+            weight_format = CHECKPOINT if device.type == "cuda" else DEQUANTIZED
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format: {weight_format!r} is not 'auto' or one of {WEIGHT_FORMATS}")
         self.cfg, self.dtype, self.kv_cache_dtype, self.with_mtp = cfg, dtype, kv_cache_dtype, with_mtp
+        self.weight_format = weight_format
         d, hc = cfg.hidden_size, cfg.hc_mult
         self.embed = nn.Embedding(cfg.vocab_size, d, dtype=dtype, device=device).requires_grad_(False)
-        self.layers = nn.ModuleList(Block(cfg, i, dtype, device, kv_cache_dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Block(cfg, i, dtype, device, kv_cache_dtype, weight_format) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = Norm(d, device)
         # The reference computes logits in fp32.
         self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=torch.float32, device=device).requires_grad_(False)
         self.hc_head_fn = fp32_param(hc, hc * d, device=device)
         self.hc_head_base = fp32_param(hc, device=device)
         self.hc_head_scale = fp32_param(1, device=device)
-        self.mtp = nn.ModuleList([MTPBlock(cfg, dtype, device, kv_cache_dtype)] if with_mtp else [])
+        self.mtp = nn.ModuleList([MTPBlock(cfg, dtype, device, kv_cache_dtype, weight_format)] if with_mtp else [])
 
     def new_cache(self, num_slots: int, num_pages: int, page_size: int, num_snapshots: int = 0) -> ModelCache:
         device = self.embed.weight.device
@@ -102,31 +114,77 @@ class DeepseekV4Model(nn.Module):
         return F.linear(x.float(), self.head.weight)
 
     @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy official-name tensors (already dequantised) into the model; every expected name exactly once."""
-        spec = expected_parameter_shapes(self.cfg, self.with_mtp)
-        missing = sorted(set(spec) - set(tensors))
-        unexpected = sorted(set(tensors) - set(spec))
-        if missing or unexpected:
-            raise ValueError(f"load_weights: missing {_few(missing)}; unexpected {_few(unexpected)}")
-        wrong = [
-            f"{n}: {tuple(t.shape)} != {spec[n].shape}" for n, t in tensors.items() if tuple(t.shape) != spec[n].shape
-        ]
-        if wrong:
-            raise ValueError(f"load_weights: wrong shapes: {_few(wrong)}")
-        targets = {**dict(self.named_parameters()), **dict(self.named_buffers())}
-        for name, tensor in tensors.items():
-            if tensor.dtype.is_floating_point and tensor.element_size() == 1:
-                raise ValueError(f"load_weights: {name} is {tensor.dtype}; dequantise before loading")
-            self._target(name, targets).copy_(tensor)
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Place (official name, stored tensor) pairs as they come: the checkpoint's form (stored_tensor_specs),
+        FP8 and MXFP4 weights next to their `.scale`, kept or dequantised per weight_format.
 
-    def _target(self, name: str, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+        Streaming: each tensor is placed as soon as it (and its scale) has arrived and then dropped, so loading
+        never holds a second copy of the weights. Every expected name must come exactly once, in any order.
+        """
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        specs = stored_tensor_specs(self.cfg, self.with_mtp)
+        modules = dict(self.named_modules())
+        targets = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        seen: set[str] = set()
+        unexpected, duplicated, wrong = [], [], []
+        waiting: dict[str, torch.Tensor] = {}  # a quantised weight or scale whose partner has not come yet
+        for name, tensor in items:
+            spec = specs.get(name)
+            if spec is None or name in seen:
+                (unexpected if spec is None else duplicated).append(name)
+                continue
+            seen.add(name)
+            problem = _stored_problem(name, tensor, spec)
+            if problem:
+                wrong.append(problem)
+                continue
+            base, _, leaf = name.rpartition(".")
+            partner = f"{base}.{'scale' if leaf == 'weight' else 'weight'}"
+            if leaf not in ("weight", "scale") or partner not in specs:
+                self._place(name, tensor, None, modules, targets)
+            elif partner in waiting:
+                pair = (tensor, waiting.pop(partner))
+                self._place(f"{base}.weight", *(pair if leaf == "weight" else pair[::-1]), modules, targets)
+                del pair
+            else:
+                waiting[name] = tensor
+        missing = sorted(set(specs) - seen)
+        if missing or unexpected or duplicated:
+            raise ValueError(
+                f"load_weights: missing {_few(missing)}; unexpected {_few(unexpected)}; duplicated {_few(duplicated)}"
+            )
+        if wrong:
+            raise ValueError(f"load_weights: wrong shapes or dtypes: {_few(wrong)}")
+
+    def _place(self, name, tensor, scale, modules, targets) -> None:
         expert = _EXPERT_NAME.match(name)
         if expert:
-            return targets[f"{expert.group(1)}.experts.{expert.group(3)}"][int(expert.group(2))]
-        if name not in targets:
+            modules[expert.group(1)].load(int(expert.group(2)), expert.group(3), tensor, scale, self.cfg.fp8_block)
+            return
+        owner = modules.get(name.removesuffix(".weight"))
+        if isinstance(owner, Linear):
+            owner.load(tensor, scale, self.cfg.fp8_block)
+        elif name in targets:
+            targets[name].copy_(tensor)
+        else:
             raise ValueError(f"load_weights: {name} has no place in the model")
-        return targets[name]
+
+
+def _stored_problem(name: str, tensor: torch.Tensor, spec: StoredSpec) -> str | None:
+    """Why `tensor` is not `name` as stored: its shape, or its dtype (quantised ones exactly; floating ones may
+    come in any floating dtype, integer tables in any integer dtype)."""
+    if tuple(tensor.shape) != spec.shape:
+        return f"{name}: shape {tuple(tensor.shape)} != {spec.shape}"
+    if spec.dtype in _QUANTISED_DTYPES:
+        ok = tensor.dtype == spec.dtype
+    elif spec.dtype.is_floating_point:
+        ok = tensor.dtype.is_floating_point and tensor.dtype not in _QUANTISED_DTYPES
+    else:
+        ok = not tensor.dtype.is_floating_point
+    if ok:
+        return None
+    hint = "; dequantise it: the config has no quantization_config" if tensor.dtype in _QUANTISED_DTYPES else ""
+    return f"{name}: dtype {tensor.dtype} where the checkpoint stores {spec.dtype}{hint}"
 
 
 def _layout(batch: ForwardBatch) -> StepLayout | None:

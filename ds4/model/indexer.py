@@ -22,7 +22,7 @@ from ds4.kernels.topk import topk_indices
 from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.cache import LayerCache, entries_per_page
 from ds4.model.compressor import Compressor
-from ds4.model.linear import Linear
+from ds4.model.linear import DEQUANTIZED, Linear, kept_fp8_block
 from ds4.model.paging import entry_rows, visible_entry_rows
 
 # Per-head scores are formed for a piece of tokens at a time, at most this many bytes.
@@ -43,11 +43,14 @@ def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ratio: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, cfg: ModelConfig, ratio: int, dtype: torch.dtype, device: torch.device, weight_format: str = DEQUANTIZED
+    ):
         super().__init__()
         self.ratio, self.topk = ratio, cfg.index_topk
         self.heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.head_dim, dtype, device)
+        fp8 = kept_fp8_block(cfg, weight_format)
+        self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.head_dim, dtype, device, fp8)
         self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype, device)
         self.compressor = Compressor(cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device)
         self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5

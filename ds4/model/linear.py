@@ -1,4 +1,9 @@
-"""A bias-free linear layer whose weight is filled by load_weights (dequantised to a floating dtype)."""
+"""Bias-free linear layers filled by load_weights: floating, or FP8 as the checkpoint stores them.
+
+Weight formats of a model (DeepseekV4Model's `weight_format`): CHECKPOINT keeps FP8 linears in e4m3 with their
+128x128 block scales (held as fp32 powers of two) and multiplies them with act_quant'ed activations
+(ds4.kernels.fp8_linear); DEQUANTIZED holds every weight in a floating dtype (the CPU path and the spec).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,67 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds4.checkpoint.quant import e8m0_to_float, fp8_block_dequantize
+from ds4.config import ModelConfig
+from ds4.kernels.fp8_linear import QUANT_BLOCK, fp8_linear
+
+CHECKPOINT, DEQUANTIZED = "checkpoint", "dequantized"
+WEIGHT_FORMATS = (CHECKPOINT, DEQUANTIZED)
+
+
+def kept_fp8_block(cfg: ModelConfig, weight_format: str) -> tuple[int, int] | None:
+    """The FP8 block shape when FP8 linears stay quantised; None when they are held dequantised."""
+    return cfg.fp8_block if weight_format == CHECKPOINT else None
+
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device):
+    """y = x W^T. `groups` > 1: x holds that many column groups and the weight that many row blocks, block g
+    multiplying group g only (the attention's grouped wo_a). `quantize_input=False` multiplies an FP8 weight
+    without act_quant on the input, as the reference does for wo_a."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fp8_block: tuple[int, int] | None = None,
+        groups: int = 1,
+        quantize_input: bool = True,
+    ):
         super().__init__()
+        self.dtype, self.groups, self.quantize_input = dtype, groups, quantize_input
+        if fp8_block is not None and tuple(fp8_block) != (QUANT_BLOCK, QUANT_BLOCK):
+            raise ValueError(f"FP8 linears in checkpoint precision need 128x128 blocks, the config has {fp8_block}")
+        weight_dtype = torch.float8_e4m3fn if fp8_block is not None else dtype
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+            torch.empty(out_features, in_features, dtype=weight_dtype, device=device), requires_grad=False
         )
+        self.scale = None
+        if fp8_block is not None:
+            blocks = (-(-out_features // QUANT_BLOCK), -(-in_features // QUANT_BLOCK))
+            self.scale = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
+
+    @torch.no_grad()
+    def load(self, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None) -> None:
+        """A stored weight (with its e8m0 `scale` for an FP8 one): kept as is, or dequantised into this layer."""
+        if scale is None:
+            self.weight.copy_(weight)
+        elif self.scale is not None:
+            self.weight.copy_(weight)
+            self.scale.copy_(e8m0_to_float(scale.to(self.scale.device)))
+        else:
+            device = self.weight.device
+            self.weight.copy_(fp8_block_dequantize(weight.to(device), scale.to(device), block, self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        if self.scale is not None:
+            return fp8_linear(x, self.weight, self.scale, self.groups, self.quantize_input, out_dtype=self.dtype)
+        x = x.to(self.weight.dtype)
+        if self.groups == 1:
+            return F.linear(x, self.weight)
+        w = self.weight.view(self.groups, -1, self.weight.shape[1])
+        return torch.einsum("tgd,grd->tgr", x.view(x.shape[0], self.groups, -1), w).flatten(1)
 
 
 class Norm(nn.Module):

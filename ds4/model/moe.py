@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds4.checkpoint.quant import MXFP4_BLOCK, fp8_block_dequantize, mxfp4_dequantize
 from ds4.config import ModelConfig
 from ds4.kernels.moe import ExpertWeights, routed_experts, swiglu
-from ds4.model.linear import Linear
+from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, kept_fp8_block
 
 
 class Gate(nn.Module):
@@ -46,39 +47,89 @@ class Gate(nn.Module):
         return weights * self.route_scale, indices
 
 
+MXFP4, DENSE = "mxfp4", "dequantized"
+
+
 class Experts(nn.Module):
-    """Routed experts stacked per projection: w1/w3 [E, inter, hidden], w2 [E, hidden, inter]."""
+    """Routed experts stacked over E experts (I = moe_intermediate_size, D = hidden_size), in one of two formats.
 
-    format = "dequantized"
+    "mxfp4" (checkpoint format, MXFP4 experts): the checkpoint's bytes, gate and up stacked in one tensor:
+    w13 uint8 [E, 2I, D/2] and w13_scale uint8 (e8m0 bits) [E, 2I, D/32], rows :I the gate (w1), I: the up
+    projection (w3); w2 uint8 [E, D, I/2] and w2_scale uint8 [E, D, I/32]. Two e2m1 codes a byte, low nibble first.
+    "dequantized" (the CPU path, FP8 experts, unquantised configs): w1/w3 [E, I, D], w2 [E, D, I] in `dtype`.
+    """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, weight_format: str = DEQUANTIZED):
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.w1 = nn.Parameter(torch.empty(e, i, d, dtype=dtype, device=device), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=dtype, device=device), requires_grad=False)
-        self.w3 = nn.Parameter(torch.empty(e, i, d, dtype=dtype, device=device), requires_grad=False)
+        self.inter, self.dtype = i, dtype
+        packed = weight_format == CHECKPOINT and cfg.fp8_block is not None and cfg.expert_dtype == "fp4"
+        self.format = MXFP4 if packed else DENSE
+        if self.format == MXFP4:
+            self.w13 = _bytes(e, 2 * i, d // 2, device=device)
+            self.w13_scale = _bytes(e, 2 * i, d // MXFP4_BLOCK, device=device)
+            self.w2 = _bytes(e, d, i // 2, device=device)
+            self.w2_scale = _bytes(e, d, i // MXFP4_BLOCK, device=device)
+        else:
+            self.w1 = nn.Parameter(torch.empty(e, i, d, dtype=dtype, device=device), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=dtype, device=device), requires_grad=False)
+            self.w3 = nn.Parameter(torch.empty(e, i, d, dtype=dtype, device=device), requires_grad=False)
+
+    @torch.no_grad()
+    def load(
+        self,
+        expert: int,
+        projection: str,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None,
+        fp8_block: tuple[int, int] | None,
+    ) -> None:
+        """One expert's stored projection ("w1", "w2" or "w3"): MXFP4 int8 codes or FP8 with its e8m0 `scale`,
+        or a floating weight (scale None)."""
+        if self.format == MXFP4:
+            rows = {"w1": slice(0, self.inter), "w3": slice(self.inter, 2 * self.inter), "w2": slice(None)}[projection]
+            codes, scales = (self.w2, self.w2_scale) if projection == "w2" else (self.w13, self.w13_scale)
+            codes[expert, rows].copy_(weight.view(torch.uint8))
+            scales[expert, rows].copy_(scale.view(torch.uint8))
+            return
+        target = getattr(self, projection)[expert]
+        if scale is not None:
+            weight, scale = weight.to(target.device), scale.to(target.device)
+            if weight.dtype == torch.int8:
+                weight = mxfp4_dequantize(weight, scale, self.dtype)
+            else:
+                weight = fp8_block_dequantize(weight, scale, fp8_block, self.dtype)
+        target.copy_(weight)
+
+
+def _bytes(*shape: int, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.uint8, device=device), requires_grad=False)
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, weight_format: str = DEQUANTIZED):
         super().__init__()
         d, i = cfg.hidden_size, cfg.moe_intermediate_size
         self.limit = cfg.swiglu_limit
-        self.w1 = Linear(d, i, dtype, device)
-        self.w2 = Linear(i, d, dtype, device)
-        self.w3 = Linear(d, i, dtype, device)
+        fp8 = kept_fp8_block(cfg, weight_format)
+        self.w1 = Linear(d, i, dtype, device, fp8)
+        self.w2 = Linear(i, d, dtype, device, fp8)
+        self.w3 = Linear(d, i, dtype, device, fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, hashed: bool, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, cfg: ModelConfig, hashed: bool, dtype: torch.dtype, device: torch.device, weight_format: str = DEQUANTIZED
+    ):
         super().__init__()
         self.limit = cfg.swiglu_limit
         self.gate = Gate(cfg, hashed, device)
-        self.experts = Experts(cfg, dtype, device)
-        self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
+        self.experts = Experts(cfg, dtype, device, weight_format)
+        shared = cfg.n_shared_experts
+        self.shared_experts = SharedExpert(cfg, dtype, device, weight_format) if shared else None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Fixed shapes, no host sync: the same call serves prefill and captured decode steps."""

@@ -11,15 +11,23 @@ import torch
 from ds4.config import ModelConfig
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.block import Block
-from ds4.model.linear import Linear, Norm, fp32_param
+from ds4.model.linear import DEQUANTIZED, Linear, Norm, fp32_param, kept_fp8_block
 
 
 class MTPBlock(Block):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str):
-        super().__init__(cfg, cfg.num_hidden_layers, dtype, device, kv_cache_dtype)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: str,
+        weight_format: str = DEQUANTIZED,
+    ):
+        super().__init__(cfg, cfg.num_hidden_layers, dtype, device, kv_cache_dtype, weight_format)
         d, hc = cfg.hidden_size, cfg.hc_mult
-        self.e_proj = Linear(d, d, dtype, device)
-        self.h_proj = Linear(d, d, dtype, device)
+        fp8 = kept_fp8_block(cfg, weight_format)
+        self.e_proj = Linear(d, d, dtype, device, fp8)
+        self.h_proj = Linear(d, d, dtype, device, fp8)
         self.enorm, self.hnorm, self.norm = Norm(d, device), Norm(d, device), Norm(d, device)
         self.hc_head_fn = fp32_param(hc, hc * d, device=device)
         self.hc_head_base = fp32_param(hc, device=device)

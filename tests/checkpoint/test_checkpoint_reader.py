@@ -1,4 +1,4 @@
-"""Loading model directories: both formats agree, MTP bytes are read only on request, broken ones fail clearly."""
+"""Reading model directories: tensors come as stored, MTP bytes are read only on request, broken ones fail clearly."""
 
 import json
 import shutil
@@ -34,7 +34,12 @@ def broken(official_dir, tmp_path):
 
 
 def load(path, **kw):
-    return load_checkpoint(path, progress=False, **kw)
+    return dict(load_checkpoint(path, progress=False, **kw))
+
+
+def same(a, b):
+    """Equal dtype, shape and bytes (float8 tensors compare by their bytes)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def weight_map(path):
@@ -140,57 +145,40 @@ def test_mtp_bytes_are_read_only_on_request_in_one_pass(official_dir, spy_open, 
     assert set(stats.shards_opened) == set(opened)
 
 
-def test_official_and_hf_load_to_identical_tensors(official_dir, hf_dir):
+def test_tensors_come_as_stored(official_dir, hf_dir):
     assert detect_format(official_dir) == "official" and detect_format(hf_dir) == "hf"
-    for dtype in (torch.bfloat16, torch.float32):
-        a = load(official_dir, dtype=dtype, with_mtp=True)
-        b = load(hf_dir, config=load_config(official_dir), dtype=dtype, with_mtp=True)
-        assert a.keys() == b.keys()
-        for name in a:
-            assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
-
-
-def test_output_dtypes_follow_the_tensor_kind(official_dir):
-    state = load(official_dir, dtype=torch.float16)
-    assert state["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
-    assert state["layers.0.hc_attn_fn"].dtype == torch.float32
-    assert state["layers.1.attn.compressor.ape"].dtype == torch.float32
-    assert state["layers.2.ffn.gate.bias"].dtype == torch.float32
-    for name in ("embed.weight", "layers.0.attn.wq_a.weight", "layers.3.ffn.experts.5.w2.weight", "norm.weight"):
-        assert state[name].dtype == torch.float16, name
-    assert not any(name.endswith(".scale") for name in state)
-
-
-def test_fp8_and_fp4_weights_are_dequantised_from_their_stored_bytes(official_dir):
-    state = load(official_dir, dtype=torch.float32)
+    state = load(official_dir, with_mtp=True)
     wmap = weight_map(official_dir)
-    name = "layers.1.attn.wq_b.weight"
-    raw = load_file(official_dir / wmap[name])
-    w, s = raw[name].float(), (raw["layers.1.attn.wq_b.scale"].view(torch.uint8).float() - 127).exp2()
-    expected = w * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
-    assert torch.equal(state[name], expected)
-    name = "layers.2.ffn.experts.3.w1.weight"
-    raw = load_file(official_dir / wmap[name])
-    codes = raw[name].view(torch.uint8)
-    table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-    values = torch.stack([table[(codes & 15).long()], table[(codes >> 4).long()]], dim=-1).flatten(1)
-    scale = (raw["layers.2.ffn.experts.3.w1.scale"].view(torch.uint8).float() - 127).exp2()
-    assert torch.equal(state[name], values * scale.repeat_interleave(32, 1))
-
-
-def test_keep_quantized_returns_stored_weights_and_scales(official_dir):
-    kept = load(official_dir, keep_quantized=True, with_mtp=True)
-    wmap = weight_map(official_dir)
+    assert state.keys() == wmap.keys()
     for name in (
         "layers.1.attn.wq_b.weight",
         "layers.1.attn.wq_b.scale",
         "layers.2.ffn.experts.3.w1.weight",
         "layers.2.ffn.experts.3.w1.scale",
         "mtp.0.h_proj.weight",
+        "norm.weight",
+        "layers.0.ffn.gate.tid2eid",
+        "layers.0.hc_attn_fn",
     ):
-        stored = load_file(official_dir / wmap[name])[name]
-        assert kept[name].dtype == stored.dtype and torch.equal(kept[name].view(torch.uint8), stored.view(torch.uint8))
-    assert kept["norm.weight"].dtype == torch.bfloat16 and kept["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+        assert same(state[name], load_file(official_dir / wmap[name])[name]), name
+    hf = load(hf_dir, config=load_config(official_dir), with_mtp=True)
+    assert hf.keys() == {n for n in state if not n.endswith(".scale")}
+    assert hf["layers.1.attn.wq_b.weight"].dtype == torch.bfloat16
+
+
+def test_data_is_read_only_while_iterating_but_problems_raise_at_once(official_dir, broken, spy_open):
+    opened, reads = spy_open
+    stream = load_checkpoint(official_dir, progress=False)
+    assert opened
+    for shard in opened:
+        for name, (begin, end) in header_ranges(official_dir, shard).items():
+            assert not overlaps(reads[shard], begin, end), name
+    first, tensor = next(stream)
+    stream.close()
+    assert tensor.numel() > 0
+    (broken / weight_map(broken)["norm.weight"]).write_bytes(b"\0" * 4)
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(broken, progress=False)
 
 
 def test_single_file_checkpoint_without_index(official_dir, broken):
@@ -201,7 +189,7 @@ def test_single_file_checkpoint_without_index(official_dir, broken):
     (broken / INDEX).unlink()
     save_file(tensors, broken / "model.safetensors")
     a, b = load(official_dir), load(broken)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
 
 
 def expect_error(path, *fragments, **kw):

@@ -56,7 +56,7 @@ def test_every_feature_is_present(tmp_path):
     assert dtypes["embed.weight"] == "BF16" and dtypes["layers.1.attn.compressor.wkv.weight"] == "BF16"
     assert dtypes["layers.0.hc_attn_fn"] == "F32" and dtypes["layers.0.ffn.gate.tid2eid"] == "I32"
     assert dtypes["mtp.0.e_proj.weight"] == "F8_E4M3" and "layers.1.attn.indexer.wq_b.weight" in dtypes
-    tid2eid = load_checkpoint(path, progress=False)["layers.0.ffn.gate.tid2eid"]
+    tid2eid = dict(load_checkpoint(path, progress=False))["layers.0.ffn.gate.tid2eid"]
     assert tid2eid.min() >= 0 and tid2eid.max() < cfg.n_routed_experts
     assert all(len(set(row)) == cfg.num_experts_per_tok for row in tid2eid[:100].tolist())
 
@@ -68,7 +68,7 @@ def test_hf_format_is_what_transformers_loads_and_its_activations_stay_order_one
     )
     assert not info["missing_keys"] and not info["mismatched_keys"] and not info["error_msgs"]
     assert not [k for k in info["unexpected_keys"] if not k.startswith("mtp.")]
-    ours = load_checkpoint(path, dtype=torch.float32, progress=False)
+    ours = dict(load_checkpoint(path, progress=False))
     theirs = hf_names.memory_state_to_official(model.state_dict())
     assert ours.keys() == theirs.keys()
     for name in ours:
@@ -125,4 +125,4 @@ def test_concurrent_first_uses_agree_and_leave_no_debris(tmp_path, monkeypatch):
         t.join()
     assert not errors and len(set(results)) == 1
     assert [p.name for p in tmp_path.iterdir()] == [results[0].name]
-    assert load_checkpoint(results[0], progress=False)["embed.weight"].shape == (1000, 64)
+    assert dict(load_checkpoint(results[0], progress=False))["embed.weight"].shape == (1000, 64)

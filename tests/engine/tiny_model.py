@@ -12,5 +12,5 @@ def load_tiny_model(device: str = "cpu") -> DeepseekV4Model:
     model_dir = default_model_dir()
     cfg = load_config(model_dir)
     model = DeepseekV4Model(cfg, dtype=torch.float32, device=device)
-    model.load_weights(load_checkpoint(model_dir, cfg, dtype=torch.float32, device=device, progress=False))
+    model.load_weights(load_checkpoint(model_dir, cfg, progress=False))
     return model

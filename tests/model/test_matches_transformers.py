@@ -23,7 +23,7 @@ def test_logits_match_transformers(name, seq_len, tmp_path):
     hf.save_pretrained(tmp_path)
     saved_cfg = load_config(tmp_path)
     assert saved_cfg.layer_kinds[: cfg.num_hidden_layers] == cfg.layer_kinds[: cfg.num_hidden_layers]
-    model = ds4_model(saved_cfg, load_checkpoint(tmp_path, saved_cfg, dtype=torch.float32, progress=False))
+    model = ds4_model(saved_cfg, load_checkpoint(tmp_path, saved_cfg, progress=False))
     pages = seq_len // 16 + 2
     cache = model.new_cache(num_slots=3, num_pages=pages, page_size=16)
     table = torch.randperm(pages)  # pages out of order, as an engine may hand them out

@@ -74,7 +74,7 @@ def test_load_weights_rejects_missing_unexpected_and_misshapen(tiny):
         ds4_model(cfg, {k: v for k, v in tensors.items() if k != name})
     with pytest.raises(ValueError, match="unexpected layers.9.attn.wq_b.weight"):
         ds4_model(cfg, {**tensors, "layers.9.attn.wq_b.weight": tensors[name]})
-    with pytest.raises(ValueError, match="wrong shapes"):
+    with pytest.raises(ValueError, match="wrong shapes or dtypes"):
         ds4_model(cfg, {**tensors, name: tensors[name].T})
     with pytest.raises(ValueError, match="dequantise"):
         ds4_model(cfg, {**tensors, name: tensors[name].to(torch.float8_e4m3fn)})

@@ -1,0 +1,104 @@
+"""FP8 linear on the GPU: device act_quant bit-exact with the torch spec, cuBLAS and the split-K kernel against
+the reference over M from 1 to 8192, the small-shared-memory plan, graph replay, and a bounded JIT cache."""
+
+import pytest
+import torch
+
+from ds4.checkpoint.quant import fp8_block_quantize
+from ds4.kernels import fp8_linear as fl
+
+pytestmark = pytest.mark.gpu
+
+
+def weights(n, k, g):
+    w, s = fp8_block_quantize(torch.randn(n, k, device="cuda", generator=g) * k**-0.5, (128, 128))
+    return w, s.float()
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def test_device_act_quant_is_bit_exact():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1000, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    x[3] = 0  # floored amax
+    x[5, :128] *= 1e4  # large groups
+    x[7, 128:256] = 448.0 * 2.0**-3  # amax exactly at a power of two times 448
+    q, s = fl.act_quant_triton(x)
+    q_ref, s_ref = fl.act_quant(x)
+    assert torch.equal(s, s_ref) and s.stride() == (1, 1000)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 65, 1000, 8192])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (32768, 1024)])
+def test_fp8_linear_matches_reference_over_m(m, n, k):
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w, s = weights(n, k, g)
+    want = fl.fp8_linear_reference(x, w, s, out_dtype=torch.float32)
+    got = fl.fp8_linear(x, w, s)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # Same act_quant, exact products, fp32 sums in another order; the output rounds to bf16 (2^-9 relative).
+    assert rel_err(got, want) < 3e-3
+    assert rel_err(fl.fp8_linear(x, w, s, out_dtype=torch.float32), want) < 2e-3
+    if m <= 64:
+        assert rel_err(fl.fp8_linear(x, w, s, out_dtype=torch.float32, impl="triton"), want) < 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 5, 64, 300])
+def test_grouped_projection_without_act_quant(m):
+    """The attention's wo_a at Flash shape: 8 groups of 1024 rows over 4096 columns each, bf16 inputs."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 8 * 4096, device="cuda", generator=g).to(torch.bfloat16)
+    w, s = weights(8 * 1024, 4096, g)
+    want = fl.fp8_linear_reference(x, w, s, groups=8, quantize_x=False, out_dtype=torch.float32)
+    assert rel_err(fl.fp8_linear(x, w, s, groups=8, quantize_x=False), want) < 3e-3
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (32768, 1024), (4096, 8192)])
+def test_small_shared_memory_plan(m, n, k):
+    """The plan a 99 KB GPU (sm_120, GB10) would get, run on this one."""
+    g = torch.Generator(device="cuda").manual_seed(m * 3 + n)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w, s = weights(n, k, g)
+    plan = fl.gemv_plan(m, n, 1, k, 2, sms=torch.cuda.get_device_properties(0).multi_processor_count, smem=99 << 10)
+    big = fl.gemv_plan(m, n, 1, k, 2, sms=132, smem=fl.shared_memory_per_block(torch.device("cuda")))
+    assert fl.shared_memory_per_block(torch.device("cuda")) > 200 << 10 and plan != big
+    want = fl.fp8_linear_reference(x, w, s, out_dtype=torch.float32)
+    got = fl.fp8_linear(x, w, s, out_dtype=torch.float32, impl="triton", plan=plan)
+    assert rel_err(got, want) < 1e-5
+
+
+def test_graph_replay_tracks_new_inputs():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w, s = weights(4096, 4096, g)
+    for m in (4, 256):
+        x = torch.randn(m, 4096, device="cuda", generator=g).to(torch.bfloat16)
+        fl.fp8_linear(x, w, s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fl.fp8_linear(x, w, s)
+        x.copy_(torch.randn(m, 4096, device="cuda", generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fl.fp8_linear(x, w, s))
+
+
+def test_many_shapes_compile_few_variants():
+    g = torch.Generator(device="cuda").manual_seed(6)
+    kernel = fl._gemv_kernel
+
+    def variants():
+        return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+    before = variants()
+    for m in range(1, 65, 7):
+        for n, k in ((256 + 128 * (m % 5), 300 + m), (1000 + m, 260 + 16 * m)):
+            w, s = weights(n, k, g)
+            fl.fp8_linear(torch.randn(m, k, device="cuda", generator=g), w, s, impl="triton")
+    # block_m 16/32/64 x its stages x 16-byte aligned strides or not: lengths never become constants.
+    assert variants() - before <= 24
