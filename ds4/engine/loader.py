@@ -62,9 +62,7 @@ def load_model(
     from ds4.checkpoint.reader import load_checkpoint
     from ds4.model.deepseek_v4 import DeepseekV4Model
 
-    model = DeepseekV4Model(
-        cfg, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format
-    )
+    model = DeepseekV4Model(cfg, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
     if load_format == "dummy":
         model.load_weights(dummy_weights(cfg, device, seed))
     else:
