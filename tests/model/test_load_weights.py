@@ -53,10 +53,16 @@ def test_dequantized_format_decodes_the_stored_bytes(tiny):
     assert torch.equal(model.layers[0].ffn.gate.tid2eid, state["layers.0.ffn.gate.tid2eid"].long())
 
 
-def test_checkpoint_format_keeps_the_stored_bytes_and_computes_the_spec(tiny, monkeypatch):
+def logits(model, cfg):
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    return run_in_chunks(model, model.new_cache(2, 4, 16), ids, [24], slot=0, table=torch.arange(4))
+
+
+def test_checkpoint_format_keeps_the_stored_bytes_and_computes_close_to_the_spec(tiny):
     cfg, state = tiny
+    main = {n: t for n, t in state.items() if not n.startswith("mtp.")}
     model = DeepseekV4Model(cfg, torch.float32, "cpu", weight_format="checkpoint")
-    model.load_weights((n, t) for n, t in state.items() if not n.startswith("mtp."))
+    model.load_weights(main)
     wq_b = model.layers[1].attn.wq_b
     assert wq_b.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(wq_b.weight.view(torch.uint8), state["layers.1.attn.wq_b.weight"].view(torch.uint8))
@@ -70,22 +76,27 @@ def test_checkpoint_format_keeps_the_stored_bytes_and_computes_the_spec(tiny, mo
     ):
         assert torch.equal(codes, state[f"layers.2.ffn.experts.5.{proj}.weight"].view(torch.uint8)), proj
         assert torch.equal(scales, state[f"layers.2.ffn.experts.5.{proj}.scale"].view(torch.uint8)), proj
-
     spec = DeepseekV4Model(cfg, torch.float32, "cpu")
-    spec.load_weights((n, t) for n, t in state.items() if not n.startswith("mtp."))
-    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
-
-    def logits(m):
-        return run_in_chunks(m, m.new_cache(2, 4, 16), ids, [24], slot=0, table=torch.arange(4))
-
-    want = logits(spec)
-    # act_quant rounds every FP8 linear's input to e4m3 (3 mantissa bits), which moves routing and top-k choices
-    # of a few tokens in this random model; the logits stay close.
-    cos = F.cosine_similarity(logits(model), want, dim=-1)
+    spec.load_weights(main)
+    # act_quant rounds the input of every FP8 linear and MXFP4 expert to e4m3 (3 mantissa bits), which moves routing
+    # and top-k choices of a few tokens in this random model; the logits stay close.
+    cos = F.cosine_similarity(logits(model, cfg), logits(spec, cfg), dim=-1)
     assert cos.mean() > 0.98 and cos.min() > 0.9
-    # Without that rounding the checkpoint-precision model is the dequantised one.
+
+
+def test_fp8_linears_in_checkpoint_precision_compute_the_spec_but_for_act_quant(monkeypatch):
+    """FP8 experts stay dequantised, so only the FP8 linears differ: without act_quant's rounding the model in
+    checkpoint precision is the dequantised one."""
+    cfg = tiny_config({"vocab_size": 1000, "expert_dtype": "fp8"})
+    state = {n: t for n, t in official_state(cfg, seed=6).items() if not n.startswith("mtp.")}
+    model = DeepseekV4Model(cfg, torch.float32, "cpu", weight_format="checkpoint")
+    model.load_weights(state)
+    assert model.layers[0].attn.wo_b.weight.dtype == torch.float8_e4m3fn
+    assert model.layers[0].ffn.experts.format == "dequantized"
+    spec = DeepseekV4Model(cfg, torch.float32, "cpu")
+    spec.load_weights(state)
     monkeypatch.setattr(fp8_linear, "act_quant", lambda x: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // 128))))
-    torch.testing.assert_close(logits(model), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(model, cfg), logits(spec, cfg), rtol=1e-5, atol=1e-5)
 
 
 def test_loading_streams_each_tensor_once_without_holding_copies(tiny):

@@ -44,8 +44,9 @@ def test_fp8_mode_indexer_kernels_match_the_cpu_reference():
 def test_checkpoint_precision_on_cuda_matches_the_cpu_paths():
     """The tiny official-format model (FP8 linears, MXFP4 experts) held in checkpoint precision on CUDA.
 
-    Against the CPU in the same format (the kernels' torch references, the same act_quant) it agrees to fp32
-    summation order. Against the dequantised CPU spec it differs by act_quant's rounding of every FP8 linear's
+    Against the CPU in the same format (the kernels' torch references, the same act_quant) it agrees up to
+    summation order, which can flip the bf16 rounding the MXFP4 experts apply to their outputs (as the reference
+    does). Against the dequantised CPU spec it differs by act_quant's rounding of every FP8 linear's and expert's
     input to e4m3 (3 mantissa bits), which moves a few routing / top-k choices of this random model: the logits
     stay close in direction (cosine), not elementwise."""
     from ds4.checkpoint.tiny import official_state
@@ -62,7 +63,7 @@ def test_checkpoint_precision_on_cuda_matches_the_cpu_paths():
         return run_in_chunks(model, model.new_cache(2, 6, 16), ids.to(device), chunks, slot=1, table=table).cpu()
 
     gpu = logits("cuda", torch.float32, "auto", [9, 1, 30])
-    assert max_rel_err(gpu, logits("cpu", torch.float32, "checkpoint", [70])) <= 1e-4
+    assert max_rel_err(gpu, logits("cpu", torch.float32, "checkpoint", [70])) <= 5e-3
     spec = logits("cpu", torch.float32, "auto", [70])
     cos = F.cosine_similarity(gpu, spec, dim=-1)
     assert cos.mean() >= 0.98 and cos.min() >= 0.9
