@@ -39,14 +39,14 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None = None) -> list[ChunkResult]:
         batch = build_batch(chunks, self.device)
         if snapshots is not None:  # prefix caching: resume admitted requests, keep page-end states
-            self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots)
+            self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots, snapshots.restore_ends)
             batch.snapshots = tuple(snapshots.inner)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
             hidden = self.model.forward(batch, self.cache)
         if snapshots is not None:
-            self.cache.save_snapshots(snapshots.save_slots, snapshots.save_snapshots)
+            self.cache.save_snapshots(snapshots.save_slots, snapshots.save_snapshots, snapshots.save_ends)
         sample_rows, prompt_rows = logit_rows(chunks)
         rows = [r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows]
         results = [ChunkResult() for _ in chunks]
