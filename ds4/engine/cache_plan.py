@@ -64,7 +64,7 @@ class CachePlan:
 def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int) -> CachePlan:
     cfg = model.cfg
     page_bytes = bytes_per_page(cfg, config.page_size, model.dtype, model.with_mtp, model.kv_cache_dtype)
-    slot_bytes = bytes_per_slot(cfg, model.dtype, model.with_mtp)
+    slot_bytes = bytes_per_slot(cfg, model.dtype, model.with_mtp, config.num_speculative_tokens)
     budget = config.kv_cache_memory
     if budget is None:
         budget = cuda_cache_budget(model, config, device) if device.type == "cuda" else CPU_DEFAULT_CACHE_BYTES

@@ -54,16 +54,18 @@ def load_model(
     dtype: torch.dtype,
     kv_cache_dtype: str = "auto",
     seed: int = 0,
+    with_mtp: bool = False,
 ):
-    """A DeepseekV4Model with its weights: read from model_dir, or (dummy) generated on the device."""
+    """A DeepseekV4Model with its weights: read from model_dir, or (dummy) generated on the device; with_mtp adds
+    the MTP layer (speculative decoding)."""
     from ds4.checkpoint.dummy import dequantised, dummy_weights
     from ds4.checkpoint.reader import load_checkpoint
     from ds4.model.deepseek_v4 import DeepseekV4Model
 
-    model = DeepseekV4Model(cfg, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype)
+    model = DeepseekV4Model(cfg, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, with_mtp=with_mtp)
     if load_format == "dummy":
         # load_weights takes dequantised tensors for now; streaming stored ones is the checkpoint-precision work.
-        model.load_weights(dict(dequantised(cfg, dummy_weights(cfg, device, seed), dtype)))
+        model.load_weights(dict(dequantised(cfg, dummy_weights(cfg, device, seed, with_mtp), dtype)))
     else:
-        model.load_weights(load_checkpoint(model_dir, cfg, dtype=dtype, device=device))
+        model.load_weights(load_checkpoint(model_dir, cfg, dtype=dtype, device=device, with_mtp=with_mtp))
     return model

@@ -153,7 +153,8 @@ class PrefixCache:
         has no snapshot yet."""
         plan, self._restores = self._restores, StepSnapshots()
         for i, chunk in enumerate(chunks):
-            seq, end = chunk.seq, chunk.start + chunk.num_tokens
+            # Page ends among the known tokens only: drafts may be rejected.
+            seq, end = chunk.seq, chunk.start + chunk.num_known_tokens
             first_page = chunk.start // self.page_size + 1
             keys = self.keys(seq, end // self.page_size)
             for page_end in range(first_page * self.page_size, end + 1, self.page_size):
