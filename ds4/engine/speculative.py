@@ -118,6 +118,15 @@ class SpecDecodeStats:
     def __post_init__(self) -> None:
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_speculative_tokens
 
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.num_speculative_tokens,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_position),
+        )
+
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
