@@ -12,6 +12,9 @@ _BENCHMARKS = {
     "kernels": "ds4.bench.kernels",
     "model": "ds4.bench.model",
     "moe": "ds4.bench.moe",
+    "needle": "ds4.bench.needle",
+    "prefill": "ds4.bench.prefill",
+    "serve": "ds4.bench.serve",
     "throughput": "ds4.bench.throughput",
 }
 
@@ -43,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--seed", type=int, default=0)
 
     commands.add_parser("serve", help="the OpenAI-compatible server: `ds4 serve --help`")
-    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|model|moe|throughput --help`")
+    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|model|moe|needle|prefill|serve|throughput --help`")
 
     args = parser.parse_args(argv)
     if args.command == "generate":
