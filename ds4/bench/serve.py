@@ -11,6 +11,10 @@ output tokens/s over the trial's wall time and the failures (non-200, error even
 The ceiling printed next to each row is linear scaling of the same run's concurrency-1 speed
 (concurrency x per-request tok/s at concurrency 1): `scaling` is the aggregate's share of it.
 Prints a table; --json writes every request's figures; --plot draws tok/s against concurrency (matplotlib).
+
+--acceptance-lengths 1.5,2,2.5 adds the per-request tok/s those mean acceptance lengths would give at the
+measured median ITL: with speculative decoding on random weights (drafts all rejected) every chunk is one
+verify step, so L / median ITL is the speed of the same steps if each kept L tokens on average.
 """
 
 from __future__ import annotations
@@ -54,11 +58,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of tok/s against concurrency")
+    parser.add_argument(
+        "--acceptance-lengths", default="", help="e.g. 1.5,2,2.5: tok/s implied at those acceptance lengths"
+    )
     args = parser.parse_args(argv)
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
+        args.acceptance_lengths = [float(x) for x in args.acceptance_lengths.split(",") if x]
     except ValueError:
-        parser.error(f"--concurrency: comma-separated integers, got {args.concurrency!r}")
+        parser.error("--concurrency: comma-separated integers; --acceptance-lengths: comma-separated numbers")
     if min(levels) < 1 or args.trials < 1 or args.requests_per_client < 1 or args.input_len < 1 or args.output_len < 1:
         parser.error("--concurrency, --trials, --requests-per-client, --input-len and --output-len must be positive")
     result = run(args, levels)
@@ -97,7 +105,7 @@ def run(args: argparse.Namespace, levels: list[int]) -> dict:
         "output_len": args.output_len,
         "requests_per_client": args.requests_per_client,
         "seed": args.seed,
-        "levels": [_level(trials, c) for c in levels],
+        "levels": [_level(trials, c, args.acceptance_lengths) for c in levels],
         "trials": trials,
     }
 
@@ -181,7 +189,7 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _level(trials: list[dict], concurrency: int) -> dict:
+def _level(trials: list[dict], concurrency: int, acceptance_lengths: list[float]) -> dict:
     """Means over a concurrency's trials (of the trials that have the figure); failures summed."""
     mine = [t for t in trials if t["concurrency"] == concurrency]
     keys = ("per_request_tokens_per_s", "median_itl_ms", "ttft_p50_ms", "ttft_p99_ms", "aggregate_tokens_per_s")
@@ -189,6 +197,8 @@ def _level(trials: list[dict], concurrency: int) -> dict:
     for key in keys:
         values = [t[key] for t in mine if t[key] is not None]
         level[key] = statistics.fmean(values) if values else None
+    itl = level["median_itl_ms"]
+    level["implied_tokens_per_s"] = {str(a): a * 1000 / itl for a in acceptance_lengths} if itl else {}
     return level
 
 
@@ -220,7 +230,13 @@ def table(result: dict) -> str:
     lines.insert(1, "-+-".join("-" * w for w in widths))
     title = f"{result['model']} at {result['base_url']}: {result['input_len']} in, {result['output_len']} out"
     note = "scaling: aggregate over concurrency x the concurrency-1 per-request tok/s of this run"
-    return "\n".join([title, *lines, note])
+    implied = [
+        f"conc {lv['concurrency']}: per-request tok/s at acceptance length "
+        + ", ".join(f"{a}: {v:.1f}" for a, v in lv["implied_tokens_per_s"].items())
+        for lv in levels
+        if lv.get("implied_tokens_per_s")
+    ]
+    return "\n".join([title, *lines, note, *implied])
 
 
 def plot(result: dict, path: Path) -> None:

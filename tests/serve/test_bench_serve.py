@@ -32,7 +32,7 @@ def test_bench_serve_table_and_json(server, tmp_path, capsys):
     live, engine = server
     out = tmp_path / "serve.json"
     argv = ["--base-url", live.url, "--model", "tiny", "--concurrency", "1,2", "--trials", "2"]
-    argv += ["--input-len", "24", "--output-len", "5", "--json", str(out)]
+    argv += ["--input-len", "24", "--output-len", "5", "--acceptance-lengths", "1.5,2", "--json", str(out)]
     assert bench_serve.main(argv) == 0
     printed = capsys.readouterr().out
     assert "conc | per-req tok/s | median ITL ms | TTFT p50/p99 ms | aggregate tok/s | failed" in printed
@@ -48,7 +48,9 @@ def test_bench_serve_table_and_json(server, tmp_path, capsys):
             assert sum(request["itl_s"]) <= request["latency_s"] - request["ttft_s"]
         assert trial["ttft_p50_ms"] <= trial["ttft_p99_ms"]
         assert trial["aggregate_tokens_per_s"] == pytest.approx(trial["output_tokens"] / trial["wall_s"])
-    assert all(lv["failed"] == 0 and lv["aggregate_tokens_per_s"] > 0 for lv in result["levels"])
+    for lv in result["levels"]:
+        assert lv["failed"] == 0 and lv["aggregate_tokens_per_s"] > 0
+        assert lv["implied_tokens_per_s"]["2.0"] == pytest.approx(2000 / lv["median_itl_ms"])
     assert engine.stats().spec_decode.num_drafts > 0
 
 
