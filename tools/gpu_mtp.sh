@@ -33,3 +33,6 @@ for k in 0 1 2 3; do
   kill "$server"; wait "$server" || true
 done
 for k in 0 1 2 3; do echo "== k=$k"; cat "$out/bench_k$k.txt"; cat "$out/metrics_k$k.txt" 2>/dev/null; done
+python -m ds4.cli bench prefill "${model_args[@]}" --lengths ${PREFILL_LENGTHS:-8k,32k,128k} --profile \
+  --json "$out/prefill.json" >"$out/prefill.txt" 2>&1 || true
+echo "== prefill"; tail -8 "$out/prefill.txt"
