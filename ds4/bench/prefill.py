@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ds4.bench.lengths import parse_length
 from ds4.bench.throughput import _commit, _device_name, _sync
 
 FAMILIES = ("indexer logits", "top-k", "attention", "MoE", "GEMMs", "mHC", "compressor", "communication", "other")
@@ -68,15 +69,6 @@ def main(argv: list[str]) -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
-
-
-def parse_length(text: str) -> int:
-    """512, 8k (8192), 1m (1048576)."""
-    scale = {"k": 1 << 10, "m": 1 << 20}.get(text[-1:].lower(), 1)
-    number = text[:-1] if scale > 1 else text
-    if not number.isdigit() or int(number) < 1:
-        raise ValueError(f"not a length: {text!r}")
-    return int(number) * scale
 
 
 def run(args: argparse.Namespace, lengths: list[int], engine_flags: dict) -> dict:

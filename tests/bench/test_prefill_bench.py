@@ -6,13 +6,14 @@ import json
 import pytest
 
 from ds4.bench import prefill
+from ds4.bench.lengths import parse_length
 
 
 def test_parse_length():
-    assert [prefill.parse_length(x) for x in ("512", "8k", "1m", "2K")] == [512, 8192, 1 << 20, 2048]
+    assert [parse_length(x) for x in ("512", "8k", "1m", "2K")] == [512, 8192, 1 << 20, 2048]
     for bad in ("", "k", "0", "1.5k", "-3"):
         with pytest.raises(ValueError):
-            prefill.parse_length(bad)
+            parse_length(bad)
 
 
 def test_prefill_bench_table_json_and_profile(tmp_path, capsys):
