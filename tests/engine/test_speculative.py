@@ -147,3 +147,45 @@ def test_speculative_config_is_validated(model):
         LLMEngine(
             load_tiny_model(), EngineConfig(speculative_config={"num_speculative_tokens": 1}, kv_cache_memory=1 << 24)
         )
+
+
+def test_penalised_requests_decode_without_drafts_beside_speculating_ones(model):
+    prompts = random_prompts(2, seed=31)
+    plain = greedy(8)
+    penalised = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, presence_penalty=0.5)
+    outs, drafted = {}, set()
+    for k in (0, 2):
+        eng = spec_engine(model, k)
+        eng.add_request("plain", prompts[0], plain)
+        eng.add_request("penalised", prompts[1], penalised)
+        tokens = {"plain": [], "penalised": []}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                tokens[out.request_id] += out.new_token_ids
+            drafted |= {rid for rid, seq in eng.requests.items() if seq.draft_token_ids}
+        outs[k] = tokens
+    assert outs[2] == outs[0]
+    assert drafted == {"plain"}
+
+
+def test_logprobs_of_accepted_drafts_equal_those_without_speculation(model):
+    prompt = random_prompts(1, seed=41)[0]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=3)
+    truth = reference_greedy(model, prompt, 9)
+    got = {}
+    for k in (0, 3):
+        eng = spec_engine(model, k)
+        eng.add_request("x", prompt, params)
+        entries, steps = [], 0
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                entries += out.new_logprobs
+                steps += 1
+            for seq in eng.requests.values():
+                seq.draft_token_ids = truth[len(entries) : len(entries) + k] if k else []
+        got[k] = entries, steps
+    (plain, plain_steps), (spec, spec_steps) = got[0], got[3]
+    assert [e.token_id for e in spec] == [e.token_id for e in plain] == truth
+    assert spec_steps < plain_steps  # several tokens a step
+    for a, b in zip(spec, plain):
+        assert abs(a.logprob - b.logprob) < 1e-4 and a.top.keys() == b.top.keys()
