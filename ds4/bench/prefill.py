@@ -6,11 +6,9 @@ flags say), after a warm-up at the shortest length. TTFT is add_request to the s
 next to each row is linear cost at the shortest length's speed (its prefill tok/s): `scaling` is the share
 of it a longer prompt keeps; attention and indexer work growing with the context shows as scaling < 1.
 
---profile runs each length once more under torch.profiler and splits device time (CPU time on CPU) by
-kernel family: indexer logits, top-k, attention, MoE, GEMMs, mHC, compressor, communication, other. A
-kernel belongs to the innermost ds4 source file among the Python frames above the op that launched it (so
-the GEMMs of the compressor count as GEMMs, the routed experts as MoE), communication by NCCL / gloo names.
-On CPU the ops' own (self) times stand in for kernels.
+--profile runs each length once more under torch.profiler and splits its device time (CPU time on CPU)
+by kernel family (ds4.bench.profile: GEMMs, MoE, attention, indexer, top-k, mHC, compressor, norms, other),
+as percentages: the question "where does a long prefill spend its time" answered without nsys.
 """
 
 from __future__ import annotations
@@ -19,36 +17,17 @@ import argparse
 import json
 import random
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from ds4.bench.lengths import parse_length
+from ds4.bench.profile import FAMILIES, profile_families
 from ds4.bench.throughput import _commit, _device_name, _sync
-
-FAMILIES = ("indexer logits", "top-k", "attention", "MoE", "GEMMs", "mHC", "compressor", "communication", "other")
-# Innermost ds4 file on the stack -> family (files not listed: other).
-_FILE_FAMILY = {
-    "kernels/indexer.py": "indexer logits",
-    "model/indexer.py": "indexer logits",
-    "kernels/topk.py": "top-k",
-    "kernels/sparse_attention.py": "attention",
-    "model/attention.py": "attention",
-    "kernels/rope.py": "attention",
-    "kernels/fp8_kv.py": "attention",
-    "model/moe.py": "MoE",
-    "model/linear.py": "GEMMs",
-    "model/hyper_connection.py": "mHC",
-    "model/block.py": "mHC",
-    "model/compressor.py": "compressor",
-    "model/deepseek_v4.py": "GEMMs",
-}
-_COMMUNICATION = ("nccl", "gloo", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
 def main(argv: list[str]) -> int:
-    from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args
+    from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args, model_flags_from_args
 
     parser = argparse.ArgumentParser(prog="ds4 bench prefill", description=__doc__.splitlines()[0])
     add_model_args(parser)
@@ -62,7 +41,7 @@ def main(argv: list[str]) -> int:
         lengths = sorted({parse_length(x) for x in args.lengths.split(",") if x})
     except ValueError as e:
         parser.error(f"--lengths: {e}")
-    result = run(args, lengths, engine_flags_from_args(args))
+    result = run(args, lengths, model_flags_from_args(args), engine_flags_from_args(args))
     print(table(result))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -71,17 +50,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def run(args: argparse.Namespace, lengths: list[int], engine_flags: dict) -> dict:
+def run(args: argparse.Namespace, lengths: list[int], model_flags: dict, engine_flags: dict) -> dict:
     from ds4.engine.engine import LLMEngine
 
-    engine = LLMEngine.from_pretrained(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.seed,
-        **engine_flags,
-    )
+    engine = LLMEngine.from_pretrained(args.model, seed=args.seed, **model_flags, **engine_flags)
     fit = [n for n in lengths if n < engine.max_model_len]
     skipped = [n for n in lengths if n >= engine.max_model_len]
     rng = random.Random(args.seed)
@@ -127,40 +99,10 @@ def ttft(engine, prompt: list[int]) -> float:
 
 
 def profile(engine, prompt: list[int]) -> dict[str, float]:
-    """Percent of device time (CPU time without CUDA) per family, for one more TTFT run of `prompt`."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    cuda = engine.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch_profile(activities=activities, with_stack=True) as prof:
-        ttft(engine, prompt)
-    times: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if cuda:
-            spent = sum(k.duration for k in event.kernels)
-        else:
-            spent = event.self_cpu_time_total if event.name.startswith("aten::") else 0
-        if spent > 0:
-            times[family(event)] += spent
-    total = sum(times.values()) or 1.0
-    return {f: 100 * times.get(f, 0.0) / total for f in FAMILIES}
-
-
-def family(event) -> str:
-    """An op's family: communication by name, else the innermost ds4 file among the Python frames above it."""
-    if any(word in event.name.lower() for word in _COMMUNICATION):
-        return "communication"
-    frame = event.cpu_parent
-    while frame is not None:
-        if frame.name.endswith(": top_entries"):  # the model's top-k call (torch's off CUDA)
-            return "top-k"
-        path = frame.name.replace("\\", "/")
-        for suffix, name in _FILE_FAMILY.items():
-            if f"ds4/{suffix}(" in path:
-                return name
-        frame = frame.cpu_parent
-    return "other"
+    """Percent of device time (CPU time without CUDA) per kernel family, for one more TTFT run of `prompt`."""
+    ms = profile_families(engine.model, lambda: ttft(engine, prompt), engine.device)
+    total = ms.pop("total") or 1.0
+    return {family: 100 * value / total for family, value in ms.items()}
 
 
 def table(result: dict) -> str:
