@@ -4,8 +4,9 @@
 #  2. a server without MTP and with MTP k = 1, 2, 3, each measured with `ds4 bench serve` at concurrency 1/4/8
 #     (--acceptance-lengths 1.5,2,2.5: random weights accept ~nothing, so every streamed chunk is one verify
 #     step and the table also gives the tok/s those acceptance lengths would give at the measured step time).
-# MODEL_ARGS picks the model (default: the built-in tiny one); for the Flash-shaped model with dummy weights use
-# the flags of `ds4 bench model` (issue 17), e.g. MODEL_ARGS="--config flash --load-format dummy".
+# MODEL_ARGS picks the model (default: the built-in tiny one), e.g. MODEL_ARGS="--config flash --load-format dummy"
+# for the Flash-shaped model with dummy weights (these weights are still held dequantised: the whole model fits
+# one H200 only once checkpoint-precision weights land; `ds4 serve` has no layer cut, `ds4 bench model --layers`).
 # Logs and JSON go to ${OUT:-out}/mtp; the last lines printed are the tables.
 set -euo pipefail
 out="${OUT:-out}/mtp"
