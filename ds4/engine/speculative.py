@@ -71,19 +71,18 @@ def verify(
     for state, num_tokens, rejected in grammars:
         state.rollback(state.num_tokens - num_tokens)
         state.rejected_token = rejected
+    argmax = processed.argmax(dim=-1).tolist()  # one transfer for every greedy row
     kept_tokens, row = [], 0
     for request, draft in zip(requests, drafts):
-        rows = processed[row : row + len(draft) + 1]
-        row += len(draft) + 1
         if request.params.is_greedy:
-            kept_tokens.append(_verify_greedy(rows, draft))
+            kept_tokens.append(_verify_greedy(argmax[row : row + len(draft) + 1], draft))
         else:
-            kept_tokens.append(_verify_random(rows, draft, request))
+            kept_tokens.append(_verify_random(processed[row : row + len(draft) + 1], draft, request))
+        row += len(draft) + 1
     return kept_tokens
 
 
-def _verify_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
-    target = logits.argmax(dim=-1).tolist()
+def _verify_greedy(target: list[int], draft: list[int]) -> list[int]:
     accepted = next((j for j, token in enumerate(draft) if token != target[j]), len(draft))
     return draft[:accepted] + [target[accepted]]
 
