@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--seed", type=int, default=0)
 
     commands.add_parser("serve", help="the OpenAI-compatible server: `ds4 serve --help`")
-    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|model|moe|needle|prefill|serve|throughput --help`")
+    commands.add_parser("bench", help="benchmarks: `ds4 bench NAME --help`, NAME one of " + ", ".join(_BENCHMARKS))
 
     args = parser.parse_args(argv)
     if args.command == "generate":
