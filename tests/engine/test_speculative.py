@@ -189,3 +189,19 @@ def test_logprobs_of_accepted_drafts_equal_those_without_speculation(model):
     assert spec_steps < plain_steps  # several tokens a step
     for a, b in zip(spec, plain):
         assert abs(a.logprob - b.logprob) < 1e-4 and a.top.keys() == b.top.keys()
+
+
+def test_prefix_caching_with_mtp_equals_greedy_without(model):
+    """Requests resume from cached pages (and snapshots taken around draft windows) and still decode exactly;
+    the outputs (generated pages included) extend the prefix the next request reuses."""
+    rng = random.Random(51)
+    shared = [rng.randrange(2, 129000) for _ in range(40)]
+    prompts = [shared + [rng.randrange(2, 129000) for _ in range(n)] for n in (3, 9, 17)]
+    eng = spec_engine(model, 2, enable_prefix_caching=True, prefix_cache_snapshots=8, max_num_seqs=1)
+    for i, prompt in enumerate(prompts):
+        truth = reference_greedy(model, prompt, 20)
+        arrivals = {0: [(f"p{i}", prompt, greedy(20))]}
+        tokens, _ = run_with_drafts(eng, arrivals, {f"p{i}": truth}, 2, random.Random(i))
+        assert tokens[f"p{i}"] == truth, f"request p{i}"
+    stats = eng.stats()
+    assert stats.prefix_cache_hit_tokens >= 2 * 32 and stats.spec_decode.num_accepted_tokens > 0
