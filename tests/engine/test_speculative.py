@@ -14,7 +14,7 @@ from tiny_model import load_tiny_model
 from ds4.engine.config import EngineConfig, EngineConfigError
 from ds4.engine.engine import LLMEngine
 from ds4.engine.sampling_params import SamplingParams
-from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot
+from ds4.model.cache import SCRATCH_PAGES, bytes_per_page, bytes_per_slot, bytes_per_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +53,11 @@ def run_with_drafts(eng, arrivals, continuations, k, rng, real_drafts=()):
     return tokens, reasons
 
 
-def cache_memory(model, k, num_seqs, num_pages):
+def cache_memory(model, k, num_seqs, num_pages, num_snapshots):
     slot = bytes_per_slot(model.cfg, model.dtype, with_mtp=True, spare=k)
-    return num_seqs * slot + (num_pages + SCRATCH_PAGES) * bytes_per_page(model.cfg, PAGE, model.dtype, with_mtp=True)
+    snapshots = num_snapshots * bytes_per_snapshot(model.cfg, model.dtype, with_mtp=True)
+    page = bytes_per_page(model.cfg, PAGE, model.dtype, with_mtp=True)
+    return num_seqs * slot + snapshots + (num_pages + SCRATCH_PAGES) * page
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -71,7 +73,8 @@ def test_greedy_with_mtp_equals_greedy_without(model, k, flags):
     flags = dict(flags)
     num_pages = flags.pop("num_pages", None)
     if num_pages is not None:
-        flags["kv_cache_memory"] = cache_memory(model, k, flags["max_num_seqs"], num_pages)
+        flags["prefix_cache_snapshots"] = 2
+        flags["kv_cache_memory"] = cache_memory(model, k, flags["max_num_seqs"], num_pages, 2)
     eng = spec_engine(model, k, **flags)
     prompts = random_prompts(5, seed=k, lo=30)
     lengths = [6 + 4 * i for i in range(len(prompts))]
