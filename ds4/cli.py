@@ -13,6 +13,9 @@ _BENCHMARKS = {
     "linear": "ds4.bench.linear",
     "model": "ds4.bench.model",
     "moe": "ds4.bench.moe",
+    "needle": "ds4.bench.needle",
+    "prefill": "ds4.bench.prefill",
+    "serve": "ds4.bench.serve",
     "throughput": "ds4.bench.throughput",
 }
 
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--seed", type=int, default=0)
 
     commands.add_parser("serve", help="the OpenAI-compatible server: `ds4 serve --help`")
-    commands.add_parser("bench", help="benchmarks: `ds4 bench kernels|linear|model|moe|throughput --help`")
+    commands.add_parser("bench", help="benchmarks: `ds4 bench NAME --help`, NAME one of " + ", ".join(_BENCHMARKS))
 
     args = parser.parse_args(argv)
     if args.command == "generate":

@@ -64,7 +64,7 @@ class CachePlan:
 def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int) -> CachePlan:
     cfg = model.cfg
     page_bytes = bytes_per_page(cfg, config.page_size, model.dtype, model.with_mtp, model.kv_cache_dtype)
-    slot_bytes = bytes_per_slot(cfg, model.dtype, model.with_mtp)
+    slot_bytes = bytes_per_slot(cfg, model.dtype, model.with_mtp, config.num_speculative_tokens)
     budget = config.kv_cache_memory
     if budget is None:
         budget = cuda_cache_budget(model, config, device) if device.type == "cuda" else CPU_DEFAULT_CACHE_BYTES
@@ -111,7 +111,8 @@ def cuda_cache_budget(model, config: EngineConfig, device: torch.device) -> int:
 
 
 def _activation_peak(model, config: EngineConfig, device: torch.device) -> int:
-    """Peak bytes of one step of max_num_batched_tokens prompt tokens plus the logits of max_num_seqs rows."""
+    """Peak bytes of one step of max_num_batched_tokens prompt tokens plus the logits of max_num_seqs rows (each
+    with its drafts' rows under speculative decoding)."""
     n = config.max_num_batched_tokens
     pages = -(-n // config.page_size)
     scratch = model.new_cache(1, pages, config.page_size)
@@ -127,7 +128,7 @@ def _activation_peak(model, config: EngineConfig, device: torch.device) -> int:
         block_tables=torch.arange(pages, dtype=torch.int32, device=device).unsqueeze(0),
     )
     hidden = model.forward(batch, scratch)
-    model.compute_logits(hidden[-min(n, config.max_num_seqs) :])
+    model.compute_logits(hidden[-min(n, config.max_num_seqs * (1 + config.num_speculative_tokens)) :])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del scratch, hidden, batch

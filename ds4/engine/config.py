@@ -3,13 +3,52 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field, fields
 
 GiB = 1 << 30
+SPECULATIVE_METHODS = ("mtp",)
 
 
 class EngineConfigError(ValueError):
     """An engine flag with a value the engine cannot run with."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's shape): `{"method": "mtp", "num_speculative_tokens": k}`.
+
+    The model's MTP layer drafts k tokens per step (itself again for k > 1); the main model verifies them."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict or its JSON text; None (or an empty dict) turns speculation off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise EngineConfigError(f"speculative_config: not JSON ({e}): {value!r}") from None
+        if not isinstance(value, dict):
+            raise EngineConfigError(f"speculative_config must be a JSON object, got {value!r}")
+        if not value:
+            return None
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise EngineConfigError(
+                f"speculative_config: unknown field(s) {unknown}; known: method, num_speculative_tokens"
+            )
+        spec = cls(value.get("method", "mtp"), value.get("num_speculative_tokens", 1))
+        if spec.method not in SPECULATIVE_METHODS:
+            raise EngineConfigError(f"speculative_config: method {spec.method!r} is not one of {SPECULATIVE_METHODS}")
+        k = spec.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
+            raise EngineConfigError(f"speculative_config: num_speculative_tokens must be an integer in 1..8, got {k!r}")
+        return spec
 
 
 def _flag(default, help: str):
@@ -52,9 +91,18 @@ class EngineConfig:
     max_cuda_graph_batch_size: int = _flag(
         256, "CUDA: the largest decode batch captured as a graph (larger decode batches run eagerly)"
     )
+    speculative_config: SpeculativeConfig | None = _flag(
+        None, 'speculative decoding, JSON: {"method": "mtp", "num_speculative_tokens": k} (default: off)'
+    )
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.validate()
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per step (0 without speculative decoding)."""
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
     def validate(self) -> None:
         positive = (
@@ -147,8 +195,8 @@ def add_engine_args(parser) -> None:
             action = argparse.BooleanOptionalAction if f.default else "store_true"
             group.add_argument(flag, action=action, default=f.default, help=help)
         else:
-            kind = float if f.name == "gpu_memory_utilization" else int
-            group.add_argument(flag, type=kind, default=f.default, help=help)
+            kinds = {"gpu_memory_utilization": float, "speculative_config": str}
+            group.add_argument(flag, type=kinds.get(f.name, int), default=f.default, help=help)
 
 
 def model_flags_from_args(args) -> dict:

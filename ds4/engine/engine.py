@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ds4.engine.cache_plan import plan_cache
-from ds4.engine.config import EngineConfig
+from ds4.engine.config import EngineConfig, EngineConfigError
 from ds4.engine.cuda_graphs import DecodeGraphs
 from ds4.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from ds4.engine.model_runner import ChunkResult, ModelRunner
@@ -27,9 +27,12 @@ from ds4.engine.sampler import Sampler, TokenLogprobs
 from ds4.engine.sampling_params import SamplingParams
 from ds4.engine.scheduler import RequestRejected, Scheduler
 from ds4.engine.sequence import Sequence
+from ds4.engine.speculative import MTPDrafter, SpecDecodeStats
 from ds4.engine.stop import LENGTH, STOP, StopChecker, token_finish_reason
 
 logger = logging.getLogger(__name__)
+
+SPEC_LOG_INTERVAL_S = 10.0
 
 __all__ = ["LLMEngine", "RequestOutput", "EngineStats", "RequestRejected"]
 
@@ -78,6 +81,8 @@ class EngineStats:
         queried = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / queried if queried else 0.0
 
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding
+
     @property
     def cache_usage(self) -> float:
         return 1.0 - self.num_free_pages / self.num_pages
@@ -91,6 +96,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self._token_bytes = TokenBytes(getattr(tokenizer, "backend", tokenizer)) if tokenizer is not None else None
         self.device = next(model.parameters()).device
+        k = self.config.num_speculative_tokens
+        if k:
+            _check_mtp(model)
         use_graphs = self.device.type == "cuda" and not self.config.enforce_eager
         if use_graphs and not getattr(model, "cuda_graph_safe", False):
             logger.warning("the model's forward is not CUDA-graph safe; decode steps run eagerly")
@@ -98,7 +106,7 @@ class LLMEngine:
         # With graphs, one extra slot is the scratch slot that padding rows write to.
         self.plan = plan_cache(model, self.config, self.device, self.config.max_num_seqs + use_graphs)
         plan = self.plan
-        self.cache = model.new_cache(plan.num_slots, plan.num_pages, plan.page_size, plan.num_snapshots)
+        self.cache = model.new_cache(plan.num_slots, plan.num_pages, plan.page_size, plan.num_snapshots, spare=k)
         self.prefix_cache = PrefixCache(plan.page_size, plan.num_snapshots) if plan.num_snapshots else None
         self.allocator = PageAllocator(plan.num_pages, self.config.max_num_seqs, plan.page_size, self.prefix_cache)
         self.scheduler = Scheduler(self.config, self.allocator, self.plan.max_model_len)
@@ -114,7 +122,10 @@ class LLMEngine:
                 padding_slot=self.config.max_num_seqs,
                 device=self.device,
             )
-        self.runner = ModelRunner(model, self.cache, self.sampler, self.device, graphs)
+        drafter = MTPDrafter(model, self.cache, k) if k else None
+        self.runner = ModelRunner(model, self.cache, self.sampler, self.device, graphs, drafter)
+        self.spec_decode = SpecDecodeStats(k) if k else None
+        self._spec_logged_at, self._spec_logged_drafts = time.monotonic(), 0
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._prompt_tokens = self._generation_tokens = self._steps = self._finished = 0
@@ -147,6 +158,7 @@ class LLMEngine:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch_dtype = _resolve_dtype(dtype, device)
         cfg = model_config(model_dir, config, load_format, num_layers)
+        with_mtp = engine_config.speculative_config is not None
         model = load_model(
             cfg,
             model_dir,
@@ -156,6 +168,7 @@ class LLMEngine:
             kv_cache_dtype=kv_cache_dtype,
             weight_format=weight_format,
             seed=seed or 0,
+            with_mtp=with_mtp,
         )
         tokenizer_file = model_dir / "tokenizer.json" if model_dir is not None else None
         tokenizer = load_tokenizer(tokenizer_file if tokenizer_file is not None and tokenizer_file.exists() else None)
@@ -228,20 +241,22 @@ class LLMEngine:
             return outputs
         self._steps += 1
         for chunk in scheduled.chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
+            chunk.seq.num_computed_tokens += chunk.num_known_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.commit(chunk.seq)
         if self.prefix_cache is not None:
             self.prefix_cache.end_step()
         for chunk, result in zip(scheduled.chunks, results):
             seq = chunk.seq
-            if result.token_id is None:
-                self._prompt_tokens += chunk.num_tokens
-            else:
-                self._prompt_tokens += chunk.num_tokens - 1
+            # The accepted drafts are computed tokens too (their pages are committed with the next step's).
+            seq.num_computed_tokens += result.num_accepted_drafts
+            self._prompt_tokens += chunk.num_known_tokens - chunk.samples
+            if chunk.draft_token_ids:
+                self.spec_decode.record(len(chunk.draft_token_ids), result.num_accepted_drafts)
             out = self._postprocess(seq, result)
             if out is not None:
                 outputs.append(out)
+        self._log_spec_decode()
         return outputs
 
     def stats(self) -> EngineStats:
@@ -261,24 +276,44 @@ class LLMEngine:
             prefix_cache_queried_tokens=cached.stats.queried_tokens if cached is not None else 0,
             prefix_cache_hit_tokens=cached.stats.hit_tokens if cached is not None else 0,
             prefix_cache_evicted_pages=cached.stats.evicted_pages if cached is not None else 0,
+            spec_decode=self.spec_decode.snapshot() if self.spec_decode is not None else None,
         )
 
+    def _log_spec_decode(self) -> None:
+        now = time.monotonic()
+        stats = self.spec_decode
+        if stats is None or now - self._spec_logged_at < SPEC_LOG_INTERVAL_S:
+            return
+        if stats.num_drafts > self._spec_logged_drafts:
+            logger.info(stats.describe())
+        self._spec_logged_at, self._spec_logged_drafts = now, stats.num_drafts
+
     def _postprocess(self, seq: Sequence, result: ChunkResult) -> RequestOutput | None:
+        """Append the chunk's new tokens one by one, up to the one that finishes the request."""
         if seq.prompt_logprobs is not None:
             seq.prompt_logprobs.extend(result.prompt_logprobs)
-        token_id = result.token_id
-        if token_id is None:
+        if not result.token_ids:
             return None
-        self._generation_tokens += 1
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-        seq.output_token_ids.append(token_id)
-        seq.sampling.append(token_id)
-        text, finish_reason, stop_reason = self._check_stop(seq, token_id)
-        out = self._output(seq, [token_id], text, result.logprobs)
+        kept, texts = [], []
+        finish_reason = stop_reason = None
+        for token_id in result.token_ids:
+            self._generation_tokens += 1
+            seq.output_token_ids.append(token_id)
+            seq.sampling.append(token_id)
+            kept.append(token_id)
+            text, finish_reason, stop_reason = self._check_stop(seq, token_id)
+            texts.append(text)
+            if finish_reason is not None:
+                break
+        logprobs = result.logprobs[: len(kept)] if result.logprobs is not None else None
+        out = self._output(seq, kept, "".join(texts), logprobs)
         if finish_reason is not None:
             self._finish(seq, finish_reason)
             out.finished, out.finish_reason, out.stop_reason = True, finish_reason, stop_reason
+        else:
+            seq.draft_token_ids = result.draft_token_ids
         return out
 
     def _check_stop(self, seq: Sequence, token_id: int) -> tuple[str, str | None, int | str | None]:
@@ -304,7 +339,9 @@ class LLMEngine:
             text += checker.flush()
         return text, reason, stop_reason
 
-    def _output(self, seq: Sequence, token_ids: list[int], text: str, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _output(
+        self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None
+    ) -> RequestOutput:
         first = len(seq.output_token_ids) == len(token_ids)
         return RequestOutput(
             request_id=seq.request_id,
@@ -312,7 +349,7 @@ class LLMEngine:
             new_text=text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
-            new_logprobs=[logprobs] if logprobs is not None else None,
+            new_logprobs=logprobs,
             prompt_logprobs=seq.prompt_logprobs if first and token_ids else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
@@ -328,6 +365,19 @@ class LLMEngine:
         out = self._output(seq, [], "", None)
         out.error = error
         return out
+
+
+def _check_mtp(model) -> None:
+    """Speculative decoding drafts with the model's MTP layer, which must be loaded and a sliding-window layer
+    (drafts run past the pages the step holds; a window layer has none)."""
+    if not getattr(model, "with_mtp", False):
+        raise EngineConfigError("speculative_config: method 'mtp' needs the model built with its MTP layer (with_mtp)")
+    cfg = model.cfg
+    if cfg.compress_ratios[cfg.num_hidden_layers] != 0:
+        raise EngineConfigError(
+            f"speculative_config: the MTP layer compresses (ratio {cfg.compress_ratios[cfg.num_hidden_layers]}); "
+            "ds4 drafts only with a sliding-window MTP layer (ratio 0), as DeepSeek-V4's is"
+        )
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

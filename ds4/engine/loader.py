@@ -55,16 +55,19 @@ def load_model(
     kv_cache_dtype: str = "auto",
     weight_format: str = "auto",
     seed: int = 0,
+    with_mtp: bool = False,
 ):
     """A DeepseekV4Model with its weights, streamed in stored form: read from model_dir, or (dummy) generated on
-    the device."""
+    the device; with_mtp adds the MTP layer (speculative decoding)."""
     from ds4.checkpoint.dummy import dummy_weights
     from ds4.checkpoint.reader import load_checkpoint
     from ds4.model.deepseek_v4 import DeepseekV4Model
 
-    model = DeepseekV4Model(cfg, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format)
+    model = DeepseekV4Model(
+        cfg, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, with_mtp=with_mtp
+    )
     if load_format == "dummy":
-        model.load_weights(dummy_weights(cfg, device, seed))
+        model.load_weights(dummy_weights(cfg, device, seed, with_mtp))
     else:
-        model.load_weights(load_checkpoint(model_dir, cfg))
+        model.load_weights(load_checkpoint(model_dir, cfg, with_mtp=with_mtp))
     return model

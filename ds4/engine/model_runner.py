@@ -1,10 +1,14 @@
 """One engine step on the model: flat batch in, sampled tokens (and logprobs) out.
 
 The scheduler's chunks become one ForwardBatch (tokens of every request end to end). The model's
-hidden rows that matter are picked before the vocabulary projection: the last row of every chunk that
-reaches the end of its request's known tokens (it predicts the next token), plus the prompt rows of
-requests that asked for prompt logprobs. On CUDA, steps where every request runs exactly one token
-replay a CUDA graph captured for a padded batch size.
+hidden rows that matter are picked before the vocabulary projection: the last known row of every chunk
+that reaches the end of its request's known tokens (it predicts the next token) and the rows of its
+drafts, plus the prompt rows of requests that asked for prompt logprobs. On CUDA, steps where every
+request runs exactly one token replay a CUDA graph captured for a padded batch size; steps that verify
+drafts run eagerly.
+
+With speculative decoding (ds4.engine.speculative), chunks with drafts are verified instead of sampled,
+and the MTP layer then follows every chunk over the positions it kept and drafts for the next step.
 """
 
 from __future__ import annotations
@@ -17,61 +21,124 @@ from ds4.engine.cuda_graphs import DecodeGraphs
 from ds4.engine.prefix_cache import StepSnapshots
 from ds4.engine.sampler import Sampler, TokenLogprobs, compute_logprobs
 from ds4.engine.scheduler import ScheduledChunk
+from ds4.engine.speculative import MTPDrafter, MTPSpan, may_speculate, verify
 from ds4.model.batch import ForwardBatch
 
 
 @dataclass
 class ChunkResult:
-    token_id: int | None = None  # the next token, when the chunk samples
-    logprobs: TokenLogprobs | None = None
+    # The tokens the chunk adds (when it samples): one, or with drafts the accepted ones and one more.
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when asked for
     # Prompt logprobs of the prompt tokens this chunk predicted for the first time (in order).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return max(len(self.token_ids) - 1, 0)
 
 
 class ModelRunner:
-    def __init__(self, model, cache, sampler: Sampler, device: torch.device, graphs: DecodeGraphs | None = None):
+    def __init__(
+        self,
+        model,
+        cache,
+        sampler: Sampler,
+        device: torch.device,
+        graphs: DecodeGraphs | None = None,
+        drafter: MTPDrafter | None = None,
+    ):
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = torch.device(device)
         self.graphs = graphs
+        self.drafter = drafter
 
     def run(self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None = None) -> list[ChunkResult]:
         batch = build_batch(chunks, self.device)
         if snapshots is not None:  # prefix caching: resume admitted requests, keep page-end states
-            self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots)
+            self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots, snapshots.restore_ends)
             batch.snapshots = tuple(snapshots.inner)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)
         else:
             hidden = self.model.forward(batch, self.cache)
         if snapshots is not None:
-            self.cache.save_snapshots(snapshots.save_slots, snapshots.save_snapshots)
+            self.cache.save_snapshots(snapshots.save_slots, snapshots.save_snapshots, snapshots.save_ends)
         sample_rows, prompt_rows = logit_rows(chunks)
-        rows = [r for r, _ in sample_rows] + [r for r, _, _ in prompt_rows]
+        rows = [r for first, i in sample_rows for r in range(first, first + _num_sample_rows(chunks[i]))]
+        num_sample_rows = len(rows)
+        rows += [r for r, _, _ in prompt_rows]
         results = [ChunkResult() for _ in chunks]
-        if not rows:
-            return results
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-        if sample_rows:
-            sampling = [chunks[i].seq.sampling for _, i in sample_rows]
-            out = self.sampler.sample(logits[: len(sample_rows)], sampling)
-            for (_, i), token_id, logprobs in zip(sample_rows, out.token_ids.tolist(), out.logprobs):
-                results[i].token_id, results[i].logprobs = token_id, logprobs
-        if prompt_rows:
-            targets = torch.tensor([t for _, _, t in prompt_rows], device=logits.device)
-            num_top = [chunks[i].seq.params.prompt_logprobs for _, i, _ in prompt_rows]
-            entries = compute_logprobs(logits[len(sample_rows) :], targets, num_top)
-            for (_, i, _), entry in zip(prompt_rows, entries):
-                results[i].prompt_logprobs.append(entry)
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            self._sample(chunks, sample_rows, logits[:num_sample_rows], results)
+            if prompt_rows:
+                targets = torch.tensor([t for _, _, t in prompt_rows], device=logits.device)
+                num_top = [chunks[i].seq.params.prompt_logprobs for _, i, _ in prompt_rows]
+                entries = compute_logprobs(logits[num_sample_rows:], targets, num_top)
+                for (_, i, _), entry in zip(prompt_rows, entries):
+                    results[i].prompt_logprobs.append(entry)
+        if self.drafter is not None:
+            self._draft(chunks, batch, hidden, results)
         return results
+
+    def _sample(self, chunks, sample_rows, logits: torch.Tensor, results: list[ChunkResult]) -> None:
+        """Plain chunks sample one token from their row; chunks with drafts verify them on theirs."""
+        plain, drafted, plain_rows, drafted_rows, row = [], [], [], [], 0
+        for _, i in sample_rows:
+            n = _num_sample_rows(chunks[i])
+            (drafted if chunks[i].draft_token_ids else plain).append(i)
+            (drafted_rows if chunks[i].draft_token_ids else plain_rows).extend(range(row, row + n))
+            row += n
+        if plain:
+            out = self.sampler.sample(logits[plain_rows], [chunks[i].seq.sampling for i in plain])
+            for i, token_id, logprobs in zip(plain, out.token_ids.tolist(), out.logprobs):
+                results[i].token_ids = [token_id]
+                results[i].logprobs = None if logprobs is None else [logprobs]
+        if drafted:
+            logits = logits[drafted_rows]
+            requests = [chunks[i].seq.sampling for i in drafted]
+            kept = verify(self.sampler, logits, requests, [chunks[i].draft_token_ids for i in drafted])
+            row = 0
+            for i, tokens in zip(drafted, kept):
+                results[i].token_ids = tokens
+                num_top = chunks[i].seq.params.logprobs
+                if num_top is not None:
+                    targets = torch.tensor(tokens, device=logits.device)
+                    results[i].logprobs = compute_logprobs(
+                        logits[row : row + len(tokens)], targets, [num_top] * len(tokens)
+                    )
+                row += _num_sample_rows(chunks[i])
+
+    def _draft(self, chunks, batch: ForwardBatch, hidden: torch.Tensor, results: list[ChunkResult]) -> None:
+        """The MTP layer over every chunk's kept positions (the token after each: the known ones, then the
+        chunk's new tokens or, mid-prompt, the next prompt token); drafts where a chunk sampled."""
+        spans, first = [], 0
+        for c, result in zip(chunks, results):
+            known = c.seq.token_ids(c.start + 1, c.start + c.num_known_tokens)
+            after = (
+                result.token_ids
+                if c.samples
+                else c.seq.token_ids(c.start + c.num_known_tokens, c.start + c.num_known_tokens + 1)
+            )
+            spans.append(MTPSpan(first, known + after, c.samples and may_speculate(c.seq.params)))
+            first += c.num_tokens
+        for result, drafts in zip(results, self.drafter.run(batch, hidden, spans)):
+            result.draft_token_ids = drafts
+
+
+def _num_sample_rows(chunk: ScheduledChunk) -> int:
+    return 1 + len(chunk.draft_token_ids)
 
 
 def build_batch(chunks: list[ScheduledChunk], device: torch.device) -> ForwardBatch:
     """The flat batch of one step, built on the host and moved to the device in one transfer per field."""
     input_ids, positions, starts = [], [], [0]
     for c in chunks:
-        input_ids += c.seq.token_ids(c.start, c.start + c.num_tokens)
+        input_ids += c.seq.token_ids(c.start, c.start + c.num_known_tokens) + c.draft_token_ids
         positions += range(c.start, c.start + c.num_tokens)
         starts.append(starts[-1] + c.num_tokens)
     width = max(len(c.seq.page_table) for c in chunks)
@@ -94,7 +161,8 @@ def build_batch(chunks: list[ScheduledChunk], device: torch.device) -> ForwardBa
 
 
 def logit_rows(chunks: list[ScheduledChunk]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
-    """(row, chunk) pairs to sample from, and (row, chunk, target token) triples for prompt logprobs.
+    """(first row, chunk) pairs to sample from (the last known token's row, then one row per draft), and
+    (row, chunk, target token) triples for prompt logprobs.
 
     Row p of a request predicts its token p + 1. Prompt logprobs already computed before a preemption
     (seq.prompt_logprobs holds one entry per prompt token, None for the first) are not computed again.
@@ -104,10 +172,10 @@ def logit_rows(chunks: list[ScheduledChunk]) -> tuple[list[tuple[int, int]], lis
     for i, c in enumerate(chunks):
         seq = c.seq
         if c.samples:
-            samples.append((offset + c.num_tokens - 1, i))
+            samples.append((offset + c.num_known_tokens - 1, i))
         if seq.prompt_logprobs is not None:
             first = max(c.start, len(seq.prompt_logprobs) - 1)
-            last = min(c.start + c.num_tokens, seq.num_prompt_tokens - 1)
+            last = min(c.start + c.num_known_tokens, seq.num_prompt_tokens - 1)
             prompts += [(offset + p - c.start, i, seq.prompt_token_ids[p + 1]) for p in range(first, last)]
         offset += c.num_tokens
     return samples, prompts

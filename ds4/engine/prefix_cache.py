@@ -33,14 +33,18 @@ from ds4.model.batch import BoundarySnapshot
 class StepSnapshots:
     """The snapshot copies of one step: restores before the forward, saves by the model and after it."""
 
-    # Admitted requests resuming after a cached prefix: slot restore_slots[i] takes restore_snapshots[i].
+    # Admitted requests resuming after a cached prefix: slot restore_slots[i] takes restore_snapshots[i], the
+    # state at page end restore_ends[i].
     restore_snapshots: list[int] = field(default_factory=list)
     restore_slots: list[int] = field(default_factory=list)
+    restore_ends: list[int] = field(default_factory=list)
     # Page ends inside a chunk (request = the chunk's index), kept by the model as it passes them.
     inner: list[BoundarySnapshot] = field(default_factory=list)
-    # Chunks ending on a page end: slot save_slots[i] is kept as save_snapshots[i] after the forward.
+    # Chunks ending on a page end: slot save_slots[i] is kept as save_snapshots[i] (at page end save_ends[i])
+    # after the forward.
     save_slots: list[int] = field(default_factory=list)
     save_snapshots: list[int] = field(default_factory=list)
+    save_ends: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -120,6 +124,7 @@ class PrefixCache:
         if snapshot is not None:
             self._restores.restore_snapshots.append(snapshot)
             self._restores.restore_slots.append(seq.slot)
+            self._restores.restore_ends.append(cached_tokens)
 
     def claim(self, page: int) -> None:
         """A request takes a reclaimable page (a hit): it is no longer evictable."""
@@ -148,7 +153,8 @@ class PrefixCache:
         has no snapshot yet."""
         plan, self._restores = self._restores, StepSnapshots()
         for i, chunk in enumerate(chunks):
-            seq, end = chunk.seq, chunk.start + chunk.num_tokens
+            # Page ends among the known tokens only: drafts may be rejected.
+            seq, end = chunk.seq, chunk.start + chunk.num_known_tokens
             first_page = chunk.start // self.page_size + 1
             keys = self.keys(seq, end // self.page_size)
             for page_end in range(first_page * self.page_size, end + 1, self.page_size):
@@ -163,6 +169,7 @@ class PrefixCache:
                 if page_end == end:
                     plan.save_slots.append(seq.slot)
                     plan.save_snapshots.append(snapshot)
+                    plan.save_ends.append(page_end)
                 else:
                     plan.inner.append(BoundarySnapshot(i, page_end, snapshot))
         return plan

@@ -107,9 +107,7 @@ class Sampler:
             )
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
-        # Grammar masks first; raw logprobs below still read the unmasked logits.
-        processed = apply_structured_output(logits, requests)
-        processed = apply_penalties(self._mask_early_stops(apply_logit_bias(processed, requests), requests), requests)
+        processed = self.process(logits, requests)
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [row for row, request in enumerate(requests) if request.params.is_greedy]
         if greedy:
@@ -120,6 +118,12 @@ class Sampler:
             rows = torch.tensor(randoms, device=logits.device)
             token_ids[rows] = sample_random(processed[rows], [requests[row] for row in randoms])
         return SamplerOutput(token_ids, self._logprobs(logits, token_ids, requests))
+
+    def process(self, logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
+        """Grammar masks, logit bias, the min_tokens mask and penalties: the logits greedy rows take the
+        argmax of and random rows warp. A new tensor when anything applies: raw logprobs read the input."""
+        processed = apply_structured_output(logits, requests)
+        return apply_penalties(self._mask_early_stops(apply_logit_bias(processed, requests), requests), requests)
 
     def _mask_early_stops(self, logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
         rows, cols = [], []

@@ -1,6 +1,8 @@
 """Which requests run in the next step, and how many tokens each.
 
-One step has a token budget. Running decodes go first (one token each), then prefill chunks: short
+One step has a token budget. Running decodes go first (one token each, plus the drafts of speculative
+decoding where the budget beyond the other decodes, the pages, max_tokens and max_model_len leave room;
+a step never preempts for a draft), then prefill chunks: short
 prompts before long ones, at most `max_num_partial_prefills` prompts per step of which at most
 `max_long_partial_prefills` long, long ones in chunks of at most `long_prefill_token_threshold`.
 So a short request that arrives while a huge prompt prefills starts in the very next step.
@@ -33,14 +35,19 @@ class RequestRejected(ValueError):
 @dataclass
 class ScheduledChunk:
     seq: Sequence
-    # Tokens [start, start + num_tokens) of seq run through the model in this step.
+    # Tokens [start, start + num_tokens) of seq run through the model in this step: known tokens, then drafts.
     start: int
     num_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return self.num_tokens - len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
-        """This chunk reaches the end of the known tokens, so the model's last row gives the next token."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        """This chunk reaches the end of the known tokens, so the model's rows from there give the next tokens."""
+        return self.start + self.num_known_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -96,14 +103,31 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        decodes = sorted((s for s in self.running if s.num_uncomputed_tokens == 1), key=lambda s: s.arrival)
+        spare = budget - len(decodes)  # drafts take only budget no decode needs
         # Oldest first, so a request short of pages only ever preempts newer ones (or itself, the newest).
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
+        for seq in decodes:
+            if seq.status is SequenceStatus.RUNNING:
+                drafts = self._drafts(seq, spare)
                 if self._make_room(seq, 1, scheduled, out, newer_only=False):
-                    self._take(seq, 1, scheduled, out)
-                    budget -= 1
+                    self._take(seq, 1 + len(drafts), scheduled, out, drafts)
+                    budget -= 1 + len(drafts)
+                    spare -= len(drafts)
         self._schedule_prefills(budget, scheduled, out)
         return out
+
+    def _drafts(self, seq: Sequence, spare: int) -> list[int]:
+        """The drafts seq verifies in this step: as many as the budget, max_tokens, max_model_len and the
+        free pages leave room for (the pages without preempting anyone)."""
+        if not seq.draft_token_ids:
+            return []
+        room = min(spare, self.max_model_len - seq.num_tokens - 1)
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        drafts = seq.draft_token_ids[: max(room, 0)]
+        if drafts and not self.allocator.can_grow(seq.page_table, seq.num_computed_tokens + 1 + len(drafts)):
+            return []
+        return drafts
 
     def _schedule_prefills(self, budget: int, scheduled: set[int], out: SchedulerOutput) -> None:
         limit = self.config.prefill_chunk_limit
@@ -176,15 +200,18 @@ class Scheduler:
                 return False
         return True
 
-    def _take(self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput) -> None:
+    def _take(
+        self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput, drafts: list[int] | None = None
+    ) -> None:
         self.allocator.grow(seq.page_table, seq.num_computed_tokens + n)
         scheduled.add(id(seq))
-        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n, list(drafts or [])))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1

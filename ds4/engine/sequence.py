@@ -53,6 +53,8 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.num_computed_tokens = 0
+        # Speculative decoding: the MTP layer's guesses of the tokens after the last one, verified next step.
+        self.draft_token_ids: list[int] = []
         self.page_table: list[int] = []
         self.slot: int | None = None
         # Prefix caching: chain keys of its full pages (memo), and how many of page_table are cached or settled.

@@ -106,11 +106,11 @@ class Attention(nn.Module):
         return o
 
     def _attend_decode(self, x, qr, q, kv, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
-        """One token per request: the ring takes the token first (it replaces the one leaving the window)."""
-        win, pos, slots = self.window, batch.positions, batch.slots.long()
-        cache.window[slots, pos % win] = kv.to(cache.window.dtype)
+        """One token per request: the ring takes the token first (it replaces one that left the window)."""
+        win, ring, pos, slots = self.window, cache.window.shape[1], batch.positions, batch.slots.long()
+        cache.window[slots, pos % ring] = kv.to(cache.window.dtype)
         key_pos = pos[:, None] - (win - 1) + torch.arange(win, device=kv.device)[None, :]
-        window_rows = torch.where(key_pos >= 0, slots[:, None] * win + key_pos % win, -1)
+        window_rows = torch.where(key_pos >= 0, slots[:, None] * ring + key_pos % ring, -1)
         key_sets = [(cache.window.view(-1, self.head_dim), window_rows)]
         if self.kind != WINDOW:
             self.compressor.decode(x, batch, cache.compressor, cache.compressed, self.inv_freq, self._round_kv)
@@ -123,14 +123,14 @@ class Attention(nn.Module):
 
     def _window_keys(self, kv, batch: ForwardBatch, layout: StepLayout, cache: LayerCache):
         """Keys = this request's cached ring rows, then the step's fresh kv; [T, window] indices into them."""
-        win, req = self.window, layout.token_requests
+        win, ring_rows, req = self.window, cache.window.shape[1], layout.token_requests
         ring = cache.window[batch.slots.long()].view(-1, self.head_dim)
         source = torch.cat((ring, kv.to(ring.dtype)))
         ctx = batch.context_lens.long()[req][:, None]
         start = batch.query_start_loc.long()[req][:, None]
         key_pos = batch.positions[:, None] - (win - 1) + torch.arange(win, device=kv.device)[None, :]
         fresh = start + (key_pos - ctx) + ring.shape[0]
-        cached = req[:, None] * win + key_pos % win
+        cached = req[:, None] * ring_rows + key_pos % ring_rows
         rows = torch.where(key_pos >= ctx, fresh, cached)
         return source, torch.where(key_pos >= 0, rows, -1)
 
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         end = (batch.context_lens.long() + batch.query_start_loc.long()[1:] - batch.query_start_loc.long()[:-1])[req]
         keep = batch.positions >= end - self.window
         slots = batch.slots.long()[req][keep]
-        cache.window[slots, batch.positions[keep] % self.window] = kv[keep].to(cache.window.dtype)
+        cache.window[slots, batch.positions[keep] % cache.window.shape[1]] = kv[keep].to(cache.window.dtype)
 
     def _all_visible_entries(self, batch: ForwardBatch, layout: StepLayout, cache: LayerCache) -> torch.Tensor:
         """HCA: every entry i < (t + 1) // ratio, as rows of the flattened pool [T, max visible] (-1 = none)."""

@@ -1,12 +1,20 @@
 """KV cache storage for DeepSeek-V4: per-slot sliding windows and compressor states, paged compressed pools.
 
 Storage only; the engine hands out slots and pages. Per layer:
-  - window: the last `sliding_window` raw KV entries of each slot, a ring indexed by position % window;
+  - window: the last `sliding_window` raw KV entries of each slot, a ring of `sliding_window + spare`
+    rows indexed by position % rows;
   - compressed (CSA/HCA): one entry per `ratio` tokens, page p holding entries of tokens p*P .. p*P + P - 1;
   - index_keys (CSA): the lightning indexer's compressed keys, paged the same way (with kv_cache_dtype
     "fp8" and 128-dim keys: the packed e4m3 indexer cache of ds4.kernels.indexer, read by its kernels);
-  - compressor / indexer state (fp32, per slot): the unfinished window's projected kv and gate scores and,
-    for overlapping (CSA) compression, the previous full window.
+  - compressor / indexer state (fp32, per slot): the projected kv and gate scores of the last tokens, a ring
+    of `coff * ratio + spare` rows indexed by position % rows (coff = 2 for overlapping CSA compression,
+    which pools the previous window too, else 1).
+
+Every per-slot state is a function of positions, never of "what came last": a step may write `spare`
+positions past what the request keeps (speculative tokens the verification rejects) and nothing needs
+undoing, because the rows those writes land on are read again only after the kept tokens at those
+positions have rewritten them. The paged pools need no spare: an entry a rejected token completed is
+visible to no position before its window completes again, which rewrites it first.
 With kv_cache_dtype "fp8" the stores hold fp8-rounded values (kept dequantised in the compute dtype for now,
 except the indexer keys, whose MXFP4-rounded values the packed e4m3 cache holds exactly).
 
@@ -14,8 +22,9 @@ Boundary snapshots (prefix caching): the state a request needs to resume at a pa
 snapshot ids. At a page end every compressor window is complete (page_size is a multiple of every ratio), so
 the unfinished-window rows hold nothing and only two things are kept per layer: the window ring (raw entries
 of tokens e - sliding_window .. e - 1, ring order) and, for CSA, the previous full window's rows of the
-compressor and indexer states (the overlap). `save_snapshots` / `restore_snapshots` copy them from / to slots;
-the model also writes them directly for page ends inside a prefill chunk (ForwardBatch.snapshots).
+compressor and indexer states (the overlap), in window order. `save_snapshots` / `restore_snapshots` copy them
+from / to slots, whose rings they address by position (so they take the page ends); the model also writes
+them directly for page ends inside a prefill chunk (ForwardBatch.snapshots).
 
 Every paged pool has one page more than num_pages: the last page (index num_pages) is a scratch page
 that no block table names. The decode path writes there what must go nowhere (entries of windows that
@@ -38,9 +47,9 @@ SCRATCH_PAGES = 1
 
 @dataclass
 class CompressorState:
-    """Rows [0, ratio) hold the previous window (overlap only), the next `ratio` rows the current one."""
+    """A ring of the last tokens' projections: token p in row p % rows."""
 
-    kv: torch.Tensor  # [slots, coff * ratio, coff * head_dim] fp32
+    kv: torch.Tensor  # [slots, coff * ratio + spare, coff * head_dim] fp32
     score: torch.Tensor  # same shape, gate logits with the position bias already added
 
 
@@ -48,7 +57,7 @@ class CompressorState:
 class LayerCache:
     kind: str
     ratio: int
-    window: torch.Tensor  # [slots, sliding_window, head_dim]
+    window: torch.Tensor  # [slots, sliding_window + spare, head_dim], token p in row p % rows
     compressed: torch.Tensor | None = None  # [pages + 1, page_size // ratio, head_dim], the last page scratch
     # [pages + 1, page_size // ratio, index_head_dim] or packed (see packed_index_keys); the last page scratch
     index_keys: torch.Tensor | None = None
@@ -88,9 +97,9 @@ def check_page_size(cfg: ModelConfig, page_size: int, with_mtp: bool) -> None:
         raise ValueError(f"page_size {page_size} must be a positive multiple of every compression ratio; not of {bad}")
 
 
-def _compressor_shape(kind: str, ratio: int, head_dim: int) -> tuple[int, int]:
+def _compressor_shape(kind: str, ratio: int, head_dim: int, spare: int) -> tuple[int, int]:
     coff = 2 if kind == CSA else 1
-    return coff * ratio, coff * head_dim
+    return coff * ratio + spare, coff * head_dim
 
 
 def packed_index_keys(cfg: ModelConfig, kv_cache_dtype: str) -> bool:
@@ -128,18 +137,18 @@ def store_entries(pool: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor)
         pool.view(-1, pool.shape[-1])[rows] = entries.to(pool.dtype)
 
 
-def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = False) -> int:
-    """Bytes one request slot takes: sliding windows plus fp32 compressor states."""
+def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = False, spare: int = 0) -> int:
+    """Bytes one request slot takes: sliding windows plus fp32 compressor states (`spare`: see the module doc)."""
     item = torch.empty((), dtype=dtype).element_size()
     total = 0
     for i in cache_layers(cfg, with_mtp):
         kind, ratio = cfg.layer_kinds[i], cfg.compress_ratios[i]
-        total += cfg.sliding_window * cfg.head_dim * item
+        total += (cfg.sliding_window + spare) * cfg.head_dim * item
         if kind != WINDOW:
-            rows, width = _compressor_shape(kind, ratio, cfg.head_dim)
+            rows, width = _compressor_shape(kind, ratio, cfg.head_dim, spare)
             total += 2 * rows * width * 4
         if kind == CSA:
-            rows, width = _compressor_shape(kind, ratio, cfg.index_head_dim)
+            rows, width = _compressor_shape(kind, ratio, cfg.index_head_dim, spare)
             total += 2 * rows * width * 4
     return total
 
@@ -156,7 +165,7 @@ def bytes_per_snapshot(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = Fa
 
 
 class ModelCache:
-    """Every layer's cache storage, allocated up front."""
+    """Every layer's cache storage, allocated up front; `spare` positions a step may write past what it keeps."""
 
     def __init__(
         self,
@@ -168,6 +177,7 @@ class ModelCache:
         device: torch.device | str = "cpu",
         kv_cache_dtype: str = "auto",
         with_mtp: bool = False,
+        spare: int = 0,
         num_snapshots: int = 0,
     ):
         check_kv_cache_dtype(cfg, kv_cache_dtype)
@@ -175,17 +185,21 @@ class ModelCache:
         if num_slots < 1 or num_pages < 1:
             raise ValueError(f"ModelCache: need at least one slot and one page (got {num_slots}, {num_pages})")
         self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
+        if spare < 0:
+            raise ValueError(f"ModelCache: spare must be >= 0, got {spare}")
+        self.kv_cache_dtype, self.spare = kv_cache_dtype, spare
         self.num_snapshots = num_snapshots
-        self.kv_cache_dtype = kv_cache_dtype
         self.layers = [self._layer(cfg, i, dtype, torch.device(device)) for i in cache_layers(cfg, with_mtp)]
 
     def _layer(self, cfg: ModelConfig, i: int, dtype: torch.dtype, device: torch.device) -> LayerCache:
         kind, ratio = cfg.layer_kinds[i], cfg.compress_ratios[i]
         layer = LayerCache(
-            kind, ratio, torch.zeros(self.num_slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
+            kind,
+            ratio,
+            torch.zeros(self.num_slots, cfg.sliding_window + self.spare, cfg.head_dim, dtype=dtype, device=device),
         )
         if self.num_snapshots:
-            window = torch.zeros(self.num_snapshots, *layer.window.shape[1:], dtype=dtype, device=device)
+            window = torch.zeros(self.num_snapshots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
             layer.snapshot = LayerSnapshots(window)
         if kind == WINDOW:
             return layer
@@ -204,37 +218,45 @@ class ModelCache:
         return layer
 
     def _state(self, kind: str, ratio: int, head_dim: int, device: torch.device) -> CompressorState:
-        shape = (self.num_slots, *_compressor_shape(kind, ratio, head_dim))
+        shape = (self.num_slots, *_compressor_shape(kind, ratio, head_dim, self.spare))
         return CompressorState(
             torch.zeros(shape, dtype=torch.float32, device=device),
             torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
         )
 
-    def save_snapshots(self, slots: list[int], snapshots: list[int]) -> None:
-        """Keep each slot's state, which must stand at a page end, as its boundary snapshot."""
+    def save_snapshots(self, slots: list[int], snapshots: list[int], page_ends: list[int]) -> None:
+        """Keep each slot's state, which must stand at (or, with spare rows, past) page end page_ends[i], as its
+        boundary snapshot."""
         if slots:
-            self._copy_snapshots(self._index(snapshots), self._index(slots), save=True)
+            self._copy_snapshots(self._index(snapshots), self._index(slots), self._index(page_ends), save=True)
 
-    def restore_snapshots(self, snapshots: list[int], slots: list[int]) -> None:
+    def restore_snapshots(self, snapshots: list[int], slots: list[int], page_ends: list[int]) -> None:
         """Put each slot in the state of its boundary snapshot (requests resuming at those page ends)."""
         if slots:
-            self._copy_snapshots(self._index(snapshots), self._index(slots), save=False)
+            self._copy_snapshots(self._index(snapshots), self._index(slots), self._index(page_ends), save=False)
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.layers[0].window.device)
 
-    def _copy_snapshots(self, snapshots: torch.Tensor, slots: torch.Tensor, save: bool) -> None:
+    def _copy_snapshots(self, snapshots: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor, save: bool) -> None:
+        """A kept span holds the n tokens before e in ring order (position % n); the slot's ring, position % rows."""
+
+        def span(n: int, rows: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+            positions = ends[:, None] - n + torch.arange(n, device=ends.device)
+            return (slots[:, None], positions % rows), (snapshots[:, None], positions % n)
+
         for layer in self.layers:
             kept = layer.snapshot
-            pairs = [(layer.window, kept.window, slice(None))]
+            pairs = [(layer.window, kept.window, *span(kept.window.shape[1], layer.window.shape[1]))]
             for state, rows in ((layer.compressor, kept.compressor), (layer.indexer, kept.indexer)):
                 if rows is not None:
-                    pairs += [(state.kv, rows.kv, slice(layer.ratio)), (state.score, rows.score, slice(layer.ratio))]
-            for live, store, part in pairs:
+                    where = span(layer.ratio, state.kv.shape[1])
+                    pairs += [(state.kv, rows.kv, *where), (state.score, rows.score, *where)]
+            for live, store, live_rows, store_rows in pairs:
                 if save:
-                    store[snapshots] = live[slots, part]
+                    store[store_rows] = live[live_rows]
                 else:
-                    live[slots, part] = store[snapshots]
+                    live[live_rows] = store[store_rows]
 
 
 def _overlap_rows(state: CompressorState, num_snapshots: int, ratio: int) -> CompressorState:

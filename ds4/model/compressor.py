@@ -2,7 +2,8 @@
 
 With overlap (CSA), entry i pools the first half of the channels of window i-1 and the second half of
 window i (2 * ratio tokens, stride ratio). Entries get RMSNorm and RoPE at position i * ratio. Unfinished
-windows wait in a per-slot fp32 state, so chunks may end anywhere.
+windows wait in a per-slot fp32 ring of the last tokens' projections (token p in row p % rows, see
+ds4.model.cache), so chunks may end anywhere and tokens written past what a request keeps need no undo.
 
 `decode` is the same update for one token per request with fixed shapes: every row pools its current
 window, and rows whose window did not complete write their entry to the pool's scratch page.
@@ -79,82 +80,64 @@ class Compressor(nn.Module):
         finish: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         """forward for a decode_only batch (token r belongs to request r), without host syncs."""
-        ratio, d = self.ratio, self.head_dim
+        ratio, d, rows = self.ratio, self.head_dim, state.kv.shape[1]
         pos, slots = batch.positions, batch.slots.long()
-        rows = torch.arange(pos.shape[0], device=x.device)
         xf = x.float()
-        cur = ratio if self.overlap else 0
-        buf_kv, buf_score = state.kv[slots], state.score[slots]  # copies, written back whole
-        buf_kv[rows, cur + pos % ratio] = self.wkv(xf)
-        buf_score[rows, cur + pos % ratio] = self.wgate(xf) + self.ape[pos % ratio]
-        win_kv, win_score = buf_kv[:, cur:], buf_score[:, cur:]
+        state.kv[slots, pos % rows] = self.wkv(xf)
+        state.score[slots, pos % rows] = self.wgate(xf) + self.ape[pos % ratio]
         index = pos // ratio
-        completes = pos % ratio == ratio - 1
+        window = (index * ratio)[:, None] + torch.arange(ratio, device=x.device)[None, :]
+        ring = slots[:, None], window % rows
+        pooled_kv, pooled_score = state.kv[ring], state.score[ring]
         if self.overlap:
             first = (index == 0)[:, None, None]
-            prev_kv = buf_kv[:, :ratio].masked_fill(first, 0.0)
-            prev_score = buf_score[:, :ratio].masked_fill(first, float("-inf"))
-            pooled_kv = torch.cat((prev_kv[..., :d], win_kv[..., d:]), dim=1)
-            pooled_score = torch.cat((prev_score[..., :d], win_score[..., d:]), dim=1)
-            done = completes[:, None, None]
-            buf_kv[:, :ratio] = torch.where(done, win_kv, buf_kv[:, :ratio])
-            buf_score[:, :ratio] = torch.where(done, win_score, buf_score[:, :ratio])
-        else:
-            pooled_kv, pooled_score = win_kv, win_score
+            prev = slots[:, None], (window - ratio) % rows
+            prev_kv = state.kv[prev].masked_fill(first, 0.0)
+            prev_score = state.score[prev].masked_fill(first, float("-inf"))
+            pooled_kv = torch.cat((prev_kv[..., :d], pooled_kv[..., d:]), dim=1)
+            pooled_score = torch.cat((prev_score[..., :d], pooled_score[..., d:]), dim=1)
         entries = (pooled_kv * pooled_score.softmax(dim=1)).sum(dim=1)
-        state.kv[slots] = buf_kv
-        state.score[slots] = buf_score
         entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
         entries = finish(apply_rope(entries, index * ratio, inv_freq))
         per_page = entries_per_page(pool)
         target = table_entry_rows(batch.block_tables, index[:, None], per_page)[:, 0]
         scratch = (pool.shape[0] - 1) * per_page
+        completes = pos % ratio == ratio - 1
         target = torch.where(completes & (target >= 0), target, scratch)
         store_entries(pool, target, entries)
 
     def _request(self, kv, score, start: int, slot: int, state: CompressorState, keep=(), snapshots=None):
-        """Pool the windows one request completes; update its state. keep: (page end e, snapshot id) pairs
-        inside the chunk, whose overlap rows (the full window e - ratio .. e - 1) go to `snapshots`.
+        """Pool the windows one request completes; keep its last tokens in the ring. keep: (page end e, snapshot
+        id) pairs inside the chunk, whose overlap rows (the full window e - ratio .. e - 1) go to `snapshots`.
 
         Returns (entries [m, head_dim] | None, first index)."""
-        ratio = self.ratio
-        cur = ratio if self.overlap else 0
-        filled = start % ratio
-        buf_kv = torch.cat((state.kv[slot, cur : cur + filled], kv))
-        buf_score = torch.cat((state.score[slot, cur : cur + filled], score))
-        done = buf_kv.shape[0] // ratio
-        left = buf_kv.shape[0] - done * ratio
-        first = start // ratio
-        entries = None
-        if done:
-            win_kv = buf_kv[: done * ratio].view(done, ratio, -1)
-            win_score = buf_score[: done * ratio].view(done, ratio, -1)
-            if self.overlap:
-                pooled_kv, pooled_score = self._overlap(win_kv, win_score, state, slot, first)
-            else:
-                pooled_kv, pooled_score = win_kv, win_score
-            entries = (pooled_kv * pooled_score.softmax(dim=1)).sum(dim=1)
-            if keep:
-                windows = torch.tensor([end // ratio - first - 1 for end, _ in keep], device=kv.device)
-                ids = torch.tensor([snapshot for _, snapshot in keep], device=kv.device)
-                snapshots.kv[ids], snapshots.score[ids] = win_kv[windows], win_score[windows]
-            if self.overlap:
-                state.kv[slot, :ratio] = win_kv[-1]
-                state.score[slot, :ratio] = win_score[-1]
-        state.kv[slot, cur : cur + left] = buf_kv[done * ratio :]
-        state.score[slot, cur : cur + left] = buf_score[done * ratio :]
-        return entries, first
-
-    def _overlap(self, win_kv, win_score, state: CompressorState, slot: int, first: int):
-        """[m, 2 * ratio, head_dim]: the previous window's first channel half, then this window's second half."""
-        d, ratio = self.head_dim, self.ratio
-        if first == 0:
-            prev_kv = torch.zeros_like(win_kv[:1])
-            prev_score = torch.full_like(win_score[:1], float("-inf"))
-        else:
-            prev_kv, prev_score = state.kv[slot, None, :ratio], state.score[slot, None, :ratio]
-        prev_kv = torch.cat((prev_kv, win_kv[:-1]))
-        prev_score = torch.cat((prev_score, win_score[:-1]))
-        pooled_kv = torch.cat((prev_kv[..., :d], win_kv[..., d:]), dim=1)
-        pooled_score = torch.cat((prev_score[..., :d], win_score[..., d:]), dim=1)
-        return pooled_kv, pooled_score
+        ratio, rows = self.ratio, state.kv.shape[1]
+        end = start + kv.shape[0]
+        first, done = start // ratio, end // ratio - start // ratio
+        # Completed windows read from the start of the first one (of the window before it, with overlap).
+        base = (first - int(self.overlap)) * ratio
+        history = torch.arange(max(base, 0), start, device=kv.device) % rows
+        buf_kv = torch.cat((state.kv[slot, history], kv))
+        buf_score = torch.cat((state.score[slot, history], score))
+        kept = torch.arange(max(start, end - rows), end, device=kv.device)
+        state.kv[slot, kept % rows] = kv[kept - start]
+        state.score[slot, kept % rows] = score[kept - start]
+        if not done:
+            return None, first
+        if base < 0:  # the window before the first one is empty: contributes nothing to the softmax
+            buf_kv = torch.cat((buf_kv.new_zeros(ratio, buf_kv.shape[1]), buf_kv))
+            buf_score = torch.cat((buf_score.new_full((ratio, buf_score.shape[1]), float("-inf")), buf_score))
+        off = int(self.overlap) * ratio
+        win_kv = buf_kv[off : off + done * ratio].view(done, ratio, -1)
+        win_score = buf_score[off : off + done * ratio].view(done, ratio, -1)
+        if keep:
+            windows = torch.tensor([e // ratio - first - 1 for e, _ in keep], device=kv.device)
+            ids = torch.tensor([snapshot for _, snapshot in keep], device=kv.device)
+            snapshots.kv[ids], snapshots.score[ids] = win_kv[windows], win_score[windows]
+        if self.overlap:
+            prev_kv = buf_kv[: done * ratio].view(done, ratio, -1)
+            prev_score = buf_score[: done * ratio].view(done, ratio, -1)
+            d = self.head_dim
+            win_kv = torch.cat((prev_kv[..., :d], win_kv[..., d:]), dim=1)
+            win_score = torch.cat((prev_score[..., :d], win_score[..., d:]), dim=1)
+        return (win_kv * win_score.softmax(dim=1)).sum(dim=1), first

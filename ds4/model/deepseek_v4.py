@@ -62,7 +62,10 @@ class DeepseekV4Model(nn.Module):
         self.hc_head_scale = fp32_param(1, device=device)
         self.mtp = nn.ModuleList([MTPBlock(cfg, dtype, device, kv_cache_dtype, weight_format)] if with_mtp else [])
 
-    def new_cache(self, num_slots: int, num_pages: int, page_size: int, num_snapshots: int = 0) -> ModelCache:
+    def new_cache(
+        self, num_slots: int, num_pages: int, page_size: int, num_snapshots: int = 0, spare: int = 0
+    ) -> ModelCache:
+        """`spare`: positions a step may write past what a request keeps (speculative tokens; see ModelCache)."""
         device = self.embed.weight.device
         return ModelCache(
             self.cfg,
@@ -73,6 +76,7 @@ class DeepseekV4Model(nn.Module):
             device,
             self.kv_cache_dtype,
             self.with_mtp,
+            spare,
             num_snapshots,
         )
 

@@ -45,6 +45,39 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        if getattr(s, "spec_decode", None) is not None:
+            yield from _spec_decode_metrics(s.spec_decode)
+
+
+def _spec_decode_metrics(spec):
+    """Speculative decoding (ds4.engine.speculative.SpecDecodeStats); a draft is one verification of one request."""
+    counters = {
+        "ds4_spec_decode_num_drafts": ("Draft windows verified since start", spec.num_drafts),
+        "ds4_spec_decode_num_draft_tokens": ("Draft tokens proposed since start", spec.num_draft_tokens),
+        "ds4_spec_decode_num_accepted_tokens": ("Draft tokens accepted since start", spec.num_accepted_tokens),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(name, doc, value=value)
+    yield GaugeMetricFamily(
+        "ds4_spec_decode_mean_acceptance_length",
+        "Tokens per verification step: 1 + accepted drafts per draft window",
+        value=spec.mean_acceptance_length,
+    )
+    per_position = CounterMetricFamily(
+        "ds4_spec_decode_num_accepted_tokens_per_pos",
+        "Draft windows whose j-th token was accepted",
+        labels=["position"],
+    )
+    rates = GaugeMetricFamily(
+        "ds4_spec_decode_acceptance_rate",
+        "Fraction of draft windows whose j-th token was accepted",
+        labels=["position"],
+    )
+    for j, (count, rate) in enumerate(zip(spec.accepted_per_position, spec.acceptance_rates())):
+        per_position.add_metric([str(j)], count)
+        rates.add_metric([str(j)], rate)
+    yield per_position
+    yield rates
 
 
 class ServerMetrics:

@@ -173,7 +173,7 @@ class ScriptedRunner:
 
     def run(self, chunks, snapshots=None):
         return [
-            ChunkResult(token_id=2 + hash(tuple(c.seq.token_ids(0, c.seq.num_tokens))) % 1000 if c.samples else None)
+            ChunkResult(token_ids=[2 + hash(tuple(c.seq.token_ids(0, c.seq.num_tokens))) % 1000] if c.samples else [])
             for c in chunks
         ]
 

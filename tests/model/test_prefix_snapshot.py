@@ -31,13 +31,13 @@ def test_resuming_after_shared_pages_from_a_snapshot_matches_whole_prefill(name)
         batch.snapshots = tuple(BoundarySnapshot(0, end, end // PAGE - 1) for end in ends)
         model(batch, cache)
         if stop % PAGE == 0:
-            cache.save_snapshots([0], [stop // PAGE - 1])
+            cache.save_snapshots([0], [stop // PAGE - 1], [stop])
 
     own = [p for p in range(16) if p not in table.tolist()]
     for end in range(PAGE, len(ids), PAGE):
         shared = end // PAGE
         other = torch.tensor(table[:shared].tolist() + own[: 7 - shared])
-        cache.restore_snapshots([shared - 1], [1])
+        cache.restore_snapshots([shared - 1], [1], [end])
         logits = []
         for start, stop in ((end, end + 3), (end + 3, len(ids))):
             if start < stop:
