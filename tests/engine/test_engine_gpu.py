@@ -36,7 +36,7 @@ class ToyModel(nn.Module):
             torch.randn(cfg.vocab_size, 8, generator=torch.Generator().manual_seed(0)).to(device), requires_grad=False
         )
 
-    def new_cache(self, num_slots, num_pages, page_size, num_snapshots=0):
+    def new_cache(self, num_slots, num_pages, page_size, num_snapshots=0, spare=0):
         return SimpleNamespace(state=torch.zeros(num_slots, 8, device=self.embed.device))
 
     def forward(self, batch, cache):
