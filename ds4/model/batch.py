@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from ds4.model.cache import LayerCache
 
 
 @dataclass(frozen=True)
@@ -109,3 +112,35 @@ class StepLayout:
 
     def token_slice(self, r: int) -> slice:
         return slice(self.starts[r], self.starts[r] + self.counts[r])
+
+
+@dataclass
+class LayerStep:
+    """One layer's share of a step: the batch, its host-side layout, the layer's cache and RoPE frequencies.
+
+    `layout` None marks a decode_only batch (token r is request r): nothing may then be read back to the host,
+    so the parts that differ (how many compressed entries to gather, which tokens complete a compressor
+    window) take their sizes from the tensors' shapes instead of the layout.
+    """
+
+    batch: ForwardBatch
+    layout: StepLayout | None
+    cache: LayerCache
+    inv_freq: torch.Tensor
+
+    @property
+    def decode_only(self) -> bool:
+        return self.layout is None
+
+    @cached_property
+    def token_requests(self) -> torch.Tensor:
+        """[T] the request index of each token."""
+        if self.layout is None:
+            return torch.arange(self.batch.num_tokens, device=self.batch.positions.device)
+        return self.layout.token_requests
+
+    @cached_property
+    def request_ends(self) -> torch.Tensor:
+        """[R] long: each request's position after this step (context length + its tokens)."""
+        loc = self.batch.query_start_loc.long()
+        return self.batch.context_lens.long() + loc[1:] - loc[:-1]

@@ -10,20 +10,17 @@ power-of-two scales holds exactly, so only the order of the sums differs from th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from ds4.config import ModelConfig
-from ds4.kernels.indexer import indexer_logits, indexer_topk, quantize_rows
+from ds4.kernels.fp4_act import fp4_quant_dequant, hadamard_rotate
+from ds4.kernels.indexer import indexer_topk, quantize_rows
 from ds4.kernels.rope import apply_rope
 from ds4.kernels.topk import topk_indices
-from ds4.model.batch import ForwardBatch, StepLayout
-from ds4.model.cache import LayerCache, entries_per_page
+from ds4.model.batch import LayerStep
 from ds4.model.compressor import Compressor
 from ds4.model.linear import DEQUANTIZED, Linear, kept_fp8_block
-from ds4.model.paging import entry_rows, visible_entry_rows
 
 # Per-head scores are formed for a piece of tokens at a time, at most this many bytes.
 _PIECE_BYTES = 1 << 28
@@ -42,122 +39,78 @@ def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def _round_index(x: torch.Tensor) -> torch.Tensor:
+    """fp8 mode keeps the reference's indexer simulation: Hadamard rotation, then MXFP4."""
+    return fp4_quant_dequant(hadamard_rotate(x))
+
+
 class Indexer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, ratio: int, dtype: torch.dtype, device: torch.device, weight_format: str = DEQUANTIZED
+        self,
+        cfg: ModelConfig,
+        ratio: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fp8_kv: bool,
+        weight_format: str = DEQUANTIZED,
     ):
         super().__init__()
         self.ratio, self.topk = ratio, cfg.index_topk
         self.heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.finish = _round_index if fp8_kv else nn.Identity()
         fp8 = kept_fp8_block(cfg, weight_format)
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.head_dim, dtype, device, fp8)
         self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype, device)
-        self.compressor = Compressor(cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device)
+        self.compressor = Compressor(cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device, self.finish)
         self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        qr: torch.Tensor,
-        batch: ForwardBatch,
-        layout: StepLayout,
-        cache: LayerCache,
-        inv_freq: torch.Tensor,
-        finish: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
-        """Rows of the flattened compressed pool each token attends to: [T, k] (-1 = none)."""
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, step: LayerStep, visible: torch.Tensor) -> torch.Tensor:
+        """Of the pool rows each token may see (visible [T, W], a prefix of each row, -1 past it), the ones it
+        attends to: [T, min(index_topk, W)] (-1 = none)."""
+        cache = step.cache
         snapshot = cache.snapshot.indexer if cache.snapshot is not None else None
-        self.compressor(x, batch, layout, cache.indexer, cache.index_keys, inv_freq, finish, snapshot)
-        q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
-        q = finish(apply_rope(q, batch.positions, inv_freq)).float()
-        weights = self.weights_proj(x).float() * self.weight_scale
-        pool = cache.index_keys
-        per_page = entries_per_page(pool)
-        packed = pool.dtype == torch.uint8
-        q8, q_scale = quantize_rows(q) if packed else (None, None)
-        per_request = []
-        for r in range(len(layout.counts)):
-            tokens = layout.token_slice(r)
-            n_entries = (layout.context_lens[r] + layout.counts[r]) // self.ratio
-            if layout.counts[r] == 0 or n_entries == 0:
-                per_request.append(torch.full((layout.counts[r], 0), -1, dtype=torch.long, device=x.device))
-                continue
-            rows = entry_rows(batch.block_tables[r], torch.arange(n_entries, device=x.device), per_page)
-            if packed:
-                picked = indexer_topk(
-                    q8[tokens],
-                    weights[tokens],
-                    pool,
-                    batch.block_tables[r : r + 1],
-                    (batch.positions[tokens] + 1) // self.ratio,
-                    layout.counts[r],
-                    n_entries,
-                    min(self.topk, n_entries),
-                    q_scale=q_scale[tokens],
-                ).long()
-                per_request.append(torch.where(picked >= 0, rows[picked.clamp_min(0)], -1))
-            else:
-                keys = pool.view(-1, self.head_dim)[rows].float()
-                per_request.append(self._select(q[tokens], weights[tokens], keys, rows, batch.positions[tokens]))
-        width = max((p.shape[1] for p in per_request), default=0)
-        return torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in per_request])
-
-    def decode(
-        self,
-        x: torch.Tensor,
-        qr: torch.Tensor,
-        batch: ForwardBatch,
-        cache: LayerCache,
-        inv_freq: torch.Tensor,
-        finish: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
-        """forward for a decode_only batch, without host syncs: scores over every entry the block table can
-        hold (unseen ones -inf), then the top min(index_topk, that width). [T, k] rows (-1 = none)."""
-        self.compressor.decode(x, batch, cache.indexer, cache.index_keys, inv_freq, finish)
-        q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
-        q = finish(apply_rope(q, batch.positions, inv_freq)).float()
-        weights = self.weights_proj(x).float() * self.weight_scale
-        pool = cache.index_keys
-        rows = visible_entry_rows(batch.block_tables, batch.positions, self.ratio, entries_per_page(pool))
-        k = min(self.topk, rows.shape[1])
+        self.compressor(x, step, cache.indexer, cache.index_keys, snapshot)
+        k = min(self.topk, visible.shape[1])
         if k == 0:
-            return rows[:, :0]
-        if pool.dtype == torch.uint8:
-            # Entries a token sees form a prefix; counting them (not (position + 1) // ratio) keeps the
-            # padding rows of a captured batch, whose pages are all unassigned, at zero keys.
-            seen = (rows >= 0).sum(dim=1)
-            q8, q_scale = quantize_rows(q)
-            scores = indexer_logits(q8, weights, pool, batch.block_tables, seen, 1, rows.shape[1], q_scale=q_scale)
-            picked = topk_indices(scores, seen, k).long()
+            return visible
+        q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
+        q = self.finish(apply_rope(q, step.batch.positions, step.inv_freq)).float()
+        weights = self.weights_proj(x).float() * self.weight_scale
+        if cache.index_keys.dtype == torch.uint8:
+            picked = self._packed_top(q, weights, step, visible, k)
         else:
-            keys = pool.view(-1, self.head_dim)
-            piece = max(1, _PIECE_BYTES // (4 * max(1, rows.shape[1]) * (self.heads + self.head_dim)))
-            scores = torch.cat(
-                [
-                    (
-                        torch.einsum(
-                            "thd,tsd->ths", q[i : i + piece], keys[rows[i : i + piece].clamp_min(0)].float()
-                        ).relu()
-                        * weights[i : i + piece, :, None]
-                    ).sum(dim=1)
-                    for i in range(0, q.shape[0], piece)
-                ]
-            )
-            picked = top_entries(scores.masked_fill(rows < 0, float("-inf")), k)
-        return torch.where(picked >= 0, rows.gather(1, picked.clamp_min(0)), -1)
+            picked = top_entries(self._scores(q, weights, cache.index_keys, visible), k)
+        return torch.where(picked >= 0, visible.gather(1, picked.clamp_min(0)), -1)
 
-    def _select(self, q, weights, keys, rows, positions) -> torch.Tensor:
-        piece = max(1, _PIECE_BYTES // (4 * self.heads * keys.shape[0]))
-        scores = torch.cat(
-            [
-                (torch.einsum("thd,sd->ths", q[i : i + piece], keys).relu() * weights[i : i + piece, :, None]).sum(
-                    dim=1
-                )
-                for i in range(0, q.shape[0], piece)
-            ]
-        )
-        visible = (positions + 1) // self.ratio
-        entry = torch.arange(keys.shape[0], device=q.device)
-        scores = scores.masked_fill(entry[None, :] >= visible[:, None], float("-inf"))
-        picked = top_entries(scores, min(self.topk, keys.shape[0]))
-        return torch.where(picked < visible[:, None], rows[picked], torch.full_like(picked, -1))
+    def _scores(self, q, weights, pool, visible) -> torch.Tensor:
+        """[T, W] indexer scores over the dense pool's visible rows, -inf past them."""
+        keys = pool.view(-1, self.head_dim)
+        piece = max(1, _PIECE_BYTES // (4 * visible.shape[1] * (self.heads + self.head_dim)))
+        scores = []
+        for i in range(0, q.shape[0], piece):
+            part = keys[visible[i : i + piece].clamp_min(0)].float()
+            per_head = torch.einsum("thd,tsd->ths", q[i : i + piece], part).relu()
+            scores.append((per_head * weights[i : i + piece, :, None]).sum(dim=1))
+        return torch.cat(scores).masked_fill(visible < 0, float("-inf"))
+
+    def _packed_top(self, q, weights, step: LayerStep, visible, k) -> torch.Tensor:
+        """[T, k] entry indices from the packed cache's kernels, which read the keys through the block tables.
+
+        The kernels group rows by request (a prefill chunk shares its keys): a decode_only batch is one group
+        of one row a request, the general path one group per request. Entries a token sees form a prefix;
+        counting them (not (position + 1) // ratio) keeps the padding rows of a captured batch, whose pages
+        are all unassigned, at zero keys."""
+        seen = (visible >= 0).sum(dim=1)
+        q8, q_scale = quantize_rows(q)
+        tables = step.batch.block_tables
+        if step.decode_only:
+            groups = [(slice(None), tables, 1)]
+        else:
+            layout = step.layout
+            groups = [(layout.token_slice(r), tables[r : r + 1], n) for r, n in enumerate(layout.counts) if n]
+        width = visible.shape[1]
+        picked = [
+            indexer_topk(q8[t], weights[t], step.cache.index_keys, table, seen[t], n, width, k, q_scale=q_scale[t])
+            for t, table, n in groups
+        ]
+        return torch.cat(picked).long()
