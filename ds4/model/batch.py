@@ -27,14 +27,14 @@ class ForwardBatch:
     already hold). `slots` index the fixed per-request state (sliding window, compressor state) and
     `block_tables` the pages of the paged pools (page_size tokens per page, -1 = unused).
 
-    `decode_only` promises one token per request (query_start_loc = 0, 1, ..., R). The model then takes
-    its decode path: no host syncs, every shape fixed by the tensors' shapes (block_tables' width sets
-    how many compressed entries a token may see), so the step can be captured in a CUDA graph. That path
+    `decode_only` promises one token per request (query_start_loc = 0, 1, ..., R). The model then runs
+    without host syncs, every shape fixed by the tensors' shapes (block_tables' width sets how many
+    compressed entries a token may see), so the step can be captured in a CUDA graph. Such a step
     trusts the batch: a page a token needs must be in its block table (`validate(page_size)` checks).
     Padding rows (position 0, a scratch slot, block-table rows of -1) write only to the scratch slot
     and the pools' scratch page.
 
-    `snapshots` (general path only, host side) name page ends strictly inside a request's tokens whose
+    `snapshots` (not with decode_only; host side) name page ends strictly inside a request's tokens whose
     boundary state the model writes to the cache's snapshot store as it passes them (prefix caching).
     """
 
@@ -91,13 +91,11 @@ class ForwardBatch:
 
 @dataclass
 class StepLayout:
-    """Host-side view of a ForwardBatch that the per-request parts of the model loop over."""
+    """Host-side view of a ForwardBatch (one sync to build): each token's request, each request's tokens."""
 
     token_requests: torch.Tensor  # [T] request index of each token (device)
     starts: list[int]
     counts: list[int]
-    context_lens: list[int]
-    slots: list[int]
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> StepLayout:
@@ -106,8 +104,6 @@ class StepLayout:
             token_requests=batch.token_requests(),
             starts=loc[:-1],
             counts=[b - a for a, b in zip(loc[:-1], loc[1:])],
-            context_lens=batch.context_lens.tolist(),
-            slots=batch.slots.tolist(),
         )
 
     def token_slice(self, r: int) -> slice:
