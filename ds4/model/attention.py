@@ -107,7 +107,7 @@ class Attention(nn.Module):
         ctx = batch.context_lens.long()[req][:, None]
         ring_pos = pos - (win - 1) + torch.arange(win, device=kv.device)
         ring_rows = batch.slots.long()[req][:, None] * win + ring_pos % win
-        fresh_width = 1 if step.decode_only else min(win, batch.num_tokens)
+        fresh_width = min(win, step.longest)
         fresh_pos = pos - (fresh_width - 1) + torch.arange(fresh_width, device=kv.device)
         fresh_rows = batch.query_start_loc.long()[req][:, None] + fresh_pos - ctx
         return [

@@ -128,6 +128,11 @@ class LayerStep:
     def decode_only(self) -> bool:
         return self.layout is None
 
+    @property
+    def longest(self) -> int:
+        """The most tokens any request brings to this step."""
+        return 1 if self.layout is None else max(self.layout.counts, default=0)
+
     @cached_property
     def token_requests(self) -> torch.Tensor:
         """[T] the request index of each token."""

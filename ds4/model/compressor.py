@@ -48,12 +48,17 @@ class Compressor(nn.Module):
         self.norm = Norm(head_dim, device)
 
     def forward(
-        self, x: torch.Tensor, step: LayerStep, state: CompressorState, pool: torch.Tensor, snapshots=None
+        self,
+        x: torch.Tensor,
+        step: LayerStep,
+        state: CompressorState,
+        pool: torch.Tensor,
+        snapshots: CompressorState | None = None,
     ) -> None:
         """Write every entry whose window completes in this step into `pool` (page_size // ratio entries a page;
         dense [pages, entries, head_dim], or the packed indexer cache) and carry the rest in `state`.
 
-        `snapshots`: the layer's snapshot rows of this state (CompressorState), written for batch.snapshots."""
+        `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots."""
         batch, ratio = step.batch, self.ratio
         pos, req, slots = batch.positions, step.token_requests, batch.slots.long()
         xf = x.float()
