@@ -88,9 +88,12 @@ class Attention(nn.Module):
         if self.kind != WINDOW:
             snapshot = cache.snapshot.compressor if cache.snapshot is not None else None
             self.compressor(x, step, cache.compressor, cache.compressed, snapshot)
-            rows = self._visible_entries(step)
+            width = self._entry_width(step)
             if self.kind == CSA:
-                rows = self.indexer(x, qr, step, rows)
+                rows = self.indexer(x, qr, step, width)
+            else:
+                tables = batch.block_tables[step.token_requests]
+                rows = visible_entry_rows(tables, (pos + 1) // self.ratio, cache.compressed.shape[1], width)
             key_sets.append((cache.compressed.view(-1, self.head_dim), rows))
         o = sparse_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5)
         self._snapshot_windows(kv, step)
@@ -115,19 +118,18 @@ class Attention(nn.Module):
             (kv, torch.where(fresh_pos >= ctx, fresh_rows, -1)),
         ]
 
-    def _visible_entries(self, step: LayerStep) -> torch.Tensor:
-        """Pool rows of every entry i < (t + 1) // ratio, [T, W] (-1 past them): W is the block table's
-        capacity for a decode_only batch (a fixed shape), else the most any token sees."""
+    def _entry_width(self, step: LayerStep) -> int:
+        """How many compressed entries a token's gather spans: the block table's capacity for a decode_only
+        batch (a fixed shape), else the most any token sees, whose pages the block tables must hold."""
         batch, per_page = step.batch, step.cache.compressed.shape[1]
         if step.decode_only:
-            width = batch.block_tables.shape[1] * per_page
-        else:
-            width = int((batch.positions.max() + 1) // self.ratio) if batch.num_tokens else 0
-        tables = batch.block_tables[step.token_requests]
-        rows = visible_entry_rows(tables, batch.positions, self.ratio, per_page, width)
-        if not step.decode_only and bool(((rows >= 0).sum(dim=1) != (batch.positions + 1) // self.ratio).any()):
+            return batch.block_tables.shape[1] * per_page
+        ends = step.request_ends
+        width = int(ends.max()) // self.ratio if ends.numel() else 0
+        last = visible_entry_rows(batch.block_tables, ends // self.ratio, per_page, width)
+        if bool(((last >= 0).sum(dim=1) != ends // self.ratio).any()):
             raise ValueError("block table: a compressed entry falls on an unassigned page (-1)")
-        return rows
+        return width
 
     def _snapshot_windows(self, kv: torch.Tensor, step: LayerStep) -> None:
         """The window ring at each snapshot's page end e: positions e - window .. e - 1 in ring order, from the

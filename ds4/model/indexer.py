@@ -19,8 +19,10 @@ from ds4.kernels.indexer import indexer_topk, quantize_rows
 from ds4.kernels.rope import apply_rope
 from ds4.kernels.topk import topk_indices
 from ds4.model.batch import LayerStep
+from ds4.model.cache import entries_per_page
 from ds4.model.compressor import Compressor
 from ds4.model.linear import DEQUANTIZED, Linear, kept_fp8_block
+from ds4.model.paging import table_entry_rows, visible_entry_rows
 
 # Per-head scores are formed for a piece of tokens at a time, at most this many bytes.
 _PIECE_BYTES = 1 << 28
@@ -64,43 +66,45 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device, self.finish)
         self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, step: LayerStep, visible: torch.Tensor) -> torch.Tensor:
-        """Of the pool rows each token may see (visible [T, W], a prefix of each row, -1 past it), the ones it
-        attends to: [T, min(index_topk, W)] (-1 = none)."""
-        cache = step.cache
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, step: LayerStep, width: int) -> torch.Tensor:
+        """Pool rows of the entries each token attends to, [T, min(index_topk, width)] (-1 = none); a token's
+        scores span `width` entries (see Attention._entry_width), -inf past the ones it sees."""
+        batch, cache = step.batch, step.cache
         snapshot = cache.snapshot.indexer if cache.snapshot is not None else None
         self.compressor(x, step, cache.indexer, cache.index_keys, snapshot)
-        k = min(self.topk, visible.shape[1])
+        k = min(self.topk, width)
         if k == 0:
-            return visible
+            return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
         q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
-        q = self.finish(apply_rope(q, step.batch.positions, step.inv_freq)).float()
+        q = self.finish(apply_rope(q, batch.positions, step.inv_freq)).float()
         weights = self.weights_proj(x).float() * self.weight_scale
+        tables = batch.block_tables[step.token_requests]
+        visible = ((batch.positions + 1) // self.ratio).clamp(max=width)
         if cache.index_keys.dtype == torch.uint8:
-            picked = self._packed_top(q, weights, step, visible, k)
+            picked = self._packed_top(q, weights, step, visible, width, k)
         else:
-            picked = top_entries(self._scores(q, weights, cache.index_keys, visible), k)
-        return torch.where(picked >= 0, visible.gather(1, picked.clamp_min(0)), -1)
+            picked = self._dense_top(q, weights, cache.index_keys, tables, visible, width, k)
+        rows = table_entry_rows(tables, picked.clamp_min(0), entries_per_page(cache.index_keys))
+        return torch.where((picked >= 0) & (picked < visible[:, None]), rows, -1)
 
-    def _scores(self, q, weights, pool, visible) -> torch.Tensor:
-        """[T, W] indexer scores over the dense pool's visible rows, -inf past them."""
-        keys = pool.view(-1, self.head_dim)
-        piece = max(1, _PIECE_BYTES // (4 * visible.shape[1] * (self.heads + self.head_dim)))
-        scores = []
+    def _dense_top(self, q, weights, pool, tables, visible, width, k) -> torch.Tensor:
+        """[T, k] entry indices of the top scores over the dense pool, a piece of tokens at a time."""
+        keys, per_page = pool.view(-1, self.head_dim), pool.shape[1]
+        piece = max(1, _PIECE_BYTES // (4 * width * (self.heads + self.head_dim)))
+        picked = []
         for i in range(0, q.shape[0], piece):
-            part = keys[visible[i : i + piece].clamp_min(0)].float()
-            per_head = torch.einsum("thd,tsd->ths", q[i : i + piece], part).relu()
-            scores.append((per_head * weights[i : i + piece, :, None]).sum(dim=1))
-        return torch.cat(scores).masked_fill(visible < 0, float("-inf"))
+            part = slice(i, i + piece)
+            rows = visible_entry_rows(tables[part], visible[part], per_page, width)
+            per_head = torch.einsum("thd,tsd->ths", q[part], keys[rows.clamp_min(0)].float()).relu()
+            scores = (per_head * weights[part, :, None]).sum(dim=1)
+            picked.append(top_entries(scores.masked_fill(rows < 0, float("-inf")), k))
+        return torch.cat(picked)
 
-    def _packed_top(self, q, weights, step: LayerStep, visible, k) -> torch.Tensor:
+    def _packed_top(self, q, weights, step: LayerStep, visible, width, k) -> torch.Tensor:
         """[T, k] entry indices from the packed cache's kernels, which read the keys through the block tables.
 
         The kernels group rows by request (a prefill chunk shares its keys): a decode_only batch is one group
-        of one row a request, the general path one group per request. Entries a token sees form a prefix;
-        counting them (not (position + 1) // ratio) keeps the padding rows of a captured batch, whose pages
-        are all unassigned, at zero keys."""
-        seen = (visible >= 0).sum(dim=1)
+        of one row a request, the general path one group per request."""
         q8, q_scale = quantize_rows(q)
         tables = step.batch.block_tables
         if step.decode_only:
@@ -108,9 +112,8 @@ class Indexer(nn.Module):
         else:
             layout = step.layout
             groups = [(layout.token_slice(r), tables[r : r + 1], n) for r, n in enumerate(layout.counts) if n]
-        width = visible.shape[1]
         picked = [
-            indexer_topk(q8[t], weights[t], step.cache.index_keys, table, seen[t], n, width, k, q_scale=q_scale[t])
+            indexer_topk(q8[t], weights[t], step.cache.index_keys, table, visible[t], n, width, k, q_scale=q_scale[t])
             for t, table, n in groups
         ]
         return torch.cat(picked).long()

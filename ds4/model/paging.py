@@ -22,11 +22,11 @@ def table_entry_rows(block_tables: torch.Tensor, entries: torch.Tensor, entries_
 
 
 def visible_entry_rows(
-    block_tables: torch.Tensor, positions: torch.Tensor, ratio: int, entries_per_page: int, width: int
+    block_tables: torch.Tensor, visible: torch.Tensor, entries_per_page: int, width: int
 ) -> torch.Tensor:
-    """Rows of the entries i < (position + 1) // ratio that a token at `position` may see, [T, width]
-    (-1 past them), each token reading its own block table row [T, max_pages].
+    """Rows of each token's first `visible` entries [T] through its own block table row [T, max_pages]:
+    [T, width], -1 past them.
     """
-    entries = torch.arange(width, device=positions.device).expand(positions.shape[0], -1)
+    entries = torch.arange(width, device=visible.device).expand(visible.shape[0], -1)
     rows = table_entry_rows(block_tables, entries, entries_per_page)
-    return torch.where(entries < ((positions + 1) // ratio)[:, None], rows, -1)
+    return torch.where(entries < visible[:, None], rows, -1)
