@@ -22,7 +22,7 @@ from ds4.model.batch import LayerStep
 from ds4.model.cache import entries_per_page
 from ds4.model.compressor import Compressor
 from ds4.model.linear import DEQUANTIZED, Linear, kept_fp8_block
-from ds4.model.paging import table_entry_rows, visible_entry_rows
+from ds4.model.paging import table_entry_rows
 
 # Per-head scores are formed for a piece of tokens at a time, at most this many bytes.
 _PIECE_BYTES = 1 << 28
@@ -78,42 +78,62 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
         q = self.finish(apply_rope(q, batch.positions, step.inv_freq)).float()
         weights = self.weights_proj(x).float() * self.weight_scale
-        tables = batch.block_tables[step.token_requests]
         visible = ((batch.positions + 1) // self.ratio).clamp(max=width)
-        if cache.index_keys.dtype == torch.uint8:
-            picked = self._packed_top(q, weights, step, visible, width, k)
-        else:
-            picked = self._dense_top(q, weights, cache.index_keys, tables, visible, width, k)
-        rows = table_entry_rows(tables, picked.clamp_min(0), entries_per_page(cache.index_keys))
+        pool = cache.index_keys
+        packed = pool.dtype == torch.uint8
+        q, q_scale = quantize_rows(q) if packed else (q, None)
+        top = indexer_topk if packed else self._dense_topk
+        picked = torch.cat(
+            [
+                top(
+                    q[t],
+                    weights[t],
+                    pool,
+                    table,
+                    visible[t],
+                    n,
+                    width,
+                    k,
+                    q_scale=None if q_scale is None else q_scale[t],
+                )
+                for t, table, n in self._groups(step)
+            ]
+        ).long()
+        rows = table_entry_rows(batch.block_tables[step.token_requests], picked.clamp_min(0), entries_per_page(pool))
         return torch.where((picked >= 0) & (picked < visible[:, None]), rows, -1)
 
-    def _dense_top(self, q, weights, pool, tables, visible, width, k) -> torch.Tensor:
-        """[T, k] entry indices of the top scores over the dense pool, a piece of tokens at a time."""
-        keys, per_page = pool.view(-1, self.head_dim), pool.shape[1]
-        piece = max(1, _PIECE_BYTES // (4 * width * (self.heads + self.head_dim)))
-        picked = []
-        for i in range(0, q.shape[0], piece):
-            part = slice(i, i + piece)
-            rows = visible_entry_rows(tables[part], visible[part], per_page, width)
-            per_head = torch.einsum("thd,tsd->ths", q[part], keys[rows.clamp_min(0)].float()).relu()
-            scores = (per_head * weights[part, :, None]).sum(dim=1)
-            picked.append(top_entries(scores.masked_fill(rows < 0, float("-inf")), k))
-        return torch.cat(picked)
-
-    def _packed_top(self, q, weights, step: LayerStep, visible, width, k) -> torch.Tensor:
-        """[T, k] entry indices from the packed cache's kernels, which read the keys through the block tables.
-
-        The kernels group rows by request (a prefill chunk shares its keys): a decode_only batch is one group
-        of one row a request, the general path one group per request."""
-        q8, q_scale = quantize_rows(q)
+    @staticmethod
+    def _groups(step: LayerStep) -> list[tuple[slice, torch.Tensor, int]]:
+        """(tokens, their block table rows, tokens a request) in groups of requests with equal token counts, as
+        the scorers take them (a request's tokens share its keys): a decode_only batch is one group of one token
+        a request, a general step one group per request."""
         tables = step.batch.block_tables
         if step.decode_only:
-            groups = [(slice(None), tables, 1)]
-        else:
-            layout = step.layout
-            groups = [(layout.token_slice(r), tables[r : r + 1], n) for r, n in enumerate(layout.counts) if n]
-        picked = [
-            indexer_topk(q8[t], weights[t], step.cache.index_keys, table, visible[t], n, width, k, q_scale=q_scale[t])
-            for t, table, n in groups
-        ]
-        return torch.cat(picked).long()
+            return [(slice(None), tables, 1)]
+        layout = step.layout
+        return [(layout.token_slice(r), tables[r : r + 1], n) for r, n in enumerate(layout.counts) if n]
+
+    def _dense_topk(self, q, weights, pool, tables, visible, per_request, width, k, q_scale=None) -> torch.Tensor:
+        """ds4.kernels.indexer.indexer_topk over the dense pool: [rows, k] entry indices of the top scores, the
+        rows grouped per_request a request (tables [rows // per_request, pages]). A request's keys are gathered
+        once; its rows are scored a piece at a time."""
+        keys, per_page, count = pool.view(-1, self.head_dim), pool.shape[1], tables.shape[0]
+        budget = max(1, _PIECE_BYTES // (4 * width * (self.heads + self.head_dim)))
+        requests_per_piece, rows_per_piece = max(1, budget // per_request), min(per_request, budget)
+        q = q.view(count, per_request, self.heads, self.head_dim)
+        weights = weights.view(count, per_request, self.heads, 1)
+        visible = visible.view(count, per_request, 1)
+        entries = torch.arange(width, device=q.device)
+        picked = torch.empty(count, per_request, k, dtype=torch.long, device=q.device)
+        for g in range(0, count, requests_per_piece):
+            requests = slice(g, g + requests_per_piece)
+            key_rows = table_entry_rows(tables[requests], entries.expand(tables[requests].shape[0], -1), per_page)
+            request_keys = keys[key_rows.clamp_min(0)].float()
+            for t in range(0, per_request, rows_per_piece):
+                rows = (requests, slice(t, t + rows_per_piece))
+                per_head = torch.einsum("gthd,gsd->gths", q[rows], request_keys).relu()
+                scores = (per_head * weights[rows]).sum(dim=2)
+                hidden = (entries >= visible[rows]) | (key_rows < 0)[:, None, :]
+                scores = scores.masked_fill(hidden, float("-inf"))
+                picked[rows] = top_entries(scores.flatten(0, 1), k).view(*scores.shape[:2], k)
+        return picked.flatten(0, 1)
