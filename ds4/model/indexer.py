@@ -73,7 +73,7 @@ class Indexer(nn.Module):
         snapshot = cache.snapshot.indexer if cache.snapshot is not None else None
         self.compressor(x, step, cache.indexer, cache.index_keys, snapshot)
         k = min(self.topk, width)
-        if k == 0:
+        if k == 0 or x.shape[0] == 0:
             return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
         q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
         q = self.finish(apply_rope(q, batch.positions, step.inv_freq)).float()
