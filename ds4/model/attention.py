@@ -5,7 +5,7 @@ may see; CSA layers add the indexer's top-k. A per-head sink joins the softmax d
 RoPE channels are rotated back to the query position before the grouped low-rank output projection.
 
 A token's window keys come from two places: its request's ring (positions before the step) and the step's
-fresh kv (positions in it); the ring takes the step's last `sliding_window` tokens afterwards. The same
+fresh kv (positions in it); the ring takes the step's tokens afterwards (row position % rows). The same
 code serves a decode_only batch (no host syncs, CUDA-graph capturable); only the widths differ: a decode
 token has one fresh key and sees as many compressed entries as its block table holds, a general step
 gathers up to the longest chunk and the most entries any token sees.
@@ -109,7 +109,8 @@ class Attention(nn.Module):
         pos = batch.positions[:, None]
         ctx = batch.context_lens.long()[req][:, None]
         ring_pos = pos - (win - 1) + torch.arange(win, device=kv.device)
-        ring_rows = batch.slots.long()[req][:, None] * win + ring_pos % win
+        rows = step.cache.window.shape[1]  # sliding_window + spare, token p in row p % rows
+        ring_rows = batch.slots.long()[req][:, None] * rows + ring_pos % rows
         fresh_width = min(win, step.longest)
         fresh_pos = pos - (fresh_width - 1) + torch.arange(fresh_width, device=kv.device)
         fresh_rows = batch.query_start_loc.long()[req][:, None] + fresh_pos - ctx
@@ -143,15 +144,14 @@ class Attention(nn.Module):
         key_pos = torch.tensor([s.position for s in snaps], device=dev)[:, None] - win + torch.arange(win, device=dev)
         ctx = batch.context_lens.long()[req][:, None]
         fresh = kv[(batch.query_start_loc.long()[req][:, None] + key_pos - ctx).clamp(0, kv.shape[0] - 1)]
-        held = cache.window[batch.slots.long()[req][:, None], key_pos % win]
+        held = cache.window[batch.slots.long()[req][:, None], key_pos % cache.window.shape[1]]
         ids = torch.tensor([s.snapshot for s in snaps], device=dev)
         cache.snapshot.window[ids[:, None], key_pos % win] = torch.where((key_pos >= ctx)[..., None], fresh, held)
 
     def _store_window(self, kv: torch.Tensor, step: LayerStep) -> None:
-        """Each request's ring takes its last `window` tokens at position % window: every token writes its ring
-        place with the kv of its request's last token there (equal values, so the order of writes is moot)."""
-        batch, win, req = step.batch, self.window, step.token_requests
-        pos = batch.positions
-        last = torch.arange(pos.shape[0], device=pos.device) + win * ((step.request_ends[req] - 1 - pos) // win)
-        ring = step.cache.window
-        ring[batch.slots.long()[req], pos % win] = kv[last].to(ring.dtype)
+        """Each request's ring takes its last tokens at position % rows: every token writes its ring row with the
+        kv of its request's last token there (equal values, so the order of writes is moot)."""
+        batch, req, ring = step.batch, step.token_requests, step.cache.window
+        pos, rows = batch.positions, ring.shape[1]
+        last = torch.arange(pos.shape[0], device=pos.device) + rows * ((step.request_ends[req] - 1 - pos) // rows)
+        ring[batch.slots.long()[req], pos % rows] = kv[last].to(ring.dtype)

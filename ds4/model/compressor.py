@@ -2,13 +2,14 @@
 
 With overlap (CSA), entry i pools the first half of the channels of window i-1 and the second half of
 window i (2 * ratio tokens, stride ratio). Entries get RMSNorm and RoPE at position i * ratio. Unfinished
-windows wait in a per-slot fp32 state, so chunks may end anywhere.
+windows wait in a per-slot fp32 ring of the last tokens' projections (token p in row p % rows, see
+ds4.model.cache), so chunks may end anywhere and tokens written past what a request keeps need no undo.
 
-A step reads window rows from one flat source: every request's state rows, then the step's fresh
-projections, then an empty row (kv 0, score -inf) for positions before 0 or past the request's end. The
-entry of a token completing a window, the state a request carries on and the snapshot at a page end are
-all the same gather from it. A decode_only batch pools every token's window (fixed shapes; the entries of
-unfinished windows go to the pool's scratch page); the general path pools only the finished ones.
+A step reads window rows from one flat source: every request's ring, then the step's fresh projections,
+then an empty row (kv 0, score -inf) for positions before 0 or past the request's end. The entry of a
+token completing a window and the snapshot at a page end are the same gather from it. A decode_only batch
+pools every token's window (fixed shapes; the entries of unfinished windows go to the pool's scratch
+page); the general path pools only the finished ones.
 """
 
 from __future__ import annotations
@@ -58,12 +59,12 @@ class Compressor(nn.Module):
         """Write every entry whose window completes in this step into `pool` (page_size // ratio entries a page;
         dense [pages, entries, head_dim], or the packed indexer cache) and carry the rest in `state`.
 
-        `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots."""
+        `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots (overlap only)."""
         batch, ratio = step.batch, self.ratio
         pos, req, slots = batch.positions, step.token_requests, batch.slots.long()
         xf = x.float()
         kv, score = self.wkv(xf), self.wgate(xf) + self.ape[pos % ratio]
-        width = kv.shape[1]
+        width, ring_rows = kv.shape[1], state.kv.shape[1]
         source_kv = torch.cat((state.kv[slots].flatten(0, 1), kv, kv.new_zeros(1, width)))
         source_score = torch.cat((state.score[slots].flatten(0, 1), score, score.new_full((1, width), float("-inf"))))
 
@@ -72,7 +73,7 @@ class Compressor(nn.Module):
         else:
             tokens = torch.nonzero(pos % ratio == ratio - 1).flatten()
         index = pos[tokens] // ratio
-        rows = self._rows(step, req[tokens], index)
+        rows = self._rows(step, ring_rows, req[tokens], index)
         entries = self._pool(source_kv[rows], source_score[rows])
         entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
         entries = self.finish(apply_rope(entries, index * ratio, step.inv_freq))
@@ -84,35 +85,36 @@ class Compressor(nn.Module):
         store_entries(pool, torch.where(completes & (target >= 0), target, (pool.shape[0] - 1) * per_page), entries)
 
         if snapshots is not None and batch.snapshots:
-            # At page end e the state's previous-window rows hold the full window e - ratio .. e - 1.
+            # A snapshot at page end e keeps the overlap: the full window e - ratio .. e - 1, in window order.
             dev, snaps = pos.device, batch.snapshots
             ends = torch.tensor([s.position for s in snaps], device=dev)
-            rows = self._rows(step, torch.tensor([s.request for s in snaps], device=dev), ends // ratio)[:, :ratio]
+            requests = torch.tensor([s.request for s in snaps], device=dev)
+            rows = self._rows(step, ring_rows, requests, ends // ratio)[:, :ratio]
             ids = torch.tensor([s.snapshot for s in snaps], device=dev)
             snapshots.kv[ids], snapshots.score[ids] = source_kv[rows], source_score[rows]
-        requests = torch.arange(batch.num_requests, device=pos.device)
-        rows = self._rows(step, requests, step.request_ends // ratio)
-        state.kv[slots], state.score[slots] = source_kv[rows], source_score[rows]
+        # Each token writes its ring row with the kv of its request's last token there (equal values, any order).
+        last = torch.arange(pos.shape[0], device=pos.device)
+        last = last + ring_rows * ((step.request_ends[req] - 1 - pos) // ring_rows)
+        ring = slots[req], pos % ring_rows
+        state.kv[ring], state.score[ring] = kv[last], score[last]
 
-    def _rows(self, step: LayerStep, requests: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        """[N, state rows]: the source rows of window `window` of each request (with overlap, window - 1 first).
-
-        A position below the request's context comes from its state, which holds the window at the context
-        length (and, with overlap, the one before); nothing older is ever asked for."""
+    def _rows(self, step: LayerStep, ring: int, requests: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """[N, (2 if overlap else 1) * ratio]: the source rows of window `window` of each request (with overlap,
+        window - 1 first). Positions before the request's context come from its ring, which still holds them:
+        a window reaches back at most 2 * ratio - 1 positions."""
         batch, ratio = step.batch, self.ratio
         span = (2 if self.overlap else 1) * ratio
-        first = (window - 1) * ratio if self.overlap else window * ratio
-        q = first[:, None] + torch.arange(span, device=window.device)
+        q = ((window - (span // ratio - 1)) * ratio)[:, None] + torch.arange(span, device=window.device)
         ctx = batch.context_lens.long()[requests][:, None]
         start = batch.query_start_loc.long()[requests][:, None]
         end = step.request_ends[requests][:, None]
-        held = requests[:, None] * span + q - (ctx // ratio) * ratio + (span - ratio)
-        fresh = batch.num_requests * span + start + q - ctx
-        empty = batch.num_requests * span + batch.num_tokens
+        held = requests[:, None] * ring + q % ring
+        fresh = batch.num_requests * ring + start + q - ctx
+        empty = batch.num_requests * ring + batch.num_tokens
         return torch.where((q >= 0) & (q < end), torch.where(q >= ctx, fresh, held), empty)
 
     def _pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        """Windows [N, state rows, width] -> entries [N, head_dim]; with overlap the previous window gives the
+        """Windows [N, span, width] -> entries [N, head_dim]; with overlap the previous window gives the
         first half of the channels, this window the second."""
         if self.overlap:
             d, r = self.head_dim, self.ratio
