@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from ds4.model.cache import LayerCache
 
 
 @dataclass(frozen=True)
@@ -24,14 +27,14 @@ class ForwardBatch:
     already hold). `slots` index the fixed per-request state (sliding window, compressor state) and
     `block_tables` the pages of the paged pools (page_size tokens per page, -1 = unused).
 
-    `decode_only` promises one token per request (query_start_loc = 0, 1, ..., R). The model then takes
-    its decode path: no host syncs, every shape fixed by the tensors' shapes (block_tables' width sets
-    how many compressed entries a token may see), so the step can be captured in a CUDA graph. That path
+    `decode_only` promises one token per request (query_start_loc = 0, 1, ..., R). The model then runs
+    without host syncs, every shape fixed by the tensors' shapes (block_tables' width sets how many
+    compressed entries a token may see), so the step can be captured in a CUDA graph. Such a step
     trusts the batch: a page a token needs must be in its block table (`validate(page_size)` checks).
     Padding rows (position 0, a scratch slot, block-table rows of -1) write only to the scratch slot
     and the pools' scratch page.
 
-    `snapshots` (general path only, host side) name page ends strictly inside a request's tokens whose
+    `snapshots` (not with decode_only; host side) name page ends strictly inside a request's tokens whose
     boundary state the model writes to the cache's snapshot store as it passes them (prefix caching).
     """
 
@@ -88,13 +91,11 @@ class ForwardBatch:
 
 @dataclass
 class StepLayout:
-    """Host-side view of a ForwardBatch that the per-request parts of the model loop over."""
+    """Host-side view of a ForwardBatch (one sync to build): each token's request, each request's tokens."""
 
     token_requests: torch.Tensor  # [T] request index of each token (device)
     starts: list[int]
     counts: list[int]
-    context_lens: list[int]
-    slots: list[int]
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> StepLayout:
@@ -103,9 +104,44 @@ class StepLayout:
             token_requests=batch.token_requests(),
             starts=loc[:-1],
             counts=[b - a for a, b in zip(loc[:-1], loc[1:])],
-            context_lens=batch.context_lens.tolist(),
-            slots=batch.slots.tolist(),
         )
 
     def token_slice(self, r: int) -> slice:
         return slice(self.starts[r], self.starts[r] + self.counts[r])
+
+
+@dataclass
+class LayerStep:
+    """One layer's share of a step: the batch, its host-side layout, the layer's cache and RoPE frequencies.
+
+    `layout` None marks a decode_only batch (token r is request r): nothing may then be read back to the host,
+    so the parts that differ (how many compressed entries to gather, which tokens complete a compressor
+    window) take their sizes from the tensors' shapes instead of the layout.
+    """
+
+    batch: ForwardBatch
+    layout: StepLayout | None
+    cache: LayerCache
+    inv_freq: torch.Tensor
+
+    @property
+    def decode_only(self) -> bool:
+        return self.layout is None
+
+    @property
+    def longest(self) -> int:
+        """The most tokens any request brings to this step."""
+        return 1 if self.layout is None else max(self.layout.counts, default=0)
+
+    @cached_property
+    def token_requests(self) -> torch.Tensor:
+        """[T] the request index of each token."""
+        if self.layout is None:
+            return torch.arange(self.batch.num_tokens, device=self.batch.positions.device)
+        return self.layout.token_requests
+
+    @cached_property
+    def request_ends(self) -> torch.Tensor:
+        """[R] long: each request's position after this step (context length + its tokens)."""
+        loc = self.batch.query_start_loc.long()
+        return self.batch.context_lens.long() + loc[1:] - loc[:-1]

@@ -5,8 +5,11 @@ window i (2 * ratio tokens, stride ratio). Entries get RMSNorm and RoPE at posit
 windows wait in a per-slot fp32 ring of the last tokens' projections (token p in row p % rows, see
 ds4.model.cache), so chunks may end anywhere and tokens written past what a request keeps need no undo.
 
-`decode` is the same update for one token per request with fixed shapes: every row pools its current
-window, and rows whose window did not complete write their entry to the pool's scratch page.
+A step reads window rows from one flat source: every request's ring, then the step's fresh projections,
+then an empty row (kv 0, score -inf) for positions before 0 or past the request's end. The entry of a
+token completing a window and the snapshot at a page end are the same gather from it. A decode_only batch
+pools every token's window (fixed shapes; the entries of unfinished windows go to the pool's scratch
+page); the general path pools only the finished ones.
 """
 
 from __future__ import annotations
@@ -18,16 +21,26 @@ from torch import nn
 
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.rope import apply_rope
-from ds4.model.batch import ForwardBatch, StepLayout
+from ds4.model.batch import LayerStep
 from ds4.model.cache import CompressorState, entries_per_page, store_entries
 from ds4.model.linear import Linear, Norm, fp32_param
-from ds4.model.paging import entry_rows, table_entry_rows
+from ds4.model.paging import table_entry_rows
 
 
 class Compressor(nn.Module):
-    def __init__(self, hidden: int, ratio: int, head_dim: int, overlap: bool, eps: float, device: torch.device):
+    def __init__(
+        self,
+        hidden: int,
+        ratio: int,
+        head_dim: int,
+        overlap: bool,
+        eps: float,
+        device: torch.device,
+        finish: Callable[[torch.Tensor], torch.Tensor],
+    ):
+        """finish: the storage rounding (fp8 / fp4 simulation) of normalised, rotated entries."""
         super().__init__()
-        self.ratio, self.head_dim, self.overlap, self.eps = ratio, head_dim, overlap, eps
+        self.ratio, self.head_dim, self.overlap, self.eps, self.finish = ratio, head_dim, overlap, eps, finish
         width = (2 if overlap else 1) * head_dim
         self.ape = fp32_param(ratio, width, device=device)
         # Compression runs in fp32, as in the reference.
@@ -38,106 +51,73 @@ class Compressor(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        batch: ForwardBatch,
-        layout: StepLayout,
+        step: LayerStep,
         state: CompressorState,
         pool: torch.Tensor,
-        inv_freq: torch.Tensor,
-        finish: Callable[[torch.Tensor], torch.Tensor],
         snapshots: CompressorState | None = None,
     ) -> None:
         """Write every entry whose window completes in this step into `pool` (page_size // ratio entries a page;
-        dense [pages, entries, head_dim], or the packed indexer cache).
+        dense [pages, entries, head_dim], or the packed indexer cache) and carry the rest in `state`.
 
-        `finish` applies the storage rounding (fp8 / fp4 simulation) to normalised, rotated entries.
-        `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots (overlap only).
-        """
+        `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots (overlap only)."""
+        batch, ratio = step.batch, self.ratio
+        pos, req, slots = batch.positions, step.token_requests, batch.slots.long()
         xf = x.float()
-        kv = self.wkv(xf)
-        score = self.wgate(xf) + self.ape[batch.positions % self.ratio]
-        for r in range(len(layout.counts)):
-            if layout.counts[r] == 0:
-                continue
-            tokens = layout.token_slice(r)
-            keep = [(s.position, s.snapshot) for s in batch.snapshots if s.request == r] if self.overlap else []
-            entries, first = self._request(
-                kv[tokens], score[tokens], layout.context_lens[r], layout.slots[r], state, keep, snapshots
-            )
-            if entries is None:
-                continue
-            entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
-            index = torch.arange(first, first + entries.shape[0], device=x.device)
-            entries = finish(apply_rope(entries, index * self.ratio, inv_freq))
-            store_entries(pool, entry_rows(batch.block_tables[r], index, entries_per_page(pool)), entries)
+        kv, score = self.wkv(xf), self.wgate(xf) + self.ape[pos % ratio]
+        width, ring_rows = kv.shape[1], state.kv.shape[1]
+        source_kv = torch.cat((state.kv[slots].flatten(0, 1), kv, kv.new_zeros(1, width)))
+        source_score = torch.cat((state.score[slots].flatten(0, 1), score, score.new_full((1, width), float("-inf"))))
 
-    def decode(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        state: CompressorState,
-        pool: torch.Tensor,
-        inv_freq: torch.Tensor,
-        finish: Callable[[torch.Tensor], torch.Tensor],
-    ) -> None:
-        """forward for a decode_only batch (token r belongs to request r), without host syncs."""
-        ratio, d, rows = self.ratio, self.head_dim, state.kv.shape[1]
-        pos, slots = batch.positions, batch.slots.long()
-        xf = x.float()
-        state.kv[slots, pos % rows] = self.wkv(xf)
-        state.score[slots, pos % rows] = self.wgate(xf) + self.ape[pos % ratio]
-        index = pos // ratio
-        window = (index * ratio)[:, None] + torch.arange(ratio, device=x.device)[None, :]
-        ring = slots[:, None], window % rows
-        pooled_kv, pooled_score = state.kv[ring], state.score[ring]
-        if self.overlap:
-            first = (index == 0)[:, None, None]
-            prev = slots[:, None], (window - ratio) % rows
-            prev_kv = state.kv[prev].masked_fill(first, 0.0)
-            prev_score = state.score[prev].masked_fill(first, float("-inf"))
-            pooled_kv = torch.cat((prev_kv[..., :d], pooled_kv[..., d:]), dim=1)
-            pooled_score = torch.cat((prev_score[..., :d], pooled_score[..., d:]), dim=1)
-        entries = (pooled_kv * pooled_score.softmax(dim=1)).sum(dim=1)
+        if step.decode_only:
+            tokens = torch.arange(pos.shape[0], device=pos.device)
+        else:
+            tokens = torch.nonzero(pos % ratio == ratio - 1).flatten()
+        index = pos[tokens] // ratio
+        rows = self._rows(step, ring_rows, req[tokens], index)
+        entries = self._pool(source_kv[rows], source_score[rows])
         entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
-        entries = finish(apply_rope(entries, index * ratio, inv_freq))
+        entries = self.finish(apply_rope(entries, index * ratio, step.inv_freq))
         per_page = entries_per_page(pool)
-        target = table_entry_rows(batch.block_tables, index[:, None], per_page)[:, 0]
-        scratch = (pool.shape[0] - 1) * per_page
-        completes = pos % ratio == ratio - 1
-        target = torch.where(completes & (target >= 0), target, scratch)
-        store_entries(pool, target, entries)
+        target = table_entry_rows(batch.block_tables[req[tokens]], index[:, None], per_page)[:, 0]
+        if not step.decode_only and bool((target < 0).any()):
+            raise ValueError("block table: a compressed entry falls on an unassigned page (-1)")
+        completes = pos[tokens] % ratio == ratio - 1
+        store_entries(pool, torch.where(completes & (target >= 0), target, (pool.shape[0] - 1) * per_page), entries)
 
-    def _request(self, kv, score, start: int, slot: int, state: CompressorState, keep=(), snapshots=None):
-        """Pool the windows one request completes; keep its last tokens in the ring. keep: (page end e, snapshot
-        id) pairs inside the chunk, whose overlap rows (the full window e - ratio .. e - 1) go to `snapshots`.
+        if snapshots is not None and batch.snapshots:
+            # A snapshot at page end e keeps the overlap: the full window e - ratio .. e - 1, in window order.
+            dev, snaps = pos.device, batch.snapshots
+            ends = torch.tensor([s.position for s in snaps], device=dev)
+            requests = torch.tensor([s.request for s in snaps], device=dev)
+            rows = self._rows(step, ring_rows, requests, ends // ratio)[:, :ratio]
+            ids = torch.tensor([s.snapshot for s in snaps], device=dev)
+            snapshots.kv[ids], snapshots.score[ids] = source_kv[rows], source_score[rows]
+        # Each token writes its ring row with the kv of its request's last token there (equal values, any order).
+        last = torch.arange(pos.shape[0], device=pos.device)
+        last = last + ring_rows * ((step.request_ends[req] - 1 - pos) // ring_rows)
+        ring = slots[req], pos % ring_rows
+        state.kv[ring], state.score[ring] = kv[last], score[last]
 
-        Returns (entries [m, head_dim] | None, first index)."""
-        ratio, rows = self.ratio, state.kv.shape[1]
-        end = start + kv.shape[0]
-        first, done = start // ratio, end // ratio - start // ratio
-        # Completed windows read from the start of the first one (of the window before it, with overlap).
-        base = (first - int(self.overlap)) * ratio
-        history = torch.arange(max(base, 0), start, device=kv.device) % rows
-        buf_kv = torch.cat((state.kv[slot, history], kv))
-        buf_score = torch.cat((state.score[slot, history], score))
-        kept = torch.arange(max(start, end - rows), end, device=kv.device)
-        state.kv[slot, kept % rows] = kv[kept - start]
-        state.score[slot, kept % rows] = score[kept - start]
-        if not done:
-            return None, first
-        if base < 0:  # the window before the first one is empty: contributes nothing to the softmax
-            buf_kv = torch.cat((buf_kv.new_zeros(ratio, buf_kv.shape[1]), buf_kv))
-            buf_score = torch.cat((buf_score.new_full((ratio, buf_score.shape[1]), float("-inf")), buf_score))
-        off = int(self.overlap) * ratio
-        win_kv = buf_kv[off : off + done * ratio].view(done, ratio, -1)
-        win_score = buf_score[off : off + done * ratio].view(done, ratio, -1)
-        if keep:
-            windows = torch.tensor([e // ratio - first - 1 for e, _ in keep], device=kv.device)
-            ids = torch.tensor([snapshot for _, snapshot in keep], device=kv.device)
-            snapshots.kv[ids], snapshots.score[ids] = win_kv[windows], win_score[windows]
+    def _rows(self, step: LayerStep, ring: int, requests: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """[N, (2 if overlap else 1) * ratio]: the source rows of window `window` of each request (with overlap,
+        window - 1 first). Positions before the request's context come from its ring, which still holds them:
+        a window reaches back at most 2 * ratio - 1 positions."""
+        batch, ratio = step.batch, self.ratio
+        span = (2 if self.overlap else 1) * ratio
+        q = ((window - (span // ratio - 1)) * ratio)[:, None] + torch.arange(span, device=window.device)
+        ctx = batch.context_lens.long()[requests][:, None]
+        start = batch.query_start_loc.long()[requests][:, None]
+        end = step.request_ends[requests][:, None]
+        held = requests[:, None] * ring + q % ring
+        fresh = batch.num_requests * ring + start + q - ctx
+        empty = batch.num_requests * ring + batch.num_tokens
+        return torch.where((q >= 0) & (q < end), torch.where(q >= ctx, fresh, held), empty)
+
+    def _pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        """Windows [N, span, width] -> entries [N, head_dim]; with overlap the previous window gives the
+        first half of the channels, this window the second."""
         if self.overlap:
-            prev_kv = buf_kv[: done * ratio].view(done, ratio, -1)
-            prev_score = buf_score[: done * ratio].view(done, ratio, -1)
-            d = self.head_dim
-            win_kv = torch.cat((prev_kv[..., :d], win_kv[..., d:]), dim=1)
-            win_score = torch.cat((prev_score[..., :d], win_score[..., d:]), dim=1)
-        return (win_kv * win_score.softmax(dim=1)).sum(dim=1), first
+            d, r = self.head_dim, self.ratio
+            kv = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), dim=1)
+            score = torch.cat((score[:, :r, :d], score[:, r:, d:]), dim=1)
+        return (kv * score.softmax(dim=1)).sum(dim=1)

@@ -10,20 +10,19 @@ power-of-two scales holds exactly, so only the order of the sums differs from th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from ds4.config import ModelConfig
-from ds4.kernels.indexer import indexer_logits, indexer_topk, quantize_rows
+from ds4.kernels.fp4_act import fp4_quant_dequant, hadamard_rotate
+from ds4.kernels.indexer import indexer_topk, quantize_rows
 from ds4.kernels.rope import apply_rope
 from ds4.kernels.topk import topk_indices
-from ds4.model.batch import ForwardBatch, StepLayout
-from ds4.model.cache import LayerCache, entries_per_page
+from ds4.model.batch import LayerStep
+from ds4.model.cache import entries_per_page
 from ds4.model.compressor import Compressor
 from ds4.model.linear import DEQUANTIZED, Linear, kept_fp8_block
-from ds4.model.paging import entry_rows, visible_entry_rows
+from ds4.model.paging import table_entry_rows
 
 # Per-head scores are formed for a piece of tokens at a time, at most this many bytes.
 _PIECE_BYTES = 1 << 28
@@ -42,122 +41,99 @@ def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def _round_index(x: torch.Tensor) -> torch.Tensor:
+    """fp8 mode keeps the reference's indexer simulation: Hadamard rotation, then MXFP4."""
+    return fp4_quant_dequant(hadamard_rotate(x))
+
+
 class Indexer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, ratio: int, dtype: torch.dtype, device: torch.device, weight_format: str = DEQUANTIZED
+        self,
+        cfg: ModelConfig,
+        ratio: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fp8_kv: bool,
+        weight_format: str = DEQUANTIZED,
     ):
         super().__init__()
         self.ratio, self.topk = ratio, cfg.index_topk
         self.heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.finish = _round_index if fp8_kv else nn.Identity()
         fp8 = kept_fp8_block(cfg, weight_format)
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.head_dim, dtype, device, fp8)
         self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype, device)
-        self.compressor = Compressor(cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device)
+        self.compressor = Compressor(cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device, self.finish)
         self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        qr: torch.Tensor,
-        batch: ForwardBatch,
-        layout: StepLayout,
-        cache: LayerCache,
-        inv_freq: torch.Tensor,
-        finish: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
-        """Rows of the flattened compressed pool each token attends to: [T, k] (-1 = none)."""
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, step: LayerStep, width: int) -> torch.Tensor:
+        """Pool rows of the entries each token attends to, [T, min(index_topk, width)] (-1 = none); a token's
+        scores span `width` entries (see Attention._entry_width), -inf past the ones it sees."""
+        batch, cache = step.batch, step.cache
         snapshot = cache.snapshot.indexer if cache.snapshot is not None else None
-        self.compressor(x, batch, layout, cache.indexer, cache.index_keys, inv_freq, finish, snapshot)
+        self.compressor(x, step, cache.indexer, cache.index_keys, snapshot)
+        k = min(self.topk, width)
+        if k == 0 or x.shape[0] == 0:
+            return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
         q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
-        q = finish(apply_rope(q, batch.positions, inv_freq)).float()
+        q = self.finish(apply_rope(q, batch.positions, step.inv_freq)).float()
         weights = self.weights_proj(x).float() * self.weight_scale
+        visible = ((batch.positions + 1) // self.ratio).clamp(max=width)
         pool = cache.index_keys
-        per_page = entries_per_page(pool)
         packed = pool.dtype == torch.uint8
-        q8, q_scale = quantize_rows(q) if packed else (None, None)
-        per_request = []
-        for r in range(len(layout.counts)):
-            tokens = layout.token_slice(r)
-            n_entries = (layout.context_lens[r] + layout.counts[r]) // self.ratio
-            if layout.counts[r] == 0 or n_entries == 0:
-                per_request.append(torch.full((layout.counts[r], 0), -1, dtype=torch.long, device=x.device))
-                continue
-            rows = entry_rows(batch.block_tables[r], torch.arange(n_entries, device=x.device), per_page)
-            if packed:
-                picked = indexer_topk(
-                    q8[tokens],
-                    weights[tokens],
-                    pool,
-                    batch.block_tables[r : r + 1],
-                    (batch.positions[tokens] + 1) // self.ratio,
-                    layout.counts[r],
-                    n_entries,
-                    min(self.topk, n_entries),
-                    q_scale=q_scale[tokens],
-                ).long()
-                per_request.append(torch.where(picked >= 0, rows[picked.clamp_min(0)], -1))
-            else:
-                keys = pool.view(-1, self.head_dim)[rows].float()
-                per_request.append(self._select(q[tokens], weights[tokens], keys, rows, batch.positions[tokens]))
-        width = max((p.shape[1] for p in per_request), default=0)
-        return torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=-1) for p in per_request])
-
-    def decode(
-        self,
-        x: torch.Tensor,
-        qr: torch.Tensor,
-        batch: ForwardBatch,
-        cache: LayerCache,
-        inv_freq: torch.Tensor,
-        finish: Callable[[torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
-        """forward for a decode_only batch, without host syncs: scores over every entry the block table can
-        hold (unseen ones -inf), then the top min(index_topk, that width). [T, k] rows (-1 = none)."""
-        self.compressor.decode(x, batch, cache.indexer, cache.index_keys, inv_freq, finish)
-        q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
-        q = finish(apply_rope(q, batch.positions, inv_freq)).float()
-        weights = self.weights_proj(x).float() * self.weight_scale
-        pool = cache.index_keys
-        rows = visible_entry_rows(batch.block_tables, batch.positions, self.ratio, entries_per_page(pool))
-        k = min(self.topk, rows.shape[1])
-        if k == 0:
-            return rows[:, :0]
-        if pool.dtype == torch.uint8:
-            # Entries a token sees form a prefix; counting them (not (position + 1) // ratio) keeps the
-            # padding rows of a captured batch, whose pages are all unassigned, at zero keys.
-            seen = (rows >= 0).sum(dim=1)
-            q8, q_scale = quantize_rows(q)
-            scores = indexer_logits(q8, weights, pool, batch.block_tables, seen, 1, rows.shape[1], q_scale=q_scale)
-            picked = topk_indices(scores, seen, k).long()
-        else:
-            keys = pool.view(-1, self.head_dim)
-            piece = max(1, _PIECE_BYTES // (4 * max(1, rows.shape[1]) * (self.heads + self.head_dim)))
-            scores = torch.cat(
-                [
-                    (
-                        torch.einsum(
-                            "thd,tsd->ths", q[i : i + piece], keys[rows[i : i + piece].clamp_min(0)].float()
-                        ).relu()
-                        * weights[i : i + piece, :, None]
-                    ).sum(dim=1)
-                    for i in range(0, q.shape[0], piece)
-                ]
-            )
-            picked = top_entries(scores.masked_fill(rows < 0, float("-inf")), k)
-        return torch.where(picked >= 0, rows.gather(1, picked.clamp_min(0)), -1)
-
-    def _select(self, q, weights, keys, rows, positions) -> torch.Tensor:
-        piece = max(1, _PIECE_BYTES // (4 * self.heads * keys.shape[0]))
-        scores = torch.cat(
+        q, q_scale = quantize_rows(q) if packed else (q, None)
+        top = indexer_topk if packed else self._dense_topk
+        picked = torch.cat(
             [
-                (torch.einsum("thd,sd->ths", q[i : i + piece], keys).relu() * weights[i : i + piece, :, None]).sum(
-                    dim=1
+                top(
+                    q[t],
+                    weights[t],
+                    pool,
+                    table,
+                    visible[t],
+                    n,
+                    width,
+                    k,
+                    q_scale=None if q_scale is None else q_scale[t],
                 )
-                for i in range(0, q.shape[0], piece)
+                for t, table, n in self._groups(step)
             ]
-        )
-        visible = (positions + 1) // self.ratio
-        entry = torch.arange(keys.shape[0], device=q.device)
-        scores = scores.masked_fill(entry[None, :] >= visible[:, None], float("-inf"))
-        picked = top_entries(scores, min(self.topk, keys.shape[0]))
-        return torch.where(picked < visible[:, None], rows[picked], torch.full_like(picked, -1))
+        ).long()
+        rows = table_entry_rows(batch.block_tables[step.token_requests], picked.clamp_min(0), entries_per_page(pool))
+        return torch.where((picked >= 0) & (picked < visible[:, None]), rows, -1)
+
+    @staticmethod
+    def _groups(step: LayerStep) -> list[tuple[slice, torch.Tensor, int]]:
+        """(tokens, their block table rows, tokens a request) in groups of requests with equal token counts, as
+        the scorers take them (a request's tokens share its keys): a decode_only batch is one group of one token
+        a request, a general step one group per request."""
+        tables = step.batch.block_tables
+        if step.decode_only:
+            return [(slice(None), tables, 1)]
+        layout = step.layout
+        return [(layout.token_slice(r), tables[r : r + 1], n) for r, n in enumerate(layout.counts) if n]
+
+    def _dense_topk(self, q, weights, pool, tables, visible, per_request, width, k, q_scale=None) -> torch.Tensor:
+        """ds4.kernels.indexer.indexer_topk over the dense pool: [rows, k] entry indices of the top scores, the
+        rows grouped per_request a request (tables [rows // per_request, pages]). A request's keys are gathered
+        once; its rows are scored a piece at a time."""
+        keys, per_page, count = pool.view(-1, self.head_dim), pool.shape[1], tables.shape[0]
+        budget = max(1, _PIECE_BYTES // (4 * width * (self.heads + self.head_dim)))
+        requests_per_piece, rows_per_piece = max(1, budget // per_request), min(per_request, budget)
+        q = q.view(count, per_request, self.heads, self.head_dim)
+        weights = weights.view(count, per_request, self.heads, 1)
+        visible = visible.view(count, per_request, 1)
+        entries = torch.arange(width, device=q.device)
+        picked = torch.empty(count, per_request, k, dtype=torch.long, device=q.device)
+        for g in range(0, count, requests_per_piece):
+            requests = slice(g, g + requests_per_piece)
+            key_rows = table_entry_rows(tables[requests], entries.expand(tables[requests].shape[0], -1), per_page)
+            request_keys = keys[key_rows.clamp_min(0)].float()
+            for t in range(0, per_request, rows_per_piece):
+                rows = (requests, slice(t, t + rows_per_piece))
+                per_head = torch.einsum("gthd,gsd->gths", q[rows], request_keys).relu()
+                scores = (per_head * weights[rows]).sum(dim=2)
+                hidden = (entries >= visible[rows]) | (key_rows < 0)[:, None, :]
+                scores = scores.masked_fill(hidden, float("-inf"))
+                picked[rows] = top_entries(scores.flatten(0, 1), k).view(*scores.shape[:2], k)
+        return picked.flatten(0, 1)

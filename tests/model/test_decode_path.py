@@ -256,7 +256,7 @@ def test_packed_indexer_decode_through_the_triton_kernels_equals_their_reference
     outs = []
     for patched in (False, True):
         if patched:
-            for name in ("indexer_logits", "topk_indices"):
+            for name in ("indexer_topk",):
                 monkeypatch.setattr(
                     ds4.model.indexer, name, functools.partial(getattr(ds4.model.indexer, name), impl="triton")
                 )
