@@ -3,14 +3,17 @@
 While profiling, every module and model function of a family runs inside a `ds4::<family>` profiler range
 (forward hooks on the modules, wrappers on the functions, both removed afterwards). Each op's own time (on
 CUDA the kernels it launched, on a CPU its self time) goes to the innermost family range around it, so a
-Linear inside the MoE's shared expert counts as GEMMs and the rest of the MoE as MoE. Time no range claims
-(embedding, sampling, host work) is "other". Run eagerly: kernels replayed from a CUDA graph have no ranges.
+Linear inside the MoE's shared expert counts as GEMMs and the rest of the MoE as MoE. The profiler ties no op
+to kernels launched through the driver API (Triton's launches): those go to the family of the ds4.kernels
+module that defines a Triton kernel of that name. Time nothing claims (embedding, sampling, host work) is
+"other". Run eagerly: kernels replayed from a CUDA graph have no ranges.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import torch
@@ -28,6 +31,13 @@ _MODULES = (
     ("ds4.model.compressor", "Compressor", "compressor"),
     ("ds4.model.moe", "MoE", "MoE"),
     ("ds4.model.linear", "Linear", "GEMMs"),
+)
+# (kernels module, family) of the Triton kernels whose launches no op claims.
+_KERNEL_MODULES = (
+    ("ds4.kernels.fp8_linear", "GEMMs"),
+    ("ds4.kernels.moe", "MoE"),
+    ("ds4.kernels.indexer", "indexer"),
+    ("ds4.kernels.topk_triton", "top-k"),
 )
 # (module, function it calls by its global name, family).
 _FUNCTIONS = (
@@ -104,14 +114,38 @@ def profile_families(model: torch.nn.Module, run: Callable[[], object], device: 
 
 def summarise(events, on_device: bool) -> dict[str, float]:
     times = dict.fromkeys(FAMILIES, 0.0)
+    claimed = Counter()  # kernel name -> microseconds some op's launch accounts for
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
         us = sum(k.duration for k in event.kernels) if on_device else event.self_cpu_time_total
         if us:
             times[_family(event)] += us / 1e3
+        for kernel in event.kernels if on_device else ():
+            claimed[kernel.name] += kernel.duration
+    if on_device:
+        families = _triton_kernel_families()
+        for event in events:
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = event.time_range.elapsed_us()
+            taken = min(us, claimed[event.name])
+            claimed[event.name] -= taken
+            if us > taken:
+                times[families.get(event.name, "other")] += (us - taken) / 1e3
     times["total"] = sum(times.values())
     return times
+
+
+def _triton_kernel_families() -> dict[str, str]:
+    """Triton kernel name -> family, from the ds4.kernels modules that define them."""
+    families = {}
+    for module_name, family in _KERNEL_MODULES:
+        for name, value in vars(importlib.import_module(module_name)).items():
+            # A Triton kernel, compiled or interpreted, wraps the Python function of its name.
+            if getattr(getattr(value, "fn", None), "__name__", None) == name:
+                families[name] = family
+    return families
 
 
 def _family(event) -> str:

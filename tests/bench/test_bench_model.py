@@ -1,10 +1,13 @@
-"""`ds4 bench model` end to end on the CPU with the tiny config and tiny lengths (a smoke test: no timings checked)."""
+"""`ds4 bench model` end to end on the CPU with the tiny config and tiny lengths (a smoke test: no timings checked),
+and how its device profile assigns kernel time to families."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from ds4.bench.profile import FAMILIES
+from ds4.bench.profile import FAMILIES, summarise
 from ds4.cli import main
 
 
@@ -38,3 +41,32 @@ def test_bench_model_names_published_figures_for_the_shipped_configs():
 
     sources = [entry[-1] for entries in PUBLISHED.values() for entry in entries]
     assert "SGLang DSv4 benchmark docs" in sources and "LMSYS blog, 2026-04-25" in sources
+
+
+def test_device_profile_counts_each_kernel_once_and_unclaimed_triton_kernels_by_module():
+    """Kernels an op launched go to the op's family; kernels no op claims (Triton's driver-API launches) go to
+    the family of the ds4.kernels module defining a Triton kernel of that name, others to "other"."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def kernel(name, us):
+        return SimpleNamespace(name=name, duration=us)
+
+    def device(name, us):
+        return SimpleNamespace(name=name, device_type=cuda, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    attention = SimpleNamespace(name="ds4::attention", cpu_parent=None)
+    bmm = SimpleNamespace(name="aten::bmm", device_type=cpu, cpu_parent=attention, kernels=[kernel("gemm", 30.0)])
+    events = [
+        SimpleNamespace(name="ds4::attention", device_type=cpu, cpu_parent=None, kernels=[]),
+        bmm,
+        device("gemm", 30.0),
+        device("_grouped_gemm_kernel", 500.0),
+        device("_act_quant_kernel", 20.0),
+        device("some_library_kernel", 7.0),
+    ]
+    times = summarise(events, on_device=True)
+    assert times["attention"] == pytest.approx(0.030)
+    assert times["MoE"] == pytest.approx(0.500)
+    assert times["GEMMs"] == pytest.approx(0.020)
+    assert times["other"] == pytest.approx(0.007)
+    assert times["total"] == pytest.approx(0.557)
