@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ds4.kernels._device import interpreting, num_sms
+from ds4.kernels.fp8_kv import pow2_ceil
 
 QUANT_BLOCK = 128  # activation groups and weight blocks are 128 wide along K (and weight blocks 128 tall)
 FP8_MAX = 448.0
@@ -44,13 +45,6 @@ ACT_QUANT_ROWS = 32  # rows an act_quant program quantises
 
 
 # ---- torch reference: the spec, the CPU path and the test oracle ----
-
-
-def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
-    """2^ceil(log2 v) for positive normal fp32 v, from the bits as the reference computes it."""
-    bits = v.float().view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return ((exponent + 127) << 23).view(torch.float32)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,12 +35,10 @@ import triton
 import triton.language as tl
 
 from ds4.kernels._device import interpreting, num_sms, shared_memory_per_block
-from ds4.kernels.fp8_kv import pow2_ceil
+from ds4.kernels.fp8_linear import act_quant as fp8_act_quant
 
-E4M3_MAX = 448.0
 ACT_GROUP = 128
 MXFP4_GROUP = 32
-_AMAX_FLOOR = 1e-4
 
 
 @dataclass(frozen=True)
@@ -80,14 +78,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def act_quant(x: torch.Tensor) -> torch.Tensor:
-    """x rounded through e4m3 per group of 128 channels (the last one may be shorter), scale 2^ceil(log2(amax/448)),
-    as fp32: the reference's act_quant followed by the exact dequantisation its GEMMs do."""
+    """x rounded through e4m3 per group of 128 channels (fp8_linear.act_quant), as fp32 [..., d]: the exact
+    dequantisation the reference's expert GEMMs apply to their act_quant'ed input."""
     d = x.shape[-1]
-    groups = F.pad(x.float(), (0, -d % ACT_GROUP)).unflatten(-1, (-1, ACT_GROUP))
-    amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(_AMAX_FLOOR)
-    scale = pow2_ceil(amax * (1.0 / E4M3_MAX))
-    q = (groups / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
-    return q.flatten(-2)[..., :d]
+    q, scale = fp8_act_quant(x.reshape(-1, d))
+    return (q.float() * scale.repeat_interleave(ACT_GROUP, dim=1)[:, :d]).view(x.shape)
 
 
 def mxfp4_to_float(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
