@@ -26,6 +26,7 @@ import platform
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -322,9 +323,11 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         }
         if not args.no_profile and batch == batches[0]:
             _progress(f"profiling one decode step at batch {batch} (eager)")
-            families = _eager_profile(engine, lambda: _step(engine))
+            unclaimed = Counter()
+            families = _eager_profile(engine, lambda: _step(engine), unclaimed)
             work = _decode_family_bytes(parts)
             row["profile"] = _with_rooflines(families, work, dict.fromkeys(work, rates["copy_bytes_per_s"]))
+            row["profile_other"] = _top(unclaimed)
         rows.append(row)
     for request_id in ids:
         engine.abort(request_id)
@@ -332,16 +335,21 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
     return sorted(rows, key=lambda r: r["batch"])
 
 
-def _eager_profile(engine, step) -> dict:
+def _eager_profile(engine, step, unclaimed: Counter) -> dict:
     """Profile one engine step with the decode graph's batch run eagerly (the same padded decode_only batch)."""
     graphs = engine.runner.graphs
     if graphs is not None:
         graphs._replay = lambda key: engine.model.forward(graphs.inputs.view(*key), engine.cache)
     try:
-        return profile_families(engine.model, step, engine.device)
+        return profile_families(engine.model, step, engine.device, unclaimed)
     finally:
         if graphs is not None:
             del graphs._replay
+
+
+def _top(unclaimed: Counter, n: int = 8) -> dict[str, float]:
+    """The n largest contributors to "other", by kernel name (ms)."""
+    return {name[:100]: ms for name, ms in unclaimed.most_common(n)}
 
 
 def _decode_family_bytes(parts: dict) -> dict:
@@ -405,11 +413,13 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
     if not args.no_profile:
         length = min(args.prefill_lengths)
         _progress(f"profiling the prefill of {length} tokens")
-        families = profile_families(engine.model, lambda: prefill(length, "prefill-profiled"), engine.device)
+        unclaimed = Counter()
+        families = profile_families(engine.model, lambda: prefill(length, "prefill-profiled"), engine.device, unclaimed)
         flops = roofline.prefill_flops(cfg, length)
         family_of = {"dense": "GEMMs", "experts": "MoE", "attention": "attention", "indexer": "indexer"}
         work = {family_of[kind]: f for kind, f in flops.items()}
         rows[0]["profile"] = _with_rooflines(families, work, {family_of[k]: r for k, r in per_kind.items()})
+        rows[0]["profile_other"] = _top(unclaimed)
     return rows
 
 
@@ -536,6 +546,9 @@ def table(result: dict) -> str:
         if "profile" in row:
             lines += ["", f"profile of one {title} ({row.get('batch', row.get('tokens'))}) by family:"]
             lines.append(_profile_rows(row["profile"]))
+            if row.get("profile_other"):
+                top = row["profile_other"].items()
+                lines.append("largest in other: " + "; ".join(f"{n} {ms:.3f} ms" for n, ms in top))
     lines += ["", _extrapolation_lines(result)]
     return "\n".join(lines)
 

@@ -102,25 +102,33 @@ def _in_range(fn: Callable, family: str) -> Callable:
     return wrapped
 
 
-def profile_families(model: torch.nn.Module, run: Callable[[], object], device: torch.device) -> dict[str, float]:
-    """Milliseconds per family of one call of run (device time on CUDA, CPU time otherwise), plus "total"."""
+def profile_families(
+    model: torch.nn.Module, run: Callable[[], object], device: torch.device, unclaimed: Counter | None = None
+) -> dict[str, float]:
+    """Milliseconds per family of one call of run (device time on CUDA, CPU time otherwise), plus "total".
+    unclaimed, if given, receives the milliseconds of "other" by kernel (CPU: op) name."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with family_ranges(model), profile(activities=activities) as prof:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return summarise(prof.events(), device.type == "cuda")
+    return summarise(prof.events(), device.type == "cuda", unclaimed)
 
 
-def summarise(events, on_device: bool) -> dict[str, float]:
+def summarise(events, on_device: bool, unclaimed: Counter | None = None) -> dict[str, float]:
     times = dict.fromkeys(FAMILIES, 0.0)
+    unclaimed = Counter() if unclaimed is None else unclaimed
     claimed = Counter()  # kernel name -> microseconds some op's launch accounts for
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
         us = sum(k.duration for k in event.kernels) if on_device else event.self_cpu_time_total
         if us:
-            times[_family(event)] += us / 1e3
+            family = _family(event)
+            times[family] += us / 1e3
+            if family == "other":
+                for kernel in event.kernels if on_device else (event,):
+                    unclaimed[kernel.name] += (kernel.duration if on_device else us) / 1e3
         for kernel in event.kernels if on_device else ():
             claimed[kernel.name] += kernel.duration
     if on_device:
@@ -132,7 +140,10 @@ def summarise(events, on_device: bool) -> dict[str, float]:
             taken = min(us, claimed[event.name])
             claimed[event.name] -= taken
             if us > taken:
-                times[families.get(event.name, "other")] += (us - taken) / 1e3
+                family = families.get(event.name, "other")
+                times[family] += (us - taken) / 1e3
+                if family == "other":
+                    unclaimed[event.name] += (us - taken) / 1e3
     times["total"] = sum(times.values())
     return times
 
