@@ -9,9 +9,9 @@ On any config (`--config flash|pro|DIR` with `--load-format dummy`, or a checkpo
   - peak device memory; finite logits asserted on every step.
 Rooflines (ds4.bench.roofline): decode = the bytes a step must read over the copy bandwidth; prefill = the
 FLOPs by kind over the GEMM rate of that kind (dense GEMMs and the indexer fp8, experts and attention bf16:
-Hopper has no FP4 tensor cores). The ratio is measured / roofline. One decode step (at the largest batch, run
-eagerly) and one prefill (the shortest) are profiled and summarised by kernel family, each family next to its
-own roofline where one is counted. The time per layer is extrapolated to the full model and printed next to
+Hopper has no FP4 tensor cores). The ratio is measured / roofline. Decode steps at the smallest and the largest
+batch (run eagerly) and one prefill (the shortest) are profiled and summarised by kernel family, each family next
+to its own roofline where one is counted. The time per layer is extrapolated to the full model and printed next to
 published figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager) on the same shape.
 Progress goes to stderr, the tables to stdout.
 """
@@ -321,7 +321,7 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
             "ratio": ms / roof_ms,
             "experts_touched_per_layer": roofline.expected_experts_touched(cfg, batch),
         }
-        if not args.no_profile and batch == batches[0]:
+        if not args.no_profile and batch in (batches[0], batches[-1]):
             _progress(f"profiling one decode step at batch {batch} (eager)")
             unclaimed = Counter()
             families = _eager_profile(engine, lambda: _step(engine), unclaimed)

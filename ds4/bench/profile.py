@@ -122,19 +122,23 @@ def summarise(events, on_device: bool, unclaimed: Counter | None = None) -> dict
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
-        us = sum(k.duration for k in event.kernels) if on_device else event.self_cpu_time_total
+        # A kernel's first launch also lists it under the loader's event inside the op: count it once.
+        parent_kernels = getattr(event.cpu_parent, "kernels", ()) or ()
+        kernels = [k for k in event.kernels if k not in parent_kernels] if on_device else []
+        us = sum(k.duration for k in kernels) if on_device else event.self_cpu_time_total
         if us:
             family = _family(event)
             times[family] += us / 1e3
             if family == "other":
-                for kernel in event.kernels if on_device else (event,):
+                for kernel in kernels if on_device else (event,):
                     unclaimed[kernel.name] += (kernel.duration if on_device else us) / 1e3
-        for kernel in event.kernels if on_device else ():
+        for kernel in kernels:
             claimed[kernel.name] += kernel.duration
     if on_device:
         families = _triton_kernel_families()
         for event in events:
-            if event.device_type != torch.autograd.DeviceType.CUDA:
+            # The family ranges themselves also appear on the device's timeline: spans, not kernels.
+            if event.device_type != torch.autograd.DeviceType.CUDA or event.name.startswith(_PREFIX):
                 continue
             us = event.time_range.elapsed_us()
             taken = min(us, claimed[event.name])
