@@ -542,7 +542,8 @@ def table(result: dict) -> str:
     ]
     if result["peak_memory_gb"] is not None:
         lines.append(f"peak memory {result['peak_memory_gb']:.2f} GB")
-    for title, row in (("decode step", _largest(result["decode"])), ("prefill", result["prefill"][0])):
+    profiled = [("decode step", row) for row in sorted(result["decode"], key=lambda r: r["batch"])]
+    for title, row in (*profiled, ("prefill", result["prefill"][0])):
         if "profile" in row:
             lines += ["", f"profile of one {title} ({row.get('batch', row.get('tokens'))}) by family:"]
             lines.append(_profile_rows(row["profile"]))
@@ -551,10 +552,6 @@ def table(result: dict) -> str:
                 lines.append("largest in other: " + "; ".join(f"{n} {ms:.3f} ms" for n, ms in top))
     lines += ["", _extrapolation_lines(result)]
     return "\n".join(lines)
-
-
-def _largest(rows: list[dict]) -> dict:
-    return max(rows, key=lambda r: r["batch"])
 
 
 def _ceilings_line(c: dict) -> str:
