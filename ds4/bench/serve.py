@@ -15,6 +15,10 @@ Prints a table; --json writes every request's figures; --plot draws tok/s agains
 --acceptance-lengths 1.5,2,2.5 adds the per-request tok/s those mean acceptance lengths would give at the
 measured median ITL: with speculative decoding on random weights (drafts all rejected) every chunk is one
 verify step, so L / median ITL is the speed of the same steps if each kept L tokens on average.
+
+--multi-turn runs the conversation scenario of ds4.bench.multi_turn instead: each concurrency level is that many
+clients whose chat conversations grow every turn (a long fixed system prompt and tools, then user and assistant
+turns); TTFT per turn and the server's prefix-cache hit rate.
 """
 
 from __future__ import annotations
@@ -57,10 +61,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of tok/s against concurrency")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write a PNG of tok/s against concurrency (multi-turn: TTFT against turn)",
+    )
     parser.add_argument(
         "--acceptance-lengths", default="", help="e.g. 1.5,2,2.5: tok/s implied at those acceptance lengths"
     )
+    multi = parser.add_argument_group("multi-turn (--trials, --requests-per-client, --input-len do not apply)")
+    multi.add_argument("--multi-turn", action="store_true", help="growing chat conversations, one per client")
+    multi.add_argument("--system-prompt-len", type=int, default=8192, help="words (tokens) of the system prompt")
+    multi.add_argument("--num-tools", type=int, default=8, help="tool definitions sent with every turn")
+    multi.add_argument("--turns", type=int, default=5, help="user turns per conversation")
+    multi.add_argument("--user-turn-len", type=int, default=512, help="words (tokens) of each user message")
     args = parser.parse_args(argv)
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
@@ -69,14 +84,21 @@ def main(argv: list[str]) -> int:
         parser.error("--concurrency: comma-separated integers; --acceptance-lengths: comma-separated numbers")
     if min(levels) < 1 or args.trials < 1 or args.requests_per_client < 1 or args.input_len < 1 or args.output_len < 1:
         parser.error("--concurrency, --trials, --requests-per-client, --input-len and --output-len must be positive")
-    result = run(args, levels)
-    print(table(result))
+    if args.multi_turn:
+        from ds4.bench import multi_turn
+
+        if min(args.system_prompt_len, args.turns, args.user_turn_len) < 1 or args.num_tools < 0:
+            parser.error("--system-prompt-len, --turns and --user-turn-len must be positive, --num-tools >= 0")
+        result, show, draw = multi_turn.run(args, levels), multi_turn.table, multi_turn.plot
+    else:
+        result, show, draw = run(args, levels), table, plot
+    print(show(result))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.plot is not None:
-        plot(result, args.plot)
+        draw(result, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -115,9 +137,7 @@ class _Sender:
 
     def __init__(self, url: str, model: str, api_key: str | None, output_len: int, timeout: float):
         self.url, self.model, self.output_len, self.timeout = url, model, output_len, timeout
-        self.headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.headers = headers(api_key)
 
     def __call__(self, prompt: list[int]) -> RequestResult:
         body = {
@@ -129,38 +149,57 @@ class _Sender:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        request = urllib.request.Request(self.url, json.dumps(body).encode(), self.headers, method="POST")
         start = time.perf_counter()
-        arrivals, usage = [], None
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                for raw in response:
-                    line = raw.decode("utf-8").strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        return RequestResult(False, error=json.dumps(event["error"])[:300])
-                    if event.get("choices"):
-                        arrivals.append(time.perf_counter())
-                    usage = event.get("usage") or usage
-        except urllib.error.HTTPError as e:
-            return RequestResult(False, error=f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}")
-        except (OSError, ValueError) as e:
-            return RequestResult(False, error=f"{type(e).__name__}: {e}")
-        tokens = usage["completion_tokens"] if usage else len(arrivals)
-        result = RequestResult(tokens == self.output_len, tokens, latency_s=time.perf_counter() - start)
-        if not result.ok:
-            result.error = f"{tokens} tokens of {self.output_len}"
-        if arrivals:
-            result.ttft_s = arrivals[0] - start
-            result.itl_s = [b - a for a, b in zip(arrivals, arrivals[1:])]
-            if tokens > 1 and arrivals[-1] > arrivals[0]:
-                result.decode_tokens_per_s = (tokens - 1) / (arrivals[-1] - arrivals[0])
-        return result
+        events, error = post_stream(self.url, body, self.headers, self.timeout)
+        if error is not None:
+            return RequestResult(False, error=error)
+        arrivals = [t for t, event in events if event.get("choices")]
+        usage = next((event["usage"] for _, event in reversed(events) if event.get("usage")), None)
+        return request_result(start, arrivals, usage["completion_tokens"] if usage else len(arrivals), self.output_len)
+
+
+def headers(api_key: str | None) -> dict[str, str]:
+    out = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if api_key:
+        out["Authorization"] = f"Bearer {api_key}"
+    return out
+
+
+def post_stream(url: str, body: dict, headers: dict, timeout: float) -> tuple[list[tuple[float, dict]], str | None]:
+    """POST a streaming request: the (arrival time, event) of each server-sent event, or an error (never raises)."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+    events = []
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            for raw in response:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    return events, json.dumps(event["error"])[:300]
+                events.append((time.perf_counter(), event))
+    except urllib.error.HTTPError as e:
+        return events, f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
+    except (OSError, ValueError) as e:
+        return events, f"{type(e).__name__}: {e}"
+    return events, None
+
+
+def request_result(start: float, arrivals: list[float], tokens: int, output_len: int) -> RequestResult:
+    """A request's figures from its send time and the arrival times of the chunks carrying its tokens."""
+    result = RequestResult(tokens == output_len, tokens, latency_s=time.perf_counter() - start)
+    if not result.ok:
+        result.error = f"{tokens} tokens of {output_len}"
+    if arrivals:
+        result.ttft_s = arrivals[0] - start
+        result.itl_s = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        if tokens > 1 and arrivals[-1] > arrivals[0]:
+            result.decode_tokens_per_s = (tokens - 1) / (arrivals[-1] - arrivals[0])
+    return result
 
 
 def _summary(requests: list[RequestResult], wall: float) -> dict:
@@ -175,13 +214,13 @@ def _summary(requests: list[RequestResult], wall: float) -> dict:
         "aggregate_tokens_per_s": sum(r.output_tokens for r in ok) / wall,
         "per_request_tokens_per_s": statistics.fmean(speeds) if speeds else None,
         "median_itl_ms": 1000 * statistics.median(gaps) if gaps else None,
-        "ttft_p50_ms": 1000 * _percentile(ttfts, 50) if ttfts else None,
-        "ttft_p99_ms": 1000 * _percentile(ttfts, 99) if ttfts else None,
+        "ttft_p50_ms": 1000 * percentile(ttfts, 50) if ttfts else None,
+        "ttft_p99_ms": 1000 * percentile(ttfts, 99) if ttfts else None,
         "errors": sorted({r.error for r in requests if r.error})[:5],
     }
 
 
-def _percentile(ordered: list[float], q: float) -> float:
+def percentile(ordered: list[float], q: float) -> float:
     """Linear interpolation between closest ranks."""
     pos = (len(ordered) - 1) * q / 100
     lo = int(pos)
