@@ -60,7 +60,6 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="ds4 bench model", description=__doc__.splitlines()[0])
     add_model_args(parser)
-    parser.add_argument("--layers", type=int, default=None, help="keep the first L layers (num_hidden_layers)")
     parser.add_argument("--context", type=int, default=4096, help="tokens cached per request before decoding")
     parser.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 64], help="decode batches, e.g. 1,8,32,64")
     parser.add_argument("--prefill-lengths", type=_ints, default=[8192, 65536], help="prompt lengths, e.g. 8192")

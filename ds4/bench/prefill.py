@@ -6,9 +6,10 @@ flags say), after a warm-up at the shortest length. TTFT is add_request to the s
 next to each row is linear cost at the shortest length's speed (its prefill tok/s): `scaling` is the share
 of it a longer prompt keeps; attention and indexer work growing with the context shows as scaling < 1.
 
---profile runs each length once more under torch.profiler and splits its device time (CPU time on CPU)
-by kernel family (ds4.bench.profile: GEMMs, MoE, attention, indexer, top-k, mHC, compressor, norms, other),
-as percentages: the question "where does a long prefill spend its time" answered without nsys.
+--profile runs each length once more (on a new prompt: the first is in the prefix cache now) under
+torch.profiler and splits its device time (CPU time on CPU) by kernel family (ds4.bench.profile: GEMMs, MoE,
+attention, indexer, top-k, mHC, compressor, norms, other), as percentages: the question "where does a long
+prefill spend its time" answered without nsys.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def run(args: argparse.Namespace, lengths: list[int], model_flags: dict, engine_
         prompt = [rng.randrange(2, vocab) for _ in range(n)]
         seconds = ttft(engine, prompt)
         row = {"length": n, "ttft_s": seconds, "prefill_tokens_per_s": n / seconds}
-        if args.profile:
-            row["profile"] = profile(engine, prompt)
+        if args.profile:  # on a new prompt: the timed one is in the prefix cache now
+            row["profile"] = profile(engine, [rng.randrange(2, vocab) for _ in range(n)])
         rows.append(row)
     return {
         "benchmark": "prefill",
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace, lengths: list[int], model_flags: dict, engine_
         "skipped_lengths": skipped,
         "max_model_len": engine.max_model_len,
         "engine": {k: str(v) for k, v in engine_flags.items()},
-        "model": str(args.model or "tiny (built-in)"),
+        "model": str(args.model or args.config or "tiny (built-in)"),
+        "layers": engine.model.cfg.num_hidden_layers,
         "device": _device_name(engine.device),
         "dtype": str(engine.model.dtype),
         "torch": torch.__version__,
@@ -122,7 +124,8 @@ def table(result: dict) -> str:
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
     out = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header, *lines]]
     out.insert(1, "-+-".join("-" * w for w in widths))
-    out.append(f"{result['model']} on {result['device']}; scaling: tok/s over the {rows[0]['length']}-token speed")
+    model = f"{result['model']} ({result['layers']} layers) on {result['device']}"
+    out.append(f"{model}; scaling: tok/s over the {rows[0]['length']}-token speed")
     if result["skipped_lengths"]:
         out.append(f"skipped (>= max_model_len {result['max_model_len']}): {result['skipped_lengths']}")
     return "\n".join(out)

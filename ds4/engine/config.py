@@ -182,6 +182,9 @@ def add_model_args(parser) -> None:
     parser.add_argument(
         "--config", default=None, help="with --load-format dummy: flash, pro (the shipped configs) or a directory"
     )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="with --load-format dummy: keep the first L layers (num_hidden_layers)"
+    )
 
 
 def add_engine_args(parser) -> None:
@@ -207,6 +210,7 @@ def model_flags_from_args(args) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,
         config=args.config,
+        num_layers=args.layers,
     )
 
 

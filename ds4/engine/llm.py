@@ -36,7 +36,7 @@ class LLM:
 
     Engine flags (max_num_batched_tokens=, max_num_seqs=, kv_cache_memory=, ...) are keyword arguments.
     load_format="dummy" builds the model from a config alone (config="flash", "pro" or a directory) with
-    random weights made on the device.
+    random weights made on the device; num_layers keeps its first layers.
     """
 
     def __init__(
@@ -49,6 +49,7 @@ class LLM:
         seed: int | None = None,
         load_format: str = "auto",
         config: str | Path | None = None,
+        num_layers: int | None = None,
         **engine_flags,
     ):
         self.engine = LLMEngine.from_pretrained(
@@ -59,6 +60,7 @@ class LLM:
             seed=seed,
             load_format=load_format,
             config=config,
+            num_layers=num_layers,
             **engine_flags,
         )
         self.tokenizer = self.engine.tokenizer
