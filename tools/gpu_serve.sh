@@ -9,6 +9,9 @@
 # HCA); BUDGET_S (default 420) bounds the optional long prefill. TINY=1 is the dry run: the built-in tiny model
 # on the CPU with small sizes (every size below can be set through its variable either way).
 # Logs and JSON go to ${OUT:-out}/serve; the servers die with the script; the last lines printed are the tables.
+# On the lent H200 (run: carry [".gpu/servebench", ".whl"]):
+#   cd .gpu/servebench && ln -sfn ../../.whl .whl && . tools/install_device_wheels.sh && bash tools/gpu_serve.sh
+# Dry run here: TINY=1 PYTHON=/work/main/.venv/bin/python PYTHONPATH=$PWD OUT=/tmp/gs bash tools/gpu_serve.sh
 set -euo pipefail
 out="${OUT:-out}/serve"
 mkdir -p "$out"
@@ -19,12 +22,13 @@ if [ -n "${TINY:-}" ]; then
   : "${SYSTEM_LEN:=256}" "${NUM_TOOLS:=2}" "${USER_LEN:=64}" "${OUTPUT_LEN:=8}" "${MAX_MODEL_LEN:=4096}"
   : "${PREFILL_LENGTHS:=512,1k}" "${LONG_LENGTHS:=512,2k}"
   prefill_flags=(--max-model-len "$MAX_MODEL_LEN")
-  echo "model: built-in tiny (TINY=1 dry run)"
+  model="built-in tiny model on the CPU (TINY=1 dry run)"
 else
   model_args=(--config flash --load-format dummy --layers "$layers")
   prefill_flags=()
-  echo "model: DeepSeek-V4-Flash shape, dummy weights, LAYERS=$layers layers"
+  model="DeepSeek-V4-Flash shape, dummy weights, LAYERS=$layers layers"
 fi
+echo "model: $model"
 serve_flags=(--max-num-seqs 16 --max-model-len "${MAX_MODEL_LEN:-65536}")
 multi_turn=(--multi-turn --concurrency "${CLIENTS:-1,4}" --turns 5 --system-prompt-len "${SYSTEM_LEN:-25600}"
             --num-tools "${NUM_TOOLS:-8}" --user-turn-len "${USER_LEN:-1024}" --output-len "${OUTPUT_LEN:-128}")
@@ -86,6 +90,7 @@ else
   phase "no time left for a longer prefill"
 fi
 phase "done"
+echo "== model: $model"
 
 for mode in caching no-caching; do echo "== multi-turn, $mode"; cat "$out/multi_turn_$mode.txt"; done
 "$python" - "$out" <<'EOF'
