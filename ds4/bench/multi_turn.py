@@ -127,7 +127,7 @@ class _ChatClient:
         body = {
             "model": self.model,
             "messages": messages,
-            "tools": tools,
+            **({"tools": tools} if tools else {}),
             "max_tokens": self.output_len,
             "temperature": 0,
             "ignore_eos": True,
