@@ -1,8 +1,44 @@
-"""Manifold-constrained hyper-connection (mHC) weights: pre / post gates and the Sinkhorn-projected mixing matrix."""
+"""Manifold-constrained hyper-connections (mHC): hc_mult residual streams collapsed into a sub-layer's input, its
+output expanded back into the streams, the streams mixed by a Sinkhorn-projected (nearly doubly stochastic) matrix.
+
+hc_pre: mixes = (flat(h) @ fn.T) * rsqrt(mean(flat(h)^2) + eps) over the flattened streams [T, hc * D] in fp32;
+the gates pre / post and the mixing matrix comb from them (hc_split_sinkhorn); the sub-layer input
+sum_i pre_i h_i. hc_post: stream k = post_k * out + sum_j comb[j, k] h_j. hc_head: the final collapse, with
+sigmoid weights only.
+
+On CUDA hc_pre and hc_head are two launches and hc_post one. The projection reads each token's streams once for
+both the dot products with fn and the sum of squares, split along the flattened channels when there are too few
+tokens to fill the device (one partial row per split, summed in a fixed order by the next launch: deterministic,
+no atomics, nothing to zero). The collapse launch sums a token's partials, computes its gates and the Sinkhorn
+iterations in registers (an hc x hc matrix) and writes a slice of the channels; when a token's channels are
+split over several programs each recomputes those few values. Everything is fp32 as in the reference (the
+projection's dot products in IEEE fp32, not TF32), so the results differ from the reference only by the order
+of the fp32 sums. Shapes are launch arguments and nothing waits on the host: the launches are CUDA-graph
+capturable. hc must be a power of two (the real models' 4; other values take the reference).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ds4.kernels._device import num_sms, shared_memory_per_block
+
+# Chosen settings. Projection: a program's tile of tokens (fewer for small batches, where tokens are padding) and
+# of flattened channels; programs per SM the split-K aims for. Collapse / expand: channels per program step and
+# programs per SM the collapse's channel split aims for.
+PROJECTION_SMALL_T = 16
+PROJECTION_LARGE_T = 64
+PROJECTION_BLOCK_K = 64
+PROJECTION_WAVES = 2
+PROJECTION_MAX_STAGES = 3
+CHANNEL_BLOCK = 512
+COLLAPSE_WAVES = 4
+WARPS = 4
 
 
 def hc_split_sinkhorn(
@@ -22,3 +58,311 @@ def hc_split_sinkhorn(
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return pre, post, comb
+
+
+def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """Projection of the RMS-normalised flattened streams [T, hc * D] -> [T, fn rows] (fp32)."""
+    flat = streams.flatten(1).float()
+    return F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+
+
+def hc_pre_reference(streams: torch.Tensor, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """streams [T, hc, D] -> (sub-layer input [T, D], post [T, hc], comb [T, hc, hc])."""
+    pre, post, comb = hc_split_sinkhorn(_mixes(streams, fn, norm_eps), scale, base, hc, iters, hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=1)
+    return collapsed.to(streams.dtype), post, comb
+
+
+def hc_post_reference(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New stream k = post[k] * out + sum_j comb[j, k] * streams[j]."""
+    mixed = torch.einsum("tjk,tjd->tkd", comb, streams.float())
+    return (post.unsqueeze(-1) * out.float().unsqueeze(1) + mixed).to(streams.dtype)
+
+
+def hc_head_reference(streams: torch.Tensor, fn, scale, base, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """Final collapse of the streams [T, hc, D] -> [T, D] with sigmoid weights."""
+    pre = torch.sigmoid(_mixes(streams, fn, norm_eps) * scale + base) + hc_eps
+    return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+
+
+@triton.jit(do_not_specialize=["T", "K", "k_blocks_per_split", "h_stride"])
+def _projection_kernel(
+    h_ptr,
+    h_stride,
+    fn_ptr,
+    part_ptr,
+    T,
+    K,
+    k_blocks_per_split,
+    MIX: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """part[split, t, :MIX] = flat(h)[t, K slice] @ fn[:, K slice].T, part[split, t, MIX] = sum of squares."""
+    split = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, MIX_PAD)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < T
+    row_ptr = h_ptr + rows.to(tl.int64)[:, None] * h_stride
+    acc = tl.zeros((BLOCK_T, MIX_PAD), tl.float32)
+    squares = tl.zeros((BLOCK_T,), tl.float32)
+    k_start = split * k_blocks_per_split * BLOCK_K
+    for step in range(0, k_blocks_per_split):
+        k = k_start + step * BLOCK_K + ks
+        k_ok = k < K
+        x = tl.load(row_ptr + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + cols[None, :] * K + k[:, None], mask=(cols[None, :] < MIX) & k_ok[:, None], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+        squares += tl.sum(x * x, axis=1)
+    acc = tl.where(cols[None, :] == MIX, squares[:, None], acc)
+    out = part_ptr + (split * T + rows.to(tl.int64))[:, None] * MIX_PAD + cols[None, :]
+    tl.store(out, acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _summed_mix(part_ptr, offsets, T, t, splits, MIX_PAD: tl.constexpr):
+    """The projection's partial rows of token t at `offsets`, summed over the splits in order."""
+    total = tl.load(part_ptr + t * MIX_PAD + offsets)
+    for split in range(1, splits):
+        total += tl.load(part_ptr + (split * T + t) * MIX_PAD + offsets)
+    return total
+
+
+@triton.jit(do_not_specialize=["T", "D", "K", "splits", "iters", "chunks", "parts", "h_stride", "x_stride"])
+def _collapse_kernel(
+    h_ptr,
+    h_stride,
+    part_ptr,
+    scale_ptr,
+    base_ptr,
+    x_ptr,
+    x_stride,
+    post_ptr,
+    comb_ptr,
+    T,
+    D,
+    K,
+    splits,
+    iters,
+    chunks,
+    parts,
+    hc_eps,
+    norm_eps,
+    HC: tl.constexpr,
+    MIX: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+    MIXING: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """x[t, chunk] = sum_i pre_i h[t, i, chunk] for the chunks part, part + parts, ...; with MIXING (hc_pre, not
+    hc_head) the first part also writes post[t] and comb[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    i = tl.arange(0, HC)
+    squares = _summed_mix(part_ptr, MIX, T, t, splits, MIX_PAD)
+    norm = 1.0 / tl.sqrt(squares / K + norm_eps)
+    pre_mix = _summed_mix(part_ptr, i, T, t, splits, MIX_PAD) * norm
+    pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
+    if MIXING:
+        if part == 0:
+            post_mix = _summed_mix(part_ptr, HC + i, T, t, splits, MIX_PAD) * norm
+            post = 2.0 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
+            tl.store(post_ptr + t * HC + i, post)
+            jk = i[:, None] * HC + i[None, :]
+            logits = _summed_mix(part_ptr, 2 * HC + jk, T, t, splits, MIX_PAD) * norm
+            logits = logits * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + jk)
+            e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+            comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+            for _ in range(1, iters):
+                comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+            tl.store(comb_ptr + t * HC * HC + jk, comb)
+    for chunk in range(part, chunks, parts):
+        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        h = tl.load(h_ptr + t * h_stride + i[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0)
+        x = tl.sum(pre[:, None] * h.to(tl.float32), axis=0)
+        tl.store(x_ptr + t * x_stride + d, x.to(x_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit(do_not_specialize=["D", "out_stride", "h_stride", "new_stride"])
+def _expand_kernel(
+    out_ptr,
+    out_stride,
+    h_ptr,
+    h_stride,
+    post_ptr,
+    comb_ptr,
+    new_ptr,
+    new_stride,
+    D,
+    HC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """new[t, k, chunk] = post[t, k] * out[t, chunk] + sum_j comb[t, j, k] * h[t, j, chunk]."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, HC)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    h = tl.load(h_ptr + t * h_stride + i[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0).to(tl.float32)
+    out = tl.load(out_ptr + t * out_stride + d, mask=d_ok, other=0.0).to(tl.float32)
+    comb = tl.load(comb_ptr + t * HC * HC + i[:, None] * HC + i[None, :])
+    post = tl.load(post_ptr + t * HC + i)
+    new = post[:, None] * out[None, :] + tl.sum(comb[:, :, None] * h[:, None, :], axis=0)
+    tl.store(
+        new_ptr + t * new_stride + i[:, None] * D + d[None, :], new.to(new_ptr.dtype.element_ty), mask=d_ok[None, :]
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one hc_pre / hc_head call is launched."""
+
+    block_t: int  # tokens per projection program
+    block_k: int  # flattened channels per projection step
+    splits: int  # projection programs along the flattened channels
+    k_blocks_per_split: int
+    stages: int  # the projection's pipeline stages
+    block_d: int  # channels per collapse / expand step
+    parts: int  # collapse programs per token
+
+
+def plan(tokens: int, k: int, d: int, mix_pad: int, x_bytes: int, sms: int, smem: int) -> Plan:
+    """Tiles from the device: the projection split along K until PROJECTION_WAVES programs per SM run, pipeline
+    stages as many as a program's shared memory (`smem` bytes) holds, and each token's collapse split over its
+    channel blocks until COLLAPSE_WAVES programs per SM run."""
+    block_t = PROJECTION_SMALL_T if tokens <= PROJECTION_SMALL_T else PROJECTION_LARGE_T
+    k_blocks = triton.cdiv(k, PROJECTION_BLOCK_K)
+    splits = max(1, min(k_blocks, triton.cdiv(PROJECTION_WAVES * sms, triton.cdiv(tokens, block_t))))
+    per_split = triton.cdiv(k_blocks, splits)
+    stage = PROJECTION_BLOCK_K * (block_t * x_bytes + mix_pad * 4)
+    stages = max(1, min(PROJECTION_MAX_STAGES, smem // stage))
+    chunks = triton.cdiv(d, CHANNEL_BLOCK)
+    parts = max(1, min(chunks, triton.cdiv(COLLAPSE_WAVES * sms, tokens)))
+    return Plan(block_t, PROJECTION_BLOCK_K, triton.cdiv(k_blocks, per_split), per_split, stages, CHANNEL_BLOCK, parts)
+
+
+def _check_streams(streams: torch.Tensor, fn: torch.Tensor) -> None:
+    t, hc, d = streams.shape
+    if streams.stride(2) != 1 or streams.stride(1) != d:
+        raise ValueError(f"mHC: streams [T, hc, D] need contiguous [hc, D] rows, got strides {streams.stride()}")
+    if fn.shape[1] != hc * d or fn.dtype != torch.float32 or not fn.is_contiguous():
+        raise ValueError(f"mHC: fn must be contiguous fp32 [mix, {hc * d}], got {fn.dtype} {list(fn.shape)}")
+
+
+def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: bool, launch: Plan | None):
+    _check_streams(streams, fn)
+    tokens, hc, d = streams.shape
+    mix, k = fn.shape
+    mix_pad = max(16, triton.next_power_of_2(mix + 1))  # one spare column carries the sum of squares
+    dev = streams.device
+    x = torch.empty(tokens, d, dtype=streams.dtype, device=dev)
+    post = torch.empty(tokens if mixing else 0, hc, dtype=torch.float32, device=dev)
+    comb = torch.empty(tokens if mixing else 0, hc, hc, dtype=torch.float32, device=dev)
+    if tokens == 0:
+        return x, post, comb
+    launch = launch or plan(tokens, k, d, mix_pad, streams.element_size(), num_sms(dev), shared_memory_per_block(dev))
+    part = torch.empty(launch.splits, tokens, mix_pad, dtype=torch.float32, device=dev)
+    grid = (triton.cdiv(tokens, launch.block_t), launch.splits)
+    _projection_kernel[grid](
+        streams,
+        streams.stride(0),
+        fn,
+        part,
+        tokens,
+        k,
+        launch.k_blocks_per_split,
+        MIX=mix,
+        MIX_PAD=mix_pad,
+        BLOCK_T=launch.block_t,
+        BLOCK_K=launch.block_k,
+        num_warps=WARPS,
+        num_stages=launch.stages,
+    )
+    chunks = triton.cdiv(d, launch.block_d)
+    parts = min(launch.parts, chunks)
+    _collapse_kernel[(tokens, parts)](
+        streams,
+        streams.stride(0),
+        part,
+        scale,
+        base,
+        x,
+        x.stride(0),
+        post,
+        comb,
+        tokens,
+        d,
+        k,
+        launch.splits,
+        iters,
+        chunks,
+        parts,
+        hc_eps,
+        norm_eps,
+        HC=hc,
+        MIX=mix,
+        MIX_PAD=mix_pad,
+        MIXING=mixing,
+        BLOCK_D=launch.block_d,
+        num_warps=WARPS,
+    )
+    return x, post, comb
+
+
+def hc_pre_triton(streams, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float, launch=None):
+    """hc_pre_reference in two launches (CUDA, or the CPU under TRITON_INTERPRET=1); `launch` overrides the plan."""
+    if fn.shape[0] != (2 + hc) * hc or streams.shape[1] != hc:
+        raise ValueError(f"hc_pre: fn {list(fn.shape)} and streams {list(streams.shape)} do not fit hc = {hc}")
+    return _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, True, launch)
+
+
+def hc_head_triton(streams, fn, scale, base, hc_eps: float, norm_eps: float, launch=None) -> torch.Tensor:
+    """hc_head_reference in two launches."""
+    if fn.shape[0] != streams.shape[1]:
+        raise ValueError(f"hc_head: fn {list(fn.shape)} does not fit streams {list(streams.shape)}")
+    return _collapse_triton(streams, fn, scale, base, 0, hc_eps, norm_eps, False, launch)[0]
+
+
+def hc_post_triton(out, streams, post, comb, block_d: int = CHANNEL_BLOCK) -> torch.Tensor:
+    """hc_post_reference in one launch."""
+    tokens, hc, d = streams.shape
+    if streams.stride(2) != 1 or streams.stride(1) != d or out.stride(-1) != 1 or out.shape != (tokens, d):
+        raise ValueError(f"hc_post: out {list(out.shape)} / streams {list(streams.shape)} layout not supported")
+    post, comb = post.contiguous(), comb.contiguous()
+    new = torch.empty(tokens, hc, d, dtype=streams.dtype, device=streams.device)
+    if tokens:
+        grid = (tokens, triton.cdiv(d, block_d))
+        _expand_kernel[grid](
+            out, out.stride(0), streams, streams.stride(0), post, comb, new, new.stride(0), d, HC=hc, BLOCK_D=block_d
+        )
+    return new
+
+
+def _fused(streams: torch.Tensor) -> bool:
+    hc = streams.shape[1]
+    return streams.is_cuda and hc & (hc - 1) == 0
+
+
+def hc_pre(streams: torch.Tensor, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """streams [T, hc, D] -> (sub-layer input [T, D], post [T, hc], comb [T, hc, hc]); see hc_pre_reference."""
+    if _fused(streams):
+        return hc_pre_triton(streams, fn, scale, base, hc, iters, hc_eps, norm_eps)
+    return hc_pre_reference(streams, fn, scale, base, hc, iters, hc_eps, norm_eps)
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams [T, hc, D] from the sub-layer output [T, D]; see hc_post_reference."""
+    if _fused(streams):
+        return hc_post_triton(out, streams, post, comb)
+    return hc_post_reference(out, streams, post, comb)
+
+
+def hc_head(streams: torch.Tensor, fn, scale, base, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """Final collapse [T, hc, D] -> [T, D]; see hc_head_reference."""
+    if _fused(streams):
+        return hc_head_triton(streams, fn, scale, base, hc_eps, norm_eps)
+    return hc_head_reference(streams, fn, scale, base, hc_eps, norm_eps)

@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from ds4.config import ModelConfig
+from ds4.kernels.hyper_connections import hc_post, hc_pre
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.attention import Attention
 from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.cache import LayerCache
-from ds4.model.hyper_connection import hc_post, hc_pre
 from ds4.model.linear import DEQUANTIZED, Norm, fp32_param
 from ds4.model.moe import MoE
 

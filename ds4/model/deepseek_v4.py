@@ -11,11 +11,11 @@ from torch import nn
 
 from ds4.checkpoint.weights_spec import StoredSpec, stored_tensor_specs
 from ds4.config import ModelConfig
+from ds4.kernels.hyper_connections import hc_head
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.block import Block
 from ds4.model.cache import ModelCache, check_kv_cache_dtype
-from ds4.model.hyper_connection import hc_head
 from ds4.model.linear import CHECKPOINT, DEQUANTIZED, WEIGHT_FORMATS, Linear, Norm, fp32_param
 from ds4.model.mtp import MTPBlock
 
