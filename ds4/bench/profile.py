@@ -38,6 +38,8 @@ _KERNEL_MODULES = (
     ("ds4.kernels.moe", "MoE"),
     ("ds4.kernels.indexer", "indexer"),
     ("ds4.kernels.topk_triton", "top-k"),
+    ("ds4.kernels.hyper_connections", "mHC"),
+    ("ds4.kernels.rmsnorm", "norms"),
 )
 # (module, function it calls by its global name, family).
 _FUNCTIONS = (
