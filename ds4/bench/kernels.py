@@ -1,8 +1,9 @@
-"""`ds4 bench kernels`: top-k and indexer kernels against torch and against the measured rooflines.
+"""`ds4 bench kernels`: top-k, indexer, mHC and RMSNorm kernels against torch and against the measured rooflines.
 
 Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read + written) and the
 fp8 e4m3 GEMM rate of torch._scaled_mm at 8192^3. A kernel's roofline time is its bytes read over the
-copy bandwidth (top-k, decode) or its useful FLOPs over the fp8 rate (prefill logits).
+copy bandwidth (top-k, decode, mHC, RMSNorm) or its useful FLOPs over the fp8 rate (prefill logits).
+mHC and RMSNorm are timed at DeepSeek-V4 Flash shapes against their torch references (the path they replace).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 import triton
 import triton.testing
 
+from ds4.kernels import hyper_connections as mhc
 from ds4.kernels import indexer as ix
+from ds4.kernels import rmsnorm, topk_triton
 from ds4.kernels import topk as tk
-from ds4.kernels import topk_triton
 
 TOPK_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512), (64, 131072, 1024), (128, 32768, 512)]
 ROTATE_BYTES = 256 << 20  # inputs smaller than this are rotated so timings do not come from L2
@@ -241,6 +243,82 @@ def bench_indexer_decode(requests: int, rows_per_request: int, n_keys: int, band
     }
 
 
+MHC_TOKENS = (1, 64, 8192)
+MHC_HC, MHC_HIDDEN, MHC_ITERS = 4, 4096, 20  # DeepSeek-V4 Flash
+
+
+def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, object]]:
+    """(op, bytes it must move, ds4 call, torch reference call) at Flash shapes with bf16 streams."""
+    hc, d, e, dev = MHC_HC, MHC_HIDDEN, 2, g.device
+    mix = (2 + hc) * hc
+    h = torch.randn(tokens, hc, d, device=dev, generator=g).to(torch.bfloat16)
+    out = torch.randn(tokens, d, device=dev, generator=g).to(torch.bfloat16)
+    fn = torch.randn(mix, hc * d, device=dev, generator=g) * (hc * d) ** -0.5
+    head_fn = fn[:hc].contiguous()
+    scale, base = torch.rand(3, device=dev, generator=g) + 0.5, torch.randn(mix, device=dev, generator=g)
+    norm_weight = torch.ones(d, device=dev, dtype=torch.bfloat16)
+    _, post, comb = mhc.hc_pre_reference(h, fn, scale, base, hc, MHC_ITERS, 1e-6, 1e-6)
+    gates = tokens * (hc + hc * hc) * 4
+    streams, one = tokens * hc * d * e, tokens * d * e
+    pre_args = (h, fn, scale, base, hc, MHC_ITERS, 1e-6, 1e-6)
+    head_args = (h, head_fn, scale[:1], base[:hc], 1e-6, 1e-6)
+    return [
+        ("hc_pre", streams + fn.numel() * 4 + one + gates, lambda: mhc.hc_pre(*pre_args),
+         lambda: mhc.hc_pre_reference(*pre_args)),
+        ("hc_post", 2 * streams + one + gates, lambda: mhc.hc_post(out, h, post, comb),
+         lambda: mhc.hc_post_reference(out, h, post, comb)),
+        ("hc_head", streams + head_fn.numel() * 4 + one, lambda: mhc.hc_head(*head_args),
+         lambda: mhc.hc_head_reference(*head_args)),
+        ("rms_norm", 2 * one + d * 2, lambda: rmsnorm.rms_norm(out, norm_weight, 1e-6),
+         lambda: rmsnorm.rms_norm_reference(out, norm_weight, 1e-6)),
+    ]  # fmt: skip
+
+
+def _max_diff(got, want) -> float:
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    return max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
+
+
+def bench_mhc(tokens: int, bandwidth: float, device: str = "cuda") -> list[dict]:
+    """Per op: ds4's kernels and the torch reference, eager and graph-replayed, with inputs and weights rotated
+    so that a call's bytes come from memory, not L2 (a decode step's 43 layers do not fit in it either)."""
+    rows = []
+    first = _mhc_ops(tokens, torch.Generator(device=device).manual_seed(0))
+    for i, (name, moved, _, _) in enumerate(first):
+        sets = [first] + [
+            _mhc_ops(tokens, torch.Generator(device=device).manual_seed(s))
+            for s in range(1, min(64, max(1, ROTATE_BYTES // moved)))
+        ]
+        calls = [ops[i] for ops in sets]
+
+        def ours(calls=calls):
+            for _, _, fn, _ in calls:
+                fn()
+
+        def theirs(calls=calls):
+            for _, _, _, fn in calls:
+                fn()
+
+        n, roof_ms = len(calls), moved / bandwidth * 1e3
+        ds4_ms, ds4_graph_ms = _median_ms(ours) / n, _graph_ms(ours) / n
+        rows.append(
+            {
+                "op": name,
+                "tokens": tokens,
+                "bytes": moved,
+                "torch_ms": _median_ms(theirs) / n,
+                "torch_graph_ms": _graph_ms(theirs) / n,
+                "ds4_ms": ds4_ms,
+                "ds4_graph_ms": ds4_graph_ms,
+                "roofline_ms": roof_ms,
+                "roofline_fraction_graph": roof_ms / ds4_graph_ms,
+                "max_abs_diff": _max_diff(calls[0][2](), calls[0][3]()),
+            }
+        )
+        del sets, calls
+    return rows
+
+
 def compiled_resources(kernels: dict) -> list[dict]:
     """Registers, spills and shared memory of every compiled variant of the given Triton kernels."""
     found = []
@@ -261,11 +339,34 @@ def compiled_resources(kernels: dict) -> list[dict]:
     return found
 
 
-def _print_table(report: dict) -> None:
+def _print_mhc(rows: list[dict]) -> None:
     print(
-        f"\n{report['device']}  copy {report['copy_bandwidth_tbps']:.2f} TB/s  "
-        f"fp8 gemm {report['fp8_gemm_tflops']:.0f} TFLOP/s"
+        f"{'mHC / norm':>10} {'T':>5} {'torch ms':>9} {'t.graph':>9} {'ds4 ms':>9} {'graph':>9} "
+        f"{'x t.graph':>9} {'roof ms':>9} {'roof%g':>6} {'max diff':>9}"
     )
+    for r in rows:
+        print(
+            f"{r['op']:>10} {r['tokens']:>5} {r['torch_ms']:9.4f} {r['torch_graph_ms']:9.4f} {r['ds4_ms']:9.4f} "
+            f"{r['ds4_graph_ms']:9.4f} {r['torch_graph_ms'] / r['ds4_graph_ms']:9.2f} {r['roofline_ms']:9.4f} "
+            f"{100 * r['roofline_fraction_graph']:6.1f} {r['max_abs_diff']:9.2e}"
+        )
+
+
+def _print_table(report: dict) -> None:
+    gemm = f"  fp8 gemm {report['fp8_gemm_tflops']:.0f} TFLOP/s" if "fp8_gemm_tflops" in report else ""
+    print(f"\n{report['device']}  copy {report['copy_bandwidth_tbps']:.2f} TB/s{gemm}")
+    if "topk" in report:
+        _print_topk(report)
+    for case in report.get("topk_sweep", []):
+        print(f"sweep {case['rows']} x {case['cols']}, {case['k']} (knobs: eager / graph ms):")
+        for r in case["runs"]:
+            print(f"   {r['variant']:42} {r['ms']:.4f} / {r['graph_ms']:.4f}{'' if r['exact'] else ' INEXACT'}")
+    _print_indexer(report)
+    if "mhc" in report:
+        _print_mhc(report["mhc"])
+
+
+def _print_topk(report: dict) -> None:
     print("top-k settings:", report["topk_settings"])
     print(
         f"{'top-k rows x cols, k':>26} {'ds4 ms':>8} {'graph':>8} {'torch':>8} {'t.graph':>8} {'x torch':>8} "
@@ -280,10 +381,9 @@ def _print_table(report: dict) -> None:
         )
     for name in ("topk_kernel_us_2048x65536", "topk_kernel_us_64x131072", "topk_kernel_us_1x1048576"):
         print(name, {key[:24]: round(us, 1) for key, us in report[name].items()})
-    for case in report.get("topk_sweep", []):
-        print(f"sweep {case['rows']} x {case['cols']}, {case['k']} (knobs: eager / graph ms):")
-        for r in case["runs"]:
-            print(f"   {r['variant']:42} {r['ms']:.4f} / {r['graph_ms']:.4f}{'' if r['exact'] else ' INEXACT'}")
+
+
+def _print_indexer(report: dict) -> None:
     if "indexer_prefill" in report:
         p = report["indexer_prefill"]
         print(
@@ -306,38 +406,50 @@ def _print_table(report: dict) -> None:
         )
 
 
+GROUPS = ("topk", "indexer", "mhc")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ds4 bench kernels", description=__doc__)
     parser.add_argument("--json", metavar="PATH", help="write the full report here")
-    parser.add_argument("--skip-indexer", action="store_true", help="time only the top-k kernels")
+    parser.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated kernel groups of {GROUPS}")
+    parser.add_argument("--skip-indexer", action="store_true", help="leave out the indexer kernels")
     parser.add_argument("--all-tiles", action="store_true", help="sweep top-k variants and indexer tile shapes")
     args = parser.parse_args(argv)
+    groups = set(args.only.split(","))
+    if not groups <= set(GROUPS):
+        parser.error(f"--only: unknown groups {sorted(groups - set(GROUPS))}; choose from {GROUPS}")
+    if args.skip_indexer:
+        groups.discard("indexer")
     if not torch.cuda.is_available():
         print("ds4 bench kernels needs a CUDA device", file=sys.stderr)
         return 2
     bandwidth = copy_bandwidth()
-    gemm = fp8_gemm_rate()
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "copy_bandwidth_tbps": bandwidth / 1e12,
-        "fp8_gemm_tflops": gemm / 1e12,
-        "topk_settings": dataclasses.asdict(topk_triton.settings_for(torch.device("cuda"))),
     }
-    sections = [("topk", lambda: [bench_topk(r, c, k, bandwidth) for r, c, k in TOPK_CASES])]
-    sections += [
-        (f"topk_kernel_us_{r}x{c}", lambda r=r, c=c: topk_kernel_breakdown(r, c, 512))
-        for r, c in ((2048, 65536), (64, 131072), (1, 1048576))
-    ]
-    if args.all_tiles:
-        sections.append(
-            (
-                "topk_sweep",
-                lambda: [{"rows": r, "cols": c, "k": k, "runs": sweep_topk(r, c, k)} for r, c, k in TOPK_SWEEP_CASES],
+    sections = []
+    if "topk" in groups:
+        report["topk_settings"] = dataclasses.asdict(topk_triton.settings_for(torch.device("cuda")))
+        sections.append(("topk", lambda: [bench_topk(r, c, k, bandwidth) for r, c, k in TOPK_CASES]))
+        sections += [
+            (f"topk_kernel_us_{r}x{c}", lambda r=r, c=c: topk_kernel_breakdown(r, c, 512))
+            for r, c in ((2048, 65536), (64, 131072), (1, 1048576))
+        ]
+        if args.all_tiles:
+            cases = TOPK_SWEEP_CASES
+            sections.append(
+                (
+                    "topk_sweep",
+                    lambda: [{"rows": r, "cols": c, "k": k, "runs": sweep_topk(r, c, k)} for r, c, k in cases],
+                )
             )
-        )
-    if not args.skip_indexer:
+    if "indexer" in groups:
+        gemm = fp8_gemm_rate()
+        report["fp8_gemm_tflops"] = gemm / 1e12
         tiles = PREFILL_TILES if args.all_tiles else PREFILL_TILES[:1]
         sections.append(("indexer_prefill", lambda: bench_indexer_prefill(8192, 65536, gemm, tiles)))
         sections.append(
@@ -346,6 +458,8 @@ def main(argv: list[str]) -> int:
                 lambda: [bench_indexer_decode(64, 2, 65536, bandwidth), bench_indexer_decode(256, 1, 16384, bandwidth)],
             )
         )
+    if "mhc" in groups:
+        sections.append(("mhc", lambda: [row for t in MHC_TOKENS for row in bench_mhc(t, bandwidth)]))
     for name, run in sections:  # each section is printed and saved as it lands, so a timeout keeps the rest
         report[name] = run()
         print(name, json.dumps(report[name]), flush=True)
@@ -353,7 +467,15 @@ def main(argv: list[str]) -> int:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
     report["compiled"] = compiled_resources(
-        {"scan": topk_triton._scan_kernel, "count": topk_triton._count_kernel, "indexer": ix._indexer_logits_kernel}
+        {
+            "scan": topk_triton._scan_kernel,
+            "count": topk_triton._count_kernel,
+            "indexer": ix._indexer_logits_kernel,
+            "mhc projection": mhc._projection_kernel,
+            "mhc collapse": mhc._collapse_kernel,
+            "mhc expand": mhc._expand_kernel,
+            "rms_norm": rmsnorm._rms_norm_kernel,
+        }
     )
     _print_table(report)
     for entry in report["compiled"]:
