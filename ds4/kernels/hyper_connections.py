@@ -34,8 +34,9 @@ from ds4.kernels._device import num_sms, shared_memory_per_block
 PROJECTION_SMALL_T = 16
 PROJECTION_LARGE_T = 64
 PROJECTION_BLOCK_K = 64
-PROJECTION_WAVES = 2
+PROJECTION_WAVES = 1
 PROJECTION_MAX_STAGES = 3
+SPLIT_BLOCK = 32  # partial rows the collapse sums per step
 CHANNEL_BLOCK = 512
 COLLAPSE_WAVES = 4
 WARPS = 4
@@ -122,12 +123,9 @@ def _projection_kernel(
 
 
 @triton.jit
-def _summed_mix(part_ptr, offsets, T, t, splits, MIX_PAD: tl.constexpr):
-    """The projection's partial rows of token t at `offsets`, summed over the splits in order."""
-    total = tl.load(part_ptr + t * MIX_PAD + offsets)
-    for split in range(1, splits):
-        total += tl.load(part_ptr + (split * T + t) * MIX_PAD + offsets)
-    return total
+def _pick(vec, cols, offsets):
+    """vec[offsets] of a small register vector (registers cannot be indexed: one-hot sums)."""
+    return tl.sum(tl.where(cols[None, :] == offsets[:, None], vec[None, :], 0.0), axis=1)
 
 
 @triton.jit(do_not_specialize=["T", "D", "K", "splits", "iters", "chunks", "parts", "h_stride", "x_stride"])
@@ -154,6 +152,7 @@ def _collapse_kernel(
     MIX: tl.constexpr,
     MIX_PAD: tl.constexpr,
     MIXING: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """x[t, chunk] = sum_i pre_i h[t, i, chunk] for the chunks part, part + parts, ...; with MIXING (hc_pre, not
@@ -161,17 +160,24 @@ def _collapse_kernel(
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     i = tl.arange(0, HC)
-    squares = _summed_mix(part_ptr, MIX, T, t, splits, MIX_PAD)
-    norm = 1.0 / tl.sqrt(squares / K + norm_eps)
-    pre_mix = _summed_mix(part_ptr, i, T, t, splits, MIX_PAD) * norm
-    pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
+    cols = tl.arange(0, MIX_PAD)
+    block = tl.arange(0, SPLIT_BLOCK)
+    mix = tl.zeros((MIX_PAD,), tl.float32)
+    for first in range(0, splits, SPLIT_BLOCK):
+        split = first + block
+        rows = (split * T).to(tl.int64) + t
+        mix += tl.sum(
+            tl.load(part_ptr + rows[:, None] * MIX_PAD + cols[None, :], mask=(split < splits)[:, None], other=0.0), 0
+        )
+    norm = 1.0 / tl.sqrt(tl.sum(tl.where(cols == MIX, mix, 0.0)) / K + norm_eps)
+    pre = tl.sigmoid(_pick(mix, cols, i) * norm * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
     if MIXING:
         if part == 0:
-            post_mix = _summed_mix(part_ptr, HC + i, T, t, splits, MIX_PAD) * norm
+            post_mix = _pick(mix, cols, HC + i) * norm
             post = 2.0 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
             tl.store(post_ptr + t * HC + i, post)
             jk = i[:, None] * HC + i[None, :]
-            logits = _summed_mix(part_ptr, 2 * HC + jk, T, t, splits, MIX_PAD) * norm
+            logits = tl.reshape(_pick(mix, cols, 2 * HC + tl.arange(0, HC * HC)), (HC, HC)) * norm
             logits = logits * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + jk)
             e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
             comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
@@ -307,6 +313,7 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         MIX=mix,
         MIX_PAD=mix_pad,
         MIXING=mixing,
+        SPLIT_BLOCK=SPLIT_BLOCK,
         BLOCK_D=launch.block_d,
         num_warps=WARPS,
     )

@@ -39,7 +39,7 @@ def split_plan(mhc, k: int):
     )
 
 
-@pytest.mark.parametrize("hc,d,tokens", [(4, 64, 1), (4, 40, 37), (2, 64, 5)])
+@pytest.mark.parametrize("hc,d,tokens", [(4, 64, 1), (4, 40, 21), (2, 64, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [False, True])
 def test_hc_pre_matches_reference(mhc, hc, d, tokens, dtype, split):
@@ -70,7 +70,7 @@ def test_one_sinkhorn_step_normalises_the_columns_only(mhc):
 @pytest.mark.parametrize("split", [False, True])
 def test_hc_head_matches_reference(mhc, dtype, split):
     g = torch.Generator().manual_seed(11)
-    streams = torch.randn(19, 4, 64, generator=g).to(dtype)
+    streams = torch.randn(9, 4, 64, generator=g).to(dtype)
     fn, scale, base = weights(4, 64, 4, g)
     scale = scale[:1]
     launch = split_plan(mhc, 256) if split else None
