@@ -2,6 +2,10 @@
 
 DeepSeek-V4 rotates consecutive channel pairs (2i, 2i+1) of the last `rope_dim` channels; the leading
 channels are left alone. The inverse rotation (conjugate) undoes it on attention outputs.
+
+On CUDA one launch (torch's path is a dozen elementwise kernels): each program takes a few whole rows (a token's
+heads are consecutive rows), copies the leading channels and rotates the pairs with angles computed in fp32
+as the reference computes them.
 """
 
 from __future__ import annotations
@@ -9,6 +13,11 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
+
+# Chosen settings: elements of a program's tile (rows x the row length rounded up to a power of two).
+ROW_TILE = 4096
 
 
 def rope_inv_freq(
@@ -42,7 +51,9 @@ def _yarn_band(beta_fast: float, beta_slow: float, dim: int, base: float, max_po
     return max(low, 0), min(high, dim - 1)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope_reference(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     """Rotate the last 2 * len(inv_freq) channels of x [T, ..., D] at positions [T]; returns a new tensor."""
     rope_dim = 2 * inv_freq.numel()
     angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
@@ -55,3 +66,84 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     even, odd = rot[..., 0], rot[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
     return torch.cat((x[..., :-rope_dim], rotated.to(x.dtype)), dim=-1)
+
+
+@triton.jit(do_not_specialize=["rows", "heads", "D", "x_stride", "y_stride"])
+def _rope_kernel(
+    x_ptr,
+    x_stride,
+    pos_ptr,
+    freq_ptr,
+    y_ptr,
+    y_stride,
+    rows,
+    heads,
+    D,
+    SIGN: tl.constexpr,
+    HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    r_ok = r < rows
+    x_row = x_ptr + r[:, None] * x_stride
+    y_row = y_ptr + r[:, None] * y_stride
+    lead = D - 2 * HALF
+    for start in range(0, lead, BLOCK_D):
+        d = start + tl.arange(0, BLOCK_D)
+        ok = r_ok[:, None] & (d < lead)[None, :]
+        tl.store(y_row + d[None, :], tl.load(x_row + d[None, :], mask=ok), mask=ok)
+    pair = tl.arange(0, HALF)
+    angle = (
+        tl.load(pos_ptr + r // heads, mask=r_ok, other=0).to(tl.float32)[:, None] * tl.load(freq_ptr + pair)[None, :]
+    )
+    cos, sin = tl.cos(angle), SIGN * tl.sin(angle)
+    even_at = lead + 2 * pair[None, :]
+    ok = r_ok[:, None]
+    even = tl.load(x_row + even_at, mask=ok, other=0.0).to(tl.float32)
+    odd = tl.load(x_row + even_at + 1, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_row + even_at, (even * cos - odd * sin).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_row + even_at + 1, (even * sin + odd * cos).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def apply_rope_triton(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """apply_rope_reference in one launch (CUDA, or the CPU under TRITON_INTERPRET=1); len(inv_freq) must be a
+    power of two (32 and 64 in DeepSeek-V4)."""
+    half, d, tokens = inv_freq.numel(), x.shape[-1], x.shape[0]
+    if half & (half - 1) or 2 * half > d or positions.shape != (tokens,):
+        raise ValueError(
+            f"apply_rope: {half} frequencies, x {list(x.shape)}, positions {list(positions.shape)} do not fit"
+        )
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block_d = triton.next_power_of_2(d)
+        per_program = max(1, ROW_TILE // block_d)
+        _rope_kernel[(triton.cdiv(rows.shape[0], per_program),)](
+            rows,
+            rows.stride(0),
+            positions,
+            inv_freq.to(device=x.device, dtype=torch.float32).contiguous(),
+            y,
+            y.stride(0),
+            rows.shape[0],
+            rows.shape[0] // tokens,
+            d,
+            SIGN=-1.0 if inverse else 1.0,
+            HALF=half,
+            ROWS=per_program,
+            BLOCK_D=block_d,
+        )
+    return y.view(x.shape)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last 2 * len(inv_freq) channels of x [T, ..., D] at positions [T]; returns a new tensor."""
+    half = inv_freq.numel()
+    if x.is_cuda and half & (half - 1) == 0:
+        return apply_rope_triton(x, positions, inv_freq, inverse)
+    return apply_rope_reference(x, positions, inv_freq, inverse)
