@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_hyper_connections_gpu.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_layer_kernels_gpu.py \
   tests/model/test_model_gpu.py 2>&1 | tee "$OUT/mhc_tests.log" | tail -15
 tests=${PIPESTATUS[0]}
 timeout 150 python3 -m ds4.cli bench kernels --only mhc --json "$OUT/mhc_kernels.json" > "$OUT/mhc_bench.log" 2>&1

@@ -1,9 +1,9 @@
-"""`ds4 bench kernels`: top-k, indexer, mHC and RMSNorm kernels against torch and against the measured rooflines.
+"""`ds4 bench kernels`: top-k, indexer, mHC, RMSNorm and RoPE kernels against torch and against the measured rooflines.
 
 Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read + written) and the
 fp8 e4m3 GEMM rate of torch._scaled_mm at 8192^3. A kernel's roofline time is its bytes read over the
-copy bandwidth (top-k, decode, mHC, RMSNorm) or its useful FLOPs over the fp8 rate (prefill logits).
-mHC and RMSNorm are timed at DeepSeek-V4 Flash shapes against their torch references (the path they replace).
+copy bandwidth (top-k, decode, mHC, RMSNorm, RoPE) or its useful FLOPs over the fp8 rate (prefill logits).
+mHC, RMSNorm and RoPE are timed at DeepSeek-V4 Flash shapes against their torch references (the path they replace).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import triton.testing
 
 from ds4.kernels import hyper_connections as mhc
 from ds4.kernels import indexer as ix
-from ds4.kernels import rmsnorm, topk_triton
+from ds4.kernels import rmsnorm, rope, topk_triton
 from ds4.kernels import topk as tk
 
 TOPK_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512), (64, 131072, 1024), (128, 32768, 512)]
@@ -244,11 +244,12 @@ def bench_indexer_decode(requests: int, rows_per_request: int, n_keys: int, band
 
 
 MHC_TOKENS = (1, 64, 8192)
-MHC_HC, MHC_HIDDEN, MHC_ITERS = 4, 4096, 20  # DeepSeek-V4 Flash
+MHC_HC, MHC_HIDDEN, MHC_ITERS, MHC_HEADS, MHC_HEAD_DIM = 4, 4096, 20, 64, 512  # DeepSeek-V4 Flash
 
 
 def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, object]]:
-    """(op, bytes it must move, ds4 call, torch reference call) at Flash shapes with bf16 streams."""
+    """(op, bytes it must move, ds4 call, torch reference call) at Flash shapes with bf16 streams; "rope q" is the
+    rotation of the attention queries [T, heads, head_dim]."""
     hc, d, e, dev = MHC_HC, MHC_HIDDEN, 2, g.device
     mix = (2 + hc) * hc
     h = torch.randn(tokens, hc, d, device=dev, generator=g).to(torch.bfloat16)
@@ -257,6 +258,9 @@ def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, ob
     head_fn = fn[:hc].contiguous()
     scale, base = torch.rand(3, device=dev, generator=g) + 0.5, torch.randn(mix, device=dev, generator=g)
     norm_weight = torch.ones(d, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(tokens, MHC_HEADS, MHC_HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, 1 << 16, (tokens,), device=dev, generator=g)
+    inv_freq = rope.rope_inv_freq(64, 10000.0).to(dev)
     _, post, comb = mhc.hc_pre_reference(h, fn, scale, base, hc, MHC_ITERS, 1e-6, 1e-6)
     gates = tokens * (hc + hc * hc) * 4
     streams, one = tokens * hc * d * e, tokens * d * e
@@ -271,6 +275,8 @@ def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, ob
          lambda: mhc.hc_head_reference(*head_args)),
         ("rms_norm", 2 * one + d * 2, lambda: rmsnorm.rms_norm(out, norm_weight, 1e-6),
          lambda: rmsnorm.rms_norm_reference(out, norm_weight, 1e-6)),
+        ("rope q", 2 * q.numel() * e, lambda: rope.apply_rope(q, positions, inv_freq),
+         lambda: rope.apply_rope_reference(q, positions, inv_freq)),
     ]  # fmt: skip
 
 
@@ -475,6 +481,7 @@ def main(argv: list[str]) -> int:
             "mhc collapse": mhc._collapse_kernel,
             "mhc expand": mhc._expand_kernel,
             "rms_norm": rmsnorm._rms_norm_kernel,
+            "rope": rope._rope_kernel,
         }
     )
     _print_table(report)

@@ -1,5 +1,6 @@
-"""mHC and RMSNorm kernels on the GPU at DeepSeek-V4 Flash shapes (hc 4, hidden 4096) against their torch
-references on the same device, graph replay equal to eager, one compilation over many token counts.
+"""mHC, RMSNorm and RoPE kernels on the GPU at DeepSeek-V4 Flash shapes (hc 4, hidden 4096, 64 heads of 512 with 64
+RoPE dims) against their torch references on the same device, graph replay equal to eager, one compilation over
+many token counts.
 
 Tolerances: the gates and comb to 1e-5 (fp32 sums of 16384 products in another order; measured ~1e-6), the
 bf16 outputs to one bf16 step (an fp32 value that lands near a rounding boundary may round the other way)."""
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from ds4.kernels import hyper_connections as mhc
-from ds4.kernels import rmsnorm
+from ds4.kernels import rmsnorm, rope
 
 pytestmark = pytest.mark.gpu
 
@@ -89,19 +90,27 @@ def test_graph_replay_equals_eager():
 
 
 def test_one_compilation_over_token_counts():
-    kernels = (mhc._projection_kernel, mhc._collapse_kernel, mhc._expand_kernel, rmsnorm._rms_norm_kernel)
+    kernels = (
+        mhc._projection_kernel,
+        mhc._collapse_kernel,
+        mhc._expand_kernel,
+        rmsnorm._rms_norm_kernel,
+        rope._rope_kernel,
+    )
 
     def variants():
         return [sum(len(cache[0]) for cache in kernel.device_caches.values()) for kernel in kernels]
 
     g = torch.Generator(device="cuda").manual_seed(2)
     fn, scale, base = weights((2 + HC) * HC, g)
+    inv_freq = rope.rope_inv_freq(64, 10000.0).cuda()
     before = variants()
     for tokens in list(range(1, 40)) + [63, 65, 127, 1000, 4097]:
         h = streams(tokens, torch.bfloat16, g)
         x, post, comb = mhc.hc_pre(h, fn, scale, base, HC, 20, 1e-6, 1e-6)
         mhc.hc_post(x, h, post, comb)
         rmsnorm.rms_norm(x, None, 1e-6)
+        rope.apply_rope(x, torch.arange(tokens, device="cuda"), inv_freq)
     added = [after - start for after, start in zip(variants(), before)]
     assert added[0] <= 2 and max(added[1:]) <= 1, added  # the projection: a small- and a large-batch token tile
 
@@ -119,3 +128,18 @@ def test_rms_norm_matches_reference(shape, weighted, dtype):
     want = rmsnorm.rms_norm_reference(x, weight, 1e-6)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 512), (64, 64, 512), (8192, 512), (3, 64, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_matches_reference(shape, dtype, inverse):
+    g = torch.Generator(device="cuda").manual_seed(shape[0])
+    x = torch.randn(shape, device="cuda", generator=g).to(dtype)
+    positions = torch.randint(0, 1 << 20, (shape[0],), device="cuda", generator=g)
+    for inv_freq in (rope.rope_inv_freq(64, 10000.0), rope.rope_inv_freq(64, 160000.0, 16.0, 65536)):
+        inv_freq = inv_freq.cuda()
+        got = rope.apply_rope(x, positions, inv_freq, inverse)
+        want = rope.apply_rope_reference(x, positions, inv_freq, inverse)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else BF16_TOL
+        torch.testing.assert_close(got.float(), want.float(), **tol)
