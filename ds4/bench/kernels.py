@@ -1,9 +1,10 @@
-"""`ds4 bench kernels`: top-k, indexer, mHC, RMSNorm and RoPE kernels against torch and against the measured rooflines.
+"""`ds4 bench kernels`: top-k, indexer and layer kernels (mHC, RMSNorm, RoPE, gated pooling) against torch and
+against the measured rooflines.
 
 Ceilings are measured in the same run: device-to-device copy bandwidth (bytes read + written) and the
 fp8 e4m3 GEMM rate of torch._scaled_mm at 8192^3. A kernel's roofline time is its bytes read over the
-copy bandwidth (top-k, decode, mHC, RMSNorm, RoPE) or its useful FLOPs over the fp8 rate (prefill logits).
-mHC, RMSNorm and RoPE are timed at DeepSeek-V4 Flash shapes against their torch references (the path they replace).
+copy bandwidth (top-k, decode, the layer kernels) or its useful FLOPs over the fp8 rate (prefill logits).
+The layer kernels are timed at DeepSeek-V4 Flash shapes against their torch references (the path they replace).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 import triton
 import triton.testing
 
+from ds4.kernels import gated_pool, rmsnorm, rope, topk_triton
 from ds4.kernels import hyper_connections as mhc
 from ds4.kernels import indexer as ix
-from ds4.kernels import rmsnorm, rope, topk_triton
 from ds4.kernels import topk as tk
 
 TOPK_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512), (64, 131072, 1024), (128, 32768, 512)]
@@ -261,6 +262,9 @@ def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, ob
     q = torch.randn(tokens, MHC_HEADS, MHC_HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
     positions = torch.randint(0, 1 << 16, (tokens,), device=dev, generator=g)
     inv_freq = rope.rope_inv_freq(64, 10000.0).to(dev)
+    # CSA's compressor: every token pools its overlapping window of 8 rows (decode), fp32 kv and score of 2 x 512
+    pool_kv, pool_score = torch.randn(2, tokens * 4 + 8, 1024, device=dev, generator=g)
+    pool_rows = torch.randint(0, tokens * 4 + 8, (tokens, 8), device=dev, generator=g)
     _, post, comb = mhc.hc_pre_reference(h, fn, scale, base, hc, MHC_ITERS, 1e-6, 1e-6)
     gates = tokens * (hc + hc * hc) * 4
     streams, one = tokens * hc * d * e, tokens * d * e
@@ -277,6 +281,9 @@ def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, ob
          lambda: rmsnorm.rms_norm_reference(out, norm_weight, 1e-6)),
         ("rope q", 2 * q.numel() * e, lambda: rope.apply_rope(q, positions, inv_freq),
          lambda: rope.apply_rope_reference(q, positions, inv_freq)),
+        ("pool csa", tokens * (8 * 512 * 2 * 4 + 512 * 4 + 8 * 8),
+         lambda: gated_pool.gated_pool(pool_kv, pool_score, pool_rows, True),
+         lambda: gated_pool.gated_pool_reference(pool_kv, pool_score, pool_rows, True)),
     ]  # fmt: skip
 
 
@@ -482,6 +489,7 @@ def main(argv: list[str]) -> int:
             "mhc expand": mhc._expand_kernel,
             "rms_norm": rmsnorm._rms_norm_kernel,
             "rope": rope._rope_kernel,
+            "gated_pool": gated_pool._gated_pool_kernel,
         }
     )
     _print_table(report)

@@ -40,7 +40,8 @@ _KERNEL_MODULES = (
     ("ds4.kernels.topk_triton", "top-k"),
     ("ds4.kernels.hyper_connections", "mHC"),
     ("ds4.kernels.rmsnorm", "norms"),
-    ("ds4.kernels.rope", "attention"),  # most rotations are attention's (q, kv, inverse on o)
+    ("ds4.kernels.rope", "attention"),
+    ("ds4.kernels.gated_pool", "compressor"),  # most rotations are attention's (q, kv, inverse on o)
 )
 # (module, function it calls by its global name, family).
 _FUNCTIONS = (

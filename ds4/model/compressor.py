@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ds4.kernels.gated_pool import gated_pool
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.rope import apply_rope
 from ds4.model.batch import LayerStep
@@ -74,7 +75,7 @@ class Compressor(nn.Module):
             tokens = torch.nonzero(pos % ratio == ratio - 1).flatten()
         index = pos[tokens] // ratio
         rows = self._rows(step, ring_rows, req[tokens], index)
-        entries = self._pool(source_kv[rows], source_score[rows])
+        entries = gated_pool(source_kv, source_score, rows, self.overlap)
         entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
         entries = self.finish(apply_rope(entries, index * ratio, step.inv_freq))
         per_page = entries_per_page(pool)
@@ -112,12 +113,3 @@ class Compressor(nn.Module):
         fresh = batch.num_requests * ring + start + q - ctx
         empty = batch.num_requests * ring + batch.num_tokens
         return torch.where((q >= 0) & (q < end), torch.where(q >= ctx, fresh, held), empty)
-
-    def _pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        """Windows [N, span, width] -> entries [N, head_dim]; with overlap the previous window gives the
-        first half of the channels, this window the second."""
-        if self.overlap:
-            d, r = self.head_dim, self.ratio
-            kv = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), dim=1)
-            score = torch.cat((score[:, :r, :d], score[:, r:, d:]), dim=1)
-        return (kv * score.softmax(dim=1)).sum(dim=1)

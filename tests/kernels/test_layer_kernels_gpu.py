@@ -1,6 +1,6 @@
-"""mHC, RMSNorm and RoPE kernels on the GPU at DeepSeek-V4 Flash shapes (hc 4, hidden 4096, 64 heads of 512 with 64
-RoPE dims) against their torch references on the same device, graph replay equal to eager, one compilation over
-many token counts.
+"""mHC, RMSNorm, RoPE and gated-pooling kernels on the GPU at DeepSeek-V4 Flash shapes (hc 4, hidden 4096, 64
+heads of 512 with 64 RoPE dims, compressor ratios 4 and 128) against their torch references on the same device,
+graph replay equal to eager, one compilation over many token counts.
 
 Tolerances: the gates and comb to 1e-5 (fp32 sums of 16384 products in another order; measured ~1e-6), the
 bf16 outputs to one bf16 step (an fp32 value that lands near a rounding boundary may round the other way)."""
@@ -8,8 +8,8 @@ bf16 outputs to one bf16 step (an fp32 value that lands near a rounding boundary
 import pytest
 import torch
 
+from ds4.kernels import gated_pool, rmsnorm, rope
 from ds4.kernels import hyper_connections as mhc
-from ds4.kernels import rmsnorm, rope
 
 pytestmark = pytest.mark.gpu
 
@@ -96,6 +96,7 @@ def test_one_compilation_over_token_counts():
         mhc._expand_kernel,
         rmsnorm._rms_norm_kernel,
         rope._rope_kernel,
+        gated_pool._gated_pool_kernel,
     )
 
     def variants():
@@ -111,6 +112,8 @@ def test_one_compilation_over_token_counts():
         mhc.hc_post(x, h, post, comb)
         rmsnorm.rms_norm(x, None, 1e-6)
         rope.apply_rope(x, torch.arange(tokens, device="cuda"), inv_freq)
+        rows = torch.randint(0, tokens, (tokens, 8), device="cuda", generator=g)
+        gated_pool.gated_pool(x[:, :1024].float(), x[:, 1024:2048].float(), rows, True)
     added = [after - start for after, start in zip(variants(), before)]
     assert added[0] <= 2 and max(added[1:]) <= 1, added  # the projection: a small- and a large-batch token tile
 
@@ -143,3 +146,21 @@ def test_rope_matches_reference(shape, dtype, inverse):
         want = rope.apply_rope_reference(x, positions, inv_freq, inverse)
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else BF16_TOL
         torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize(
+    "ratio,overlap,head_dim,entries",
+    [(4, True, 512, 1), (4, True, 512, 2048), (4, True, 128, 64), (128, False, 512, 64)],
+)
+def test_gated_pool_matches_reference(ratio, overlap, head_dim, entries):
+    g = torch.Generator(device="cuda").manual_seed(ratio + entries)
+    width, span = (2 if overlap else 1) * head_dim, (2 if overlap else 1) * ratio
+    sources = entries * ratio + 2 * ratio
+    kv = torch.randn(sources, width, device="cuda", generator=g)
+    score = torch.randn(sources, width, device="cuda", generator=g) * 3
+    score[-1] = float("-inf")
+    rows = torch.randint(0, sources, (entries, span), device="cuda", generator=g)
+    rows[0, : span // 2] = sources - 1
+    got = gated_pool.gated_pool(kv, score, rows, overlap)
+    want = gated_pool.gated_pool_reference(kv, score, rows, overlap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
