@@ -238,14 +238,15 @@ class Plan:
 
 def plan(tokens: int, k: int, d: int, mix_pad: int, x_bytes: int, sms: int, smem: int) -> Plan:
     """Tiles from the device: the projection split along K until PROJECTION_WAVES programs per SM run, pipeline
-    stages as many as a program's shared memory (`smem` bytes) holds, and each token's collapse split over its
-    channel blocks until COLLAPSE_WAVES programs per SM run."""
+    stages as many as half a program's shared memory (`smem` bytes) holds, and each token's collapse split over
+    its channel blocks until COLLAPSE_WAVES programs per SM run."""
     block_t = PROJECTION_SMALL_T if tokens <= PROJECTION_SMALL_T else PROJECTION_LARGE_T
     k_blocks = triton.cdiv(k, PROJECTION_BLOCK_K)
     splits = max(1, min(k_blocks, triton.cdiv(PROJECTION_WAVES * sms, triton.cdiv(tokens, block_t))))
     per_split = triton.cdiv(k_blocks, splits)
+    # Loaded tiles in their own dtype; half the shared memory left for the fp32 copies the dot reads.
     stage = PROJECTION_BLOCK_K * (block_t * x_bytes + mix_pad * 4)
-    stages = max(1, min(PROJECTION_MAX_STAGES, smem // stage))
+    stages = max(1, min(PROJECTION_MAX_STAGES, (smem // 2 - PROJECTION_BLOCK_K * (block_t + mix_pad) * 4) // stage))
     chunks = triton.cdiv(d, CHANNEL_BLOCK)
     parts = max(1, min(chunks, triton.cdiv(COLLAPSE_WAVES * sms, tokens)))
     return Plan(block_t, PROJECTION_BLOCK_K, triton.cdiv(k_blocks, per_split), per_split, stages, CHANNEL_BLOCK, parts)
