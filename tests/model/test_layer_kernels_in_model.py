@@ -1,0 +1,55 @@
+"""The model with its layer kernels (mHC, RMSNorm, RoPE, gated pooling) run by the Triton interpreter on the CPU
+gives the logits of their torch references: the kernels fit the model's own calls (shapes, strides, dtypes)."""
+
+from collections import Counter
+
+import pytest
+import torch
+from dsv4_tiny import ds4_model, max_rel_err, official_tensors, run_in_chunks, tiny_config, transformers_model
+
+import ds4.model.attention
+import ds4.model.block
+import ds4.model.compressor
+import ds4.model.deepseek_v4
+import ds4.model.indexer
+from ds4.kernels import gated_pool, hyper_connections, rmsnorm, rope
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="with CUDA the model runs the kernels (model GPU tests)"
+)
+
+KERNELS = [
+    (ds4.model.block, "hc_pre", hyper_connections.hc_pre_triton),
+    (ds4.model.block, "hc_post", hyper_connections.hc_post_triton),
+    (ds4.model.deepseek_v4, "hc_head", hyper_connections.hc_head_triton),
+    (ds4.model.block, "rms_norm", rmsnorm.rms_norm_triton),
+    (ds4.model.attention, "rms_norm", rmsnorm.rms_norm_triton),
+    (ds4.model.compressor, "rms_norm", rmsnorm.rms_norm_triton),
+    (ds4.model.deepseek_v4, "rms_norm", rmsnorm.rms_norm_triton),
+    (ds4.model.attention, "apply_rope", rope.apply_rope_triton),
+    (ds4.model.compressor, "apply_rope", rope.apply_rope_triton),
+    (ds4.model.indexer, "apply_rope", rope.apply_rope_triton),
+    (ds4.model.compressor, "gated_pool", gated_pool.gated_pool_triton),
+]
+
+
+def test_interpreted_layer_kernels_give_the_reference_logits(monkeypatch):
+    cfg = tiny_config("mixed_hca8")  # hc 4; CSA (overlapping windows of 4) and HCA (8) layers
+    model = ds4_model(cfg, official_tensors(transformers_model(cfg)))
+    ids = torch.randint(0, cfg.vocab_size, (14,), generator=torch.Generator().manual_seed(4))
+
+    def run():
+        return run_in_chunks(model, model.new_cache(2, 8, 16), ids, [9, 1, 4], slot=1, table=torch.arange(8).flip(0))
+
+    want = run()
+    calls = Counter()
+    for module, name, kernel in KERNELS:
+
+        def counted(*args, _kernel=kernel, _key=(module.__name__, name), **kwargs):
+            calls[_key] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    got = run()
+    assert len(calls) == len(KERNELS), f"never called: {[k for k in KERNELS if (k[0].__name__, k[1]) not in calls]}"
+    assert max_rel_err(got, want) <= 1e-5
