@@ -26,7 +26,7 @@ if [ "${MHC_MODEL:-0}" = 1 ]; then
 fi
 cat "$OUT/gpu.txt"
 sed -n '/^mHC \/ norm/,$p' "$OUT/mhc_bench.log" | grep -v '^compiled'
-grep '^compiled.*\(mhc\|rms_norm\)' "$OUT/mhc_bench.log"
+grep -E "^compiled.*'(mhc|rms_norm|rope|gated_pool)" "$OUT/mhc_bench.log"
 [ "$bench" = 0 ] || tail -20 "$OUT/mhc_bench.log"
 echo "gpu tests rc=$tests bench rc=$bench model rc=$model"
 exit $(( tests || bench || model ))
