@@ -6,9 +6,10 @@ RoPE channels are rotated back to the query position before the grouped low-rank
 
 A token's window keys come from two places: its request's ring (positions before the step) and the step's
 fresh kv (positions in it); the ring takes the step's tokens afterwards (row position % rows). The same
-code serves a decode_only batch (no host syncs, CUDA-graph capturable); only the widths differ: a decode
-token has one fresh key and sees as many compressed entries as its block table holds, a general step
-gathers up to the longest chunk and the most entries any token sees.
+code serves a decode_only batch (no host syncs, CUDA-graph capturable); only the widths differ: a decode_only
+token gathers its request's tokens_per_request fresh keys (one, or k + 1 verifying drafts; causally masked) and
+as many compressed entries as its block table holds, a general step up to the longest chunk and the most
+entries any token sees.
 """
 
 from __future__ import annotations

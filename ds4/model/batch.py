@@ -27,12 +27,12 @@ class ForwardBatch:
     already hold). `slots` index the fixed per-request state (sliding window, compressor state) and
     `block_tables` the pages of the paged pools (page_size tokens per page, -1 = unused).
 
-    `decode_only` promises one token per request (query_start_loc = 0, 1, ..., R). The model then runs
-    without host syncs, every shape fixed by the tensors' shapes (block_tables' width sets how many
-    compressed entries a token may see), so the step can be captured in a CUDA graph. Such a step
-    trusts the batch: a page a token needs must be in its block table (`validate(page_size)` checks).
-    Padding rows (position 0, a scratch slot, block-table rows of -1) write only to the scratch slot
-    and the pools' scratch page.
+    `decode_only` promises `tokens_per_request` tokens per request (query_start_loc = 0, n, 2n, ..., Rn): one
+    for a plain decode step, k + 1 for a step verifying k drafts. The model then runs without host syncs,
+    every shape fixed by the tensors' shapes (block_tables' width sets how many compressed entries a token
+    may see), so the step can be captured in a CUDA graph. Such a step trusts the batch: a page a token needs
+    must be in its block table (`validate(page_size)` checks). Padding rows (position 0, a scratch slot,
+    block-table rows of -1) write only to the scratch slot and the pools' scratch page.
 
     `snapshots` (not with decode_only; host side) name page ends strictly inside a request's tokens whose
     boundary state the model writes to the cache's snapshot store as it passes them (prefix caching).
@@ -45,6 +45,7 @@ class ForwardBatch:
     slots: torch.Tensor  # [R] int
     block_tables: torch.Tensor  # [R, max_pages] int
     decode_only: bool = False
+    tokens_per_request: int = 1  # with decode_only
     snapshots: tuple[BoundarySnapshot, ...] = ()
 
     @property
@@ -78,8 +79,9 @@ class ForwardBatch:
         offset = torch.arange(t, device=req.device) - self.query_start_loc.long()[req]
         if not torch.equal(self.positions.long(), self.context_lens.long()[req] + offset):
             raise ValueError("ForwardBatch: each request's positions must run context_len, context_len + 1, ...")
-        if self.decode_only and not torch.equal(self.query_start_loc.long().cpu(), torch.arange(r + 1)):
-            raise ValueError("ForwardBatch: decode_only needs exactly one token per request")
+        n = self.tokens_per_request
+        if self.decode_only and not torch.equal(self.query_start_loc.long().cpu(), torch.arange(r + 1) * n):
+            raise ValueError(f"ForwardBatch: decode_only needs exactly {n} token(s) per request")
         if page_size is not None and t:
             page = (self.positions.long() // page_size)[:, None]
             table = self.block_tables.long()[req]
@@ -114,9 +116,9 @@ class StepLayout:
 class LayerStep:
     """One layer's share of a step: the batch, its host-side layout, the layer's cache and RoPE frequencies.
 
-    `layout` None marks a decode_only batch (token r is request r): nothing may then be read back to the host,
-    so the parts that differ (how many compressed entries to gather, which tokens complete a compressor
-    window) take their sizes from the tensors' shapes instead of the layout.
+    `layout` None marks a decode_only batch (token t is request t // tokens_per_request): nothing may then be
+    read back to the host, so the parts that differ (how many compressed entries to gather, which tokens
+    complete a compressor window) take their sizes from the tensors' shapes instead of the layout.
     """
 
     batch: ForwardBatch
@@ -131,13 +133,14 @@ class LayerStep:
     @property
     def longest(self) -> int:
         """The most tokens any request brings to this step."""
-        return 1 if self.layout is None else max(self.layout.counts, default=0)
+        return self.batch.tokens_per_request if self.layout is None else max(self.layout.counts, default=0)
 
     @cached_property
     def token_requests(self) -> torch.Tensor:
         """[T] the request index of each token."""
         if self.layout is None:
-            return torch.arange(self.batch.num_tokens, device=self.batch.positions.device)
+            tokens = torch.arange(self.batch.num_tokens, device=self.batch.positions.device)
+            return tokens // self.batch.tokens_per_request
         return self.layout.token_requests
 
     @cached_property

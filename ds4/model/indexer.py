@@ -105,11 +105,11 @@ class Indexer(nn.Module):
     @staticmethod
     def _groups(step: LayerStep) -> list[tuple[slice, torch.Tensor, int]]:
         """(tokens, their block table rows, tokens a request) in groups of requests with equal token counts, as
-        the scorers take them (a request's tokens share its keys): a decode_only batch is one group of one token
-        a request, a general step one group per request."""
+        the scorers take them (a request's tokens share its keys): a decode_only batch is one group of
+        tokens_per_request tokens a request, a general step one group per request."""
         tables = step.batch.block_tables
         if step.decode_only:
-            return [(slice(None), tables, 1)]
+            return [(slice(None), tables, step.batch.tokens_per_request)]
         layout = step.layout
         return [(layout.token_slice(r), tables[r : r + 1], n) for r, n in enumerate(layout.counts) if n]
 

@@ -36,20 +36,20 @@ def _mtp(model, cache, next_ids, start, hidden, table, decode=False):
     return model.mtp_forward(batch, hidden, cache)
 
 
-def _live_state(model, cache, n, table):
-    """What a request of n cached tokens can still read: window rows of the last `window` positions, compressor
+def _live_state(model, cache, n, table, slot=0):
+    """What a request of n cached tokens in `slot` can still read: window rows of the last `window` positions, compressor
     ring rows of the unfinished window (and the one before, with overlap), entries below n // ratio."""
     cfg, out = model.cfg, []
     for layer in cache.layers:
         rows = layer.window.shape[1]
-        out.append(layer.window[0, torch.arange(max(0, n - cfg.sliding_window), n) % rows])
+        out.append(layer.window[slot, torch.arange(max(0, n - cfg.sliding_window), n) % rows])
         if layer.kind == WINDOW:
             continue
         windows = 2 if layer.kind == CSA else 1  # CSA pools overlapping windows (its indexer too)
         needed = torch.arange(max(0, (n // layer.ratio - windows + 1) * layer.ratio), n)
         for state in (layer.compressor, layer.indexer):
             if state is not None:
-                out += [state.kv[0, needed % state.kv.shape[1]], state.score[0, needed % state.kv.shape[1]]]
+                out += [state.kv[slot, needed % state.kv.shape[1]], state.score[slot, needed % state.kv.shape[1]]]
         entries = torch.arange(n // layer.ratio)
         for pool in (layer.compressed, layer.index_keys):
             if pool is not None:
