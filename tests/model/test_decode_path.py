@@ -235,7 +235,7 @@ def test_validate_checks_what_the_decode_path_trusts():
         torch.tensor([[0, 1]], **i32),
         decode_only=True,
     )
-    with pytest.raises(ValueError, match="one token per request"):
+    with pytest.raises(ValueError, match="exactly 1 token"):
         two_tokens.validate()
     # Position 20 lives on page 1 of 16-token pages, which this table leaves unassigned. (Padding rows have
     # no pages: the check is for the batch an engine builds, before padding.)

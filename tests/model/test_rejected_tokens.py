@@ -37,8 +37,8 @@ def _mtp(model, cache, next_ids, start, hidden, table, decode=False):
 
 
 def _live_state(model, cache, n, table, slot=0):
-    """What a request of n cached tokens in `slot` can still read: window rows of the last `window` positions, compressor
-    ring rows of the unfinished window (and the one before, with overlap), entries below n // ratio."""
+    """What a request of n cached tokens in `slot` can still read: window rows of the last `window` positions,
+    compressor ring rows of the unfinished window (and the one before, with overlap), entries below n // ratio."""
     cfg, out = model.cfg, []
     for layer in cache.layers:
         rows = layer.window.shape[1]

@@ -66,9 +66,7 @@ def test_padded_verify_steps_equal_the_general_path(model, k):
     for step in range(6):
         # Draft counts 0..k (0: a request that does not speculate); the pages hold every real token.
         drafts = [torch.randint(0, cfg.vocab_size, ((step + r) % (k + 1),), generator=gen) for r in range(3)]
-        steps = [
-            (torch.cat((torch.tensor([last[r]]), drafts[r])), context[r], slots[r], tables[r]) for r in range(3)
-        ]
+        steps = [(torch.cat((torch.tensor([last[r]]), drafts[r])), context[r], slots[r], tables[r]) for r in range(3)]
         assert all(c + len(t) <= PAGE * int((table >= 0).sum()) for t, c, _, table in steps)
         expected = model.compute_logits(model(step_batch(steps), caches[0]))
         hidden = model(verify_batch(steps, k, pad_requests=2, scratch_slot=scratch_slot), caches[1])
