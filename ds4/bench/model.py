@@ -338,12 +338,12 @@ def _eager_profile(engine, step, unclaimed: Counter) -> dict:
     """Profile one engine step with the decode graph's batch run eagerly (the same padded decode_only batch)."""
     graphs = engine.runner.graphs
     if graphs is not None:
-        graphs._replay = lambda key: engine.model.forward(graphs.inputs.view(*key), engine.cache)
+        graphs.eager = True
     try:
         return profile_families(engine.model, step, engine.device, unclaimed)
     finally:
         if graphs is not None:
-            del graphs._replay
+            graphs.eager = False
 
 
 def _top(unclaimed: Counter, n: int = 8) -> dict[str, float]:

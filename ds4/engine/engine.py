@@ -111,6 +111,7 @@ class LLMEngine:
         self.allocator = PageAllocator(plan.num_pages, self.config.max_num_seqs, plan.page_size, self.prefix_cache)
         self.scheduler = Scheduler(self.config, self.allocator, self.plan.max_model_len)
         self.sampler = Sampler(eos_token_ids=(model.cfg.eos_token_id,), seed=seed)
+        drafter = MTPDrafter(model, self.cache, k) if k else None
         graphs = None
         if use_graphs:
             batch_size = min(self.config.max_cuda_graph_batch_size, self.config.max_num_seqs)
@@ -121,8 +122,8 @@ class LLMEngine:
                 self.allocator.pages_for(self.plan.max_model_len),
                 padding_slot=self.config.max_num_seqs,
                 device=self.device,
+                drafter=drafter,
             )
-        drafter = MTPDrafter(model, self.cache, k) if k else None
         self.runner = ModelRunner(model, self.cache, self.sampler, self.device, graphs, drafter)
         self.spec_decode = SpecDecodeStats(k) if k else None
         self._spec_logged_at, self._spec_logged_drafts = time.monotonic(), 0

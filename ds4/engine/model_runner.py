@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds4.engine.cuda_graphs import DecodeGraphs
+from ds4.engine.cuda_graphs import DecodeGraphs, GraphKey
 from ds4.engine.prefix_cache import StepSnapshots
 from ds4.engine.sampler import Sampler, TokenLogprobs, compute_logprobs
 from ds4.engine.scheduler import ScheduledChunk
-from ds4.engine.speculative import MTPDrafter, MTPSpan, may_speculate, verify
+from ds4.engine.speculative import MTPDrafter, may_speculate, verify
 from ds4.model.batch import ForwardBatch
 
 
@@ -57,17 +57,18 @@ class ModelRunner:
         self.drafter = drafter
 
     def run(self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None = None) -> list[ChunkResult]:
-        batch = build_batch(chunks, self.device)
+        key = self._graph_key(chunks, snapshots)
+        tokens_per_request = key.tokens_per_request if key is not None else None
+        batch = build_batch(chunks, self.device, tokens_per_request)
+        first_rows = chunk_rows(chunks, tokens_per_request)
         if snapshots is not None:  # prefix caching: resume admitted requests, keep page-end states
             self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots, snapshots.restore_ends)
             batch.snapshots = tuple(snapshots.inner)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)
+        if key is not None:
+            hidden = self.graphs.run(batch, key)
         else:
             hidden = self.model.forward(batch, self.cache)
-        if snapshots is not None:
-            self.cache.save_snapshots(snapshots.save_slots, snapshots.save_snapshots, snapshots.save_ends)
-        sample_rows, prompt_rows = logit_rows(chunks)
+        sample_rows, prompt_rows = logit_rows(chunks, first_rows)
         rows = [r for first, i in sample_rows for r in range(first, first + _num_sample_rows(chunks[i]))]
         num_sample_rows = len(rows)
         rows += [r for r, _, _ in prompt_rows]
@@ -82,8 +83,16 @@ class ModelRunner:
                 for (_, i, _), entry in zip(prompt_rows, entries):
                     results[i].prompt_logprobs.append(entry)
         if self.drafter is not None:
-            self._draft(chunks, batch, hidden, results)
+            self._draft(chunks, batch, hidden, results, first_rows, key)
+        if snapshots is not None:  # after the MTP layer's step too: its window is part of the state kept
+            self.cache.save_snapshots(snapshots.save_slots, snapshots.save_snapshots, snapshots.save_ends)
         return results
+
+    def _graph_key(self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None) -> GraphKey | None:
+        """The CUDA graph this step replays, if any (never for a step that keeps snapshots inside a chunk)."""
+        if self.graphs is None or (snapshots is not None and snapshots.inner):
+            return None
+        return self.graphs.key([c.num_tokens for c in chunks], max(len(c.seq.page_table) for c in chunks))
 
     def _sample(self, chunks, sample_rows, logits: torch.Tensor, results: list[ChunkResult]) -> None:
         """Plain chunks sample one token from their row; chunks with drafts verify them on theirs."""
@@ -113,42 +122,61 @@ class ModelRunner:
                     )
                 row += _num_sample_rows(chunks[i])
 
-    def _draft(self, chunks, batch: ForwardBatch, hidden: torch.Tensor, results: list[ChunkResult]) -> None:
-        """The MTP layer over every chunk's kept positions (the token after each: the known ones, then the
-        chunk's new tokens or, mid-prompt, the next prompt token); drafts where a chunk sampled."""
-        spans, first = [], 0
-        for c, result in zip(chunks, results):
-            known = c.seq.token_ids(c.start + 1, c.start + c.num_known_tokens)
-            after = (
-                result.token_ids
-                if c.samples
-                else c.seq.token_ids(c.start + c.num_known_tokens, c.start + c.num_known_tokens + 1)
-            )
-            spans.append(MTPSpan(first, known + after, c.samples and may_speculate(c.seq.params)))
-            first += c.num_tokens
-        for result, drafts in zip(results, self.drafter.run(batch, hidden, spans)):
-            result.draft_token_ids = drafts
+    def _draft(self, chunks, batch, hidden, results, first_rows: list[int], key: GraphKey | None) -> None:
+        """The MTP layer over every chunk's rows, each fed the token after it (the known ones, then the chunk's
+        new tokens or, mid-prompt, the next prompt token; 0 past them); drafts where a chunk sampled."""
+        next_ids, last_rows, drafting = [0] * batch.num_tokens, [], []
+        for i, (c, result, first) in enumerate(zip(chunks, results, first_rows)):
+            end = c.start + c.num_known_tokens
+            after = result.token_ids if c.samples else c.seq.token_ids(end, end + 1)
+            ids = c.seq.token_ids(c.start + 1, end) + after
+            next_ids[first : first + len(ids)] = ids
+            last_rows.append(first + len(ids) - 1)
+            if c.samples and may_speculate(c.seq.params):
+                drafting.append(i)
+        ids = _to_device(next_ids, torch.long, self.device)
+        if key is not None:
+            drafts = self.graphs.draft(ids, _to_device(last_rows, torch.long, self.device), key).tolist()
+            drafts = [drafts[i] for i in drafting]
+        else:
+            rows = _to_device([last_rows[i] for i in drafting], torch.long, self.device)
+            requests = _to_device(drafting, torch.long, self.device)
+            drafts = self.drafter.run(batch, hidden, ids, rows, requests).tolist()
+        for i, draft in zip(drafting, drafts):
+            results[i].draft_token_ids = draft
 
 
 def _num_sample_rows(chunk: ScheduledChunk) -> int:
     return 1 + len(chunk.draft_token_ids)
 
 
-def build_batch(chunks: list[ScheduledChunk], device: torch.device) -> ForwardBatch:
-    """The flat batch of one step, built on the host and moved to the device in one transfer per field."""
+def chunk_rows(chunks: list[ScheduledChunk], tokens_per_request: int | None = None) -> list[int]:
+    """Each chunk's first row in the step's flat batch (every chunk padded to tokens_per_request tokens, if given)."""
+    rows = [0]
+    for c in chunks[:-1]:
+        rows.append(rows[-1] + (tokens_per_request or c.num_tokens))
+    return rows
+
+
+def build_batch(
+    chunks: list[ScheduledChunk], device: torch.device, tokens_per_request: int | None = None
+) -> ForwardBatch:
+    """The flat batch of one step, built on the host and moved to the device in one transfer per field.
+
+    tokens_per_request (a CUDA-graph step): a decode_only batch, each chunk followed by padding tokens (id 0) at
+    the positions after its own, up to that many tokens."""
     input_ids, positions, starts = [], [], [0]
     for c in chunks:
+        n = tokens_per_request or c.num_tokens
         input_ids += c.seq.token_ids(c.start, c.start + c.num_known_tokens) + c.draft_token_ids
-        positions += range(c.start, c.start + c.num_tokens)
-        starts.append(starts[-1] + c.num_tokens)
+        input_ids += [0] * (n - c.num_tokens)
+        positions += range(c.start, c.start + n)
+        starts.append(starts[-1] + n)
     width = max(len(c.seq.page_table) for c in chunks)
     tables = [c.seq.page_table + [-1] * (width - len(c.seq.page_table)) for c in chunks]
 
     def put(values, dtype=torch.int32) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
-        if device.type == "cuda":
-            return host.pin_memory().to(device, non_blocking=True)
-        return host.to(device)
+        return _to_device(values, dtype, device)
 
     return ForwardBatch(
         input_ids=put(input_ids, torch.long),
@@ -157,10 +185,21 @@ def build_batch(chunks: list[ScheduledChunk], device: torch.device) -> ForwardBa
         context_lens=put([c.start for c in chunks]),
         slots=put([c.seq.slot for c in chunks]),
         block_tables=put(tables),
+        decode_only=tokens_per_request is not None,
+        tokens_per_request=tokens_per_request or 1,
     )
 
 
-def logit_rows(chunks: list[ScheduledChunk]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def logit_rows(
+    chunks: list[ScheduledChunk], first_rows: list[int]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
     """(first row, chunk) pairs to sample from (the last known token's row, then one row per draft), and
     (row, chunk, target token) triples for prompt logprobs.
 
@@ -168,8 +207,7 @@ def logit_rows(chunks: list[ScheduledChunk]) -> tuple[list[tuple[int, int]], lis
     (seq.prompt_logprobs holds one entry per prompt token, None for the first) are not computed again.
     """
     samples, prompts = [], []
-    offset = 0
-    for i, c in enumerate(chunks):
+    for i, (c, offset) in enumerate(zip(chunks, first_rows)):
         seq = c.seq
         if c.samples:
             samples.append((offset + c.num_known_tokens - 1, i))
@@ -177,5 +215,4 @@ def logit_rows(chunks: list[ScheduledChunk]) -> tuple[list[tuple[int, int]], lis
             first = max(c.start, len(seq.prompt_logprobs) - 1)
             last = min(c.start + c.num_known_tokens, seq.num_prompt_tokens - 1)
             prompts += [(offset + p - c.start, i, seq.prompt_token_ids[p + 1]) for p in range(first, last)]
-        offset += c.num_tokens
     return samples, prompts

@@ -4,10 +4,11 @@ One step of a speculating request (ds4.engine.model_runner drives it):
   1. The main model runs the request's last sampled token and its drafts (positions c .. c + k) in one forward.
   2. `verify` keeps the longest prefix of drafts the target accepts and adds one token: the target's own
      choice where the first draft failed, or a bonus token after the last draft when all passed.
-  3. `MTPDrafter.run` runs the MTP layer over the positions the main model kept (position p gets the main
-     model's streams at p and the token at p + 1), then drafts the next k tokens from its last row,
-     feeding its own output streams back in for k > 1.
+  3. `MTPDrafter.run` runs the MTP layer over the step's rows (position p gets the main model's streams at p
+     and the token at p + 1; rows past the kept ones any token), then drafts the next k tokens from the
+     last kept row, feeding its own output streams back in for k > 1.
 Prefill chunks take step 3 too, so the MTP layer's cache always covers the positions the main model's does.
+On CUDA, steps of decodes and verifications replay graphs of both forwards (ds4.engine.cuda_graphs).
 
 Drafts are the MTP layer's argmax, a point mass q. Greedy requests keep a draft while it equals the target's
 argmax, so their output is the output without speculation. Random requests keep draft d with probability
@@ -30,7 +31,7 @@ free pages leave less room.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -150,59 +151,42 @@ class SpecDecodeStats:
         )
 
 
-@dataclass
-class MTPSpan:
-    """One request's part of the MTP step: its rows start at `first_row` of the main batch, one per kept
-    position, and `next_token_ids` holds the token after each kept position."""
-
-    first_row: int
-    next_token_ids: list[int]
-    drafts: bool  # whether to draft from its last row
-
-
 class MTPDrafter:
     """Keeps the MTP layer's cache in step with the main model's and drafts k tokens per request."""
 
     def __init__(self, model, cache, num_speculative_tokens: int):
         self.model, self.cache, self.k = model, cache, num_speculative_tokens
 
-    def run(self, batch: ForwardBatch, hidden: torch.Tensor, spans: list[MTPSpan]) -> list[list[int]]:
-        """Drafts per span ([] where it does not draft). `batch` and `hidden` are the main model's step."""
-        device = hidden.device
-        counts = [len(s.next_token_ids) for s in spans]
-        rows = torch.tensor([s.first_row + i for s, n in zip(spans, counts) for i in range(n)], device=device)
-        starts = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        step = ForwardBatch(
-            input_ids=torch.tensor([t for s in spans for t in s.next_token_ids], dtype=torch.long).to(device),
-            positions=batch.positions[rows],
-            query_start_loc=starts.to(device),
-            context_lens=batch.context_lens,
-            slots=batch.slots,
-            block_tables=batch.block_tables,
-        )
-        streams = self.model.mtp_forward(step, hidden[rows], self.cache)
-        drafting = [r for r, s in enumerate(spans) if s.drafts]
-        if not drafting:
-            return [[] for _ in spans]
-        index = torch.tensor(drafting, device=device)
-        last = starts[1:].to(device).long()[index] - 1
-        streams, positions = streams[last], step.positions[last]
+    def run(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        last_rows: torch.Tensor,
+        requests: torch.Tensor,
+    ) -> torch.Tensor:
+        """[len(requests), k] drafts. `batch` and `hidden` are the main model's step; the MTP layer runs over all
+        of its rows, row p fed next_ids[p], the token after it (on a row past what its request keeps any token:
+        what it writes lies in the cache's spare rows, as a rejected draft's does). Request requests[i] then
+        drafts from its row last_rows[i], the last it keeps. No host sync: capturable for a decode_only batch."""
+        streams = self.model.mtp_forward(replace(batch, input_ids=next_ids), hidden, self.cache)
+        if requests.shape[0] == 0:
+            return torch.empty(0, self.k, dtype=torch.long, device=hidden.device)
+        streams, positions = streams[last_rows], batch.positions[last_rows]
+        slots, tables = batch.slots[requests], batch.block_tables[requests]
+        starts = torch.arange(requests.shape[0] + 1, dtype=torch.int32, device=positions.device)
         tokens = [self.model.compute_mtp_logits(streams).argmax(dim=-1)]
         for j in range(1, self.k):
             # The MTP layer again, one position on, on its own output streams and its last draft.
             step = ForwardBatch(
                 input_ids=tokens[-1],
                 positions=positions + j,
-                query_start_loc=torch.arange(len(drafting) + 1, dtype=torch.int32, device=device),
+                query_start_loc=starts,
                 context_lens=(positions + j).to(torch.int32),
-                slots=batch.slots[index],
-                block_tables=batch.block_tables[index],
+                slots=slots,
+                block_tables=tables,
                 decode_only=True,
             )
             streams = self.model.mtp_forward(step, streams, self.cache)
             tokens.append(self.model.compute_mtp_logits(streams).argmax(dim=-1))
-        drafted = torch.stack(tokens, dim=1).tolist()
-        out: list[list[int]] = [[] for _ in spans]
-        for r, draft in zip(drafting, drafted):
-            out[r] = draft
-        return out
+        return torch.stack(tokens, dim=1)

@@ -1,5 +1,6 @@
 """The engine's CUDA-graph decode path, run eagerly on the CPU: padded decode_only batches through DecodeGraphs'
-static buffers give each request the tokens it gets alone (a plain loop over the model, no engine)."""
+static buffers give each request the tokens it gets alone (a plain loop over the model, no engine), and the
+graph keys a step picks."""
 
 import random
 
@@ -8,23 +9,41 @@ import torch
 from tiny_model import load_tiny_model
 
 from ds4.engine.config import EngineConfig
-from ds4.engine.cuda_graphs import DecodeGraphs
+from ds4.engine.cuda_graphs import DecodeGraphs, GraphKey
 from ds4.engine.engine import LLMEngine
 from ds4.engine.sampling_params import SamplingParams
+from ds4.engine.speculative import MTPDrafter
 from ds4.model.batch import ForwardBatch
 
 PAGE = 16
 
 
 class EagerDecodeGraphs(DecodeGraphs):
-    """DecodeGraphs whose capture and replay are eager runs of the same padded batches."""
+    """DecodeGraphs that run the same padded batches eagerly, recording the graph key of every step."""
 
-    def _capture(self) -> None:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, capture=False, **kwargs)
         self.runs = []
 
-    def _replay(self, key: tuple[int, int]) -> torch.Tensor:
+    def run(self, batch, key):
         self.runs.append(key)
-        return self.model.forward(self.inputs.view(*key), self.cache)
+        return super().run(batch, key)
+
+
+def use_eager_graphs(eng, model, max_batch_size):
+    """Give an engine the CUDA-graph path run eagerly: as the engine does with graphs on, one more cache slot
+    (the scratch slot padding rows write to), and its drafter (with speculative decoding) drafts on that cache."""
+    plan, k = eng.plan, eng.config.num_speculative_tokens
+    cache = model.new_cache(plan.num_slots + 1, plan.num_pages, plan.page_size, plan.num_snapshots, spare=k)
+    eng.cache = eng.runner.cache = cache
+    if eng.runner.drafter is not None:
+        eng.runner.drafter.cache = cache
+    pages = eng.allocator.pages_for(plan.max_model_len)
+    graphs = EagerDecodeGraphs(
+        model, cache, max_batch_size, pages, plan.num_slots, torch.device("cpu"), drafter=eng.runner.drafter
+    )
+    eng.runner.graphs = graphs
+    return graphs
 
 
 @pytest.fixture(scope="module")
@@ -67,18 +86,7 @@ def test_padded_decode_batches_equal_each_request_alone(model):
             kv_cache_memory=1 << 24,
         ),
     )
-    # As the engine does with graphs on: one more cache slot, the scratch slot padding rows write to.
-    cache = model.new_cache(eng.plan.num_slots + 1, eng.plan.num_pages, PAGE, eng.plan.num_snapshots)
-    eng.cache = eng.runner.cache = cache
-    graphs = EagerDecodeGraphs(
-        model,
-        cache,
-        4,
-        eng.allocator.pages_for(eng.plan.max_model_len),
-        padding_slot=eng.plan.num_slots,
-        device=torch.device("cpu"),
-    )
-    eng.runner.graphs = graphs
+    graphs = use_eager_graphs(eng, model, 4)
     assert graphs.sizes == [1, 2, 4] and graphs.page_buckets == [1, 4, 8]
 
     rng = random.Random(3)
@@ -98,5 +106,20 @@ def test_padded_decode_batches_equal_each_request_alone(model):
         assert tokens[f"r{i}"] == alone(model, prompt, lens[i]), f"request r{i}"
     # Decode steps of 5 requests do not fit the largest size (4) and ran unpadded; the others were padded,
     # with block tables widened to a page bucket.
-    sizes, buckets = {s for s, _ in graphs.runs}, {p for _, p in graphs.runs}
+    sizes, buckets = {key.size for key in graphs.runs}, {key.pages for key in graphs.runs}
     assert len(graphs.runs) > 10 and sizes == {1, 2, 4} and buckets == {1, 4, 8}
+    assert {key.tokens_per_request for key in graphs.runs} == {1}
+
+
+def test_a_step_replays_the_smallest_graph_that_holds_it():
+    drafter = MTPDrafter(None, None, 3)  # only its k is read here
+    graphs = DecodeGraphs(None, None, 20, 40, 0, torch.device("cpu"), drafter=drafter, capture=False)
+    assert graphs.sizes == [1, 2, 4, 8, 16, 20] and graphs.page_buckets == [1, 4, 16, 40]
+    assert graphs.keys[0] == GraphKey(4, 20, 40) and len(graphs.keys) == 2 * 6 * 4  # captured largest first
+    assert graphs.key([1, 1, 1], 3) == GraphKey(1, 4, 4)
+    assert graphs.key([1, 4, 2], 5) == GraphKey(4, 4, 16)  # a verification: every request padded to k + 1
+    assert graphs.key([2], 1) == GraphKey(4, 1, 1)
+    assert graphs.key([5], 1) is None  # longer than k + 1 (a prefill chunk): eager
+    assert graphs.key([1] * 21, 1) is None and graphs.key([1], 41) is None
+    plain = DecodeGraphs(None, None, 20, 40, 0, torch.device("cpu"), capture=False)
+    assert plain.key([2], 1) is None and plain.key([1], 1) == GraphKey(1, 1, 1)
