@@ -181,8 +181,8 @@ class DecodeGraphs:
 
     def _draft(self, key: GraphKey) -> torch.Tensor:
         inputs, r = self.inputs, key.size
-        next_ids = inputs.next_ids[: r * key.tokens_per_request]
-        return self.drafter.run(inputs.view(key), self.outputs[key], next_ids, inputs.last_rows[:r], inputs.requests[:r])
+        next_ids, last_rows = inputs.next_ids[: r * key.tokens_per_request], inputs.last_rows[:r]
+        return self.drafter.run(inputs.view(key), self.outputs[key], next_ids, last_rows, inputs.requests[:r])
 
     def _capture(self) -> None:
         """Largest first, so the shared memory pool is sized by the largest graph; the buffers hold padding only."""
