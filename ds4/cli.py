@@ -13,6 +13,7 @@ _BENCHMARKS = {
     "linear": "ds4.bench.linear",
     "model": "ds4.bench.model",
     "moe": "ds4.bench.moe",
+    "mtp": "ds4.bench.mtp",
     "needle": "ds4.bench.needle",
     "prefill": "ds4.bench.prefill",
     "serve": "ds4.bench.serve",
