@@ -38,7 +38,6 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="ds4 bench mtp", description=__doc__.splitlines()[0])
     add_model_args(parser)
-    parser.add_argument("--layers", type=int, default=None, help="keep the first L layers (num_hidden_layers)")
     parser.add_argument("--ks", type=_ints, default=[0, 1, 2, 3], help="draft tokens per step, 0: no speculation")
     parser.add_argument("--batch-sizes", type=_ints, default=[1, 8], help="decode batches, e.g. 1,8")
     parser.add_argument("--context", type=int, default=1024, help="tokens cached per request before decoding")
