@@ -59,7 +59,12 @@ class DecodeInputs:
     """The static input buffers of padded decode batches: a step's requests first, then padding requests."""
 
     def __init__(
-        self, max_batch_size: int, max_pages: int, padding_slot: int, device: torch.device, max_tokens_per_request=1
+        self,
+        max_batch_size: int,
+        max_pages: int,
+        padding_slot: int,
+        device: torch.device,
+        max_tokens_per_request: int = 1,
     ):
         n, self.padding_slot = max_batch_size, padding_slot
         t = n * max_tokens_per_request

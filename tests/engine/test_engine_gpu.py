@@ -80,9 +80,9 @@ def count_replays(eng):
     calls = {"replays": 0}
     run = eng.runner.graphs.run
 
-    def counted(batch):
+    def counted(batch, key):
         calls["replays"] += 1
-        return run(batch)
+        return run(batch, key)
 
     eng.runner.graphs.run = counted
     return calls
@@ -163,7 +163,7 @@ def test_greedy_under_continuous_batching_equals_each_request_alone(model, graph
 def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
     """The decode path runs under sync debug mode "error", and a graph of it (2 real rows, 2 padding rows)
     gives the eager steps' hidden states and caches, step after step."""
-    from ds4.engine.cuda_graphs import DecodeInputs
+    from ds4.engine.cuda_graphs import DecodeInputs, GraphKey
 
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(2, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (37, 20)]
@@ -185,11 +185,12 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
             )
     eager_cache, graph_cache = caches
     inputs = DecodeInputs(4, 6, padding_slot=2, device=torch.device("cuda"))  # tables 4 of 6 columns wide
-    model.forward(inputs.view(4, 4), graph_cache)  # warm-up: padding rows only
+    key = GraphKey(tokens_per_request=1, size=4, pages=4)
+    model.forward(inputs.view(key), graph_cache)  # warm-up: padding rows only
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = model.forward(inputs.view(4, 4), graph_cache)
+        out = model.forward(inputs.view(key), graph_cache)
 
     tokens = [prompts[0][-1], prompts[1][-1]]
     for step in range(20):
@@ -209,7 +210,7 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
             eager = model.forward(batch, eager_cache)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        inputs.load(batch, 4, 4)
+        inputs.load(batch, key)
         graph.replay()
         assert torch.allclose(out[:2], eager, rtol=1e-5, atol=1e-5), f"step {step}"
         tokens = model.compute_logits(eager).argmax(dim=-1).tolist()
