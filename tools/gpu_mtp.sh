@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 20 on one GPU (run from the repo root). Stages, each logged under ${OUT:-out}/mtp, tables printed last:
+# Issue 20 on one GPU (run from the repo root, after `. tools/install_device_wheels.sh` with .whl carried: the engine
+# imports xgrammar, the server fastapi). Stages, each logged under ${OUT:-out}/mtp, tables printed last:
 #  tests  the speculative CPU tests and the GPU ones: graph replay == eager for verify and MTP draft steps
 #         (k = 1, 2, 3), greedy with MTP and graphs == greedy without (tests/engine/test_speculative_gpu.py);
 #  bench  `ds4 bench mtp` on the Flash-shaped dummy model cut to $LAYERS layers: the speculative step time per
 #         k (0 = plain decode, 1, 2, 3) at batch 1 and 8, the tok/s it gives at acceptance lengths 1.5, 2 and
 #         2.5, extrapolated per layer to 43 layers, next to the published figures;
 #  serve  `ds4 serve` on the same model without MTP and with k = 1, 2, 3, each measured by `ds4 bench serve` at
-#         concurrency 1/4/8 (short input and output; needs the server wheels: carry .whl and source
-#         tools/install_device_wheels.sh first); random weights accept ~nothing, so every streamed token is a
+#         concurrency 1/4/8 (short input and output); random weights accept ~nothing, so every streamed token is a
 #         verify step and --acceptance-lengths gives the tok/s those acceptance lengths would give.
 # (`ds4 bench prefill --profile` for issue 20 is in the serve/prefill script of issue 21's work.)
 # STAGES picks them (default "tests bench serve"); LAYERS (20), KS (0,1,2,3), CONTEXT (1024), STEPS (10) and
@@ -22,7 +22,7 @@ summary=()
 
 if [[ $stages == *" tests "* ]]; then
   timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_speculative_gpu.py \
-    tests/engine/test_padded_verify.py tests/model/test_verify_path.py tests/engine/test_speculative.py \
+    tests/engine/test_engine_gpu.py tests/engine/test_padded_verify.py tests/model/test_verify_path.py tests/engine/test_speculative.py \
     tests/model/test_rejected_tokens.py >"$out/tests.log" 2>&1
   summary+=("tests (rc $?): $(tail -1 "$out/tests.log")")
 fi
