@@ -11,13 +11,13 @@
 #         verify step and --acceptance-lengths gives the tok/s those acceptance lengths would give.
 # (`ds4 bench prefill --profile` for issue 20 is in the serve/prefill script of issue 21's work.)
 # STAGES picks them (default "tests bench serve"); LAYERS (20), KS (0,1,2,3), CONTEXT (1024), STEPS (10) and
-# the serve sizes below can be set from the environment.
+# the serve sizes below can be set from the environment; MODEL_ARGS replaces the model flags altogether.
 set -uo pipefail
 out="${OUT:-out}/mtp"
 mkdir -p "$out"
 stages=" ${STAGES:-tests bench serve} "
 layers=${LAYERS:-20}
-model=(--config flash --load-format dummy --layers "$layers")
+read -ra model <<<"${MODEL_ARGS:---config flash --load-format dummy --layers $layers}"
 summary=()
 
 if [[ $stages == *" tests "* ]]; then
@@ -61,7 +61,8 @@ fi
 
 for k in ${SERVE_KS:-0 1 2 3}; do
   [ -f "$out/bench_serve_k$k.txt" ] || continue
-  echo "== ds4 bench serve, k=$k"; tail -8 "$out/bench_serve_k$k.txt"; cat "$out/metrics_k$k.txt" 2>/dev/null
+  echo "== ds4 bench serve, k=$k"; grep -v "^wrote" "$out/bench_serve_k$k.txt" | tail -12
+  grep -E "mean_acceptance|num_drafts_total" "$out/metrics_k$k.txt"
 done
 [ -f "$out/bench_mtp.txt" ] && { echo "== ds4 bench mtp"; cat "$out/bench_mtp.txt"; }
 [ -f "$out/bench_mtp.log" ] && [ ! -s "$out/bench_mtp.txt" ] && tail -20 "$out/bench_mtp.log"
