@@ -162,16 +162,13 @@ def kernel_breakdown(layer: MoE, tokens: int) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
+def _plan(bm, weight_rows, bk, warps, stages):
+    return km.GemmPlan(bm=bm, weight_rows=weight_rows, bk=bk, warps=warps, stages=stages)
+
+
 SWEEP = {
-    "decode": [km.GemmPlan(16, bn, 4, 3) for bn in (32, 64, 128)] + [km.GemmPlan(16, 64, 4, 3, scaled=False)],
-    "prefill": [
-        km.GemmPlan(128, 128, 8, 3),
-        km.GemmPlan(128, 128, 8, 4),
-        km.GemmPlan(128, 64, 4, 3),
-        km.GemmPlan(64, 128, 4, 3),
-        km.GemmPlan(128, 256, 8, 3),
-        km.GemmPlan(128, 128, 8, 3, scaled=False),
-    ],
+    "decode": [_plan(16, 64, 128, 4, 4), _plan(16, 64, 512, 4, 3), _plan(16, 128, 256, 4, 4)],
+    "prefill": [_plan(128, 256, 64, 8, 3), _plan(64, 256, 64, 8, 4), _plan(128, 128, 64, 4, 4)],
 }
 
 
@@ -223,6 +220,14 @@ def main(argv: list[str]) -> int:
             f"{r['routed_graph_ms']:8.4f}  {r['layer_graph_ms']:14.4f}  {r['bytes_roofline_ms']:13.4f}  "
             f"{r['bytes_ratio_graph']:5.2f}  {r['routed_tflops']:7.1f}  {r['flops_fraction_graph']:6.1%}"
         )
+    for tokens, kernels in report["profile"].items():
+        top = ", ".join(f"{name[:40]} {us:.1f}" for name, us in list(kernels.items())[:8])
+        print(f"profile {tokens} tokens (us per layer call): {top}")
+    for tokens, runs in report.get("sweep", {}).items():
+        for run in runs:
+            p = run["plan"]
+            tiles = f"bm {p['bm']} weight rows {p['weight_rows']} bk {p['bk']} warps {p['warps']} stages {p['stages']}"
+            print(f"sweep {tokens:5d} tokens, {tiles}: {run.get('routed_graph_ms', run.get('error'))}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -15,30 +15,34 @@ have fixed shapes and no host sync, so a decode step captured in a CUDA graph ru
 
 The kernels: the (token, slot) pairs are sorted by expert on the device, `searchsorted` gives each expert's
 segment, and one grouped-GEMM kernel runs twice: x -> gate and up -> clamped SwiGLU times the routing
-weight -> h (rows in expert order), then h -> down -> one row per (token, slot). A program owns BM rows of
-one expert and BN weight rows; it finds its expert from the segment bounds (tiles of BM rows, expert after
-expert), so the grid is a bound on the tile count known without reading the routing and surplus programs
-return at once. Weight rows are the MMA's M and tokens its N, so a one-token tile reads each weight once;
-e2m1 codes become bf16 on the way to the MMA (Hopper has no FP4 MMA; e2m1 times a power of two is exact in
-bf16; `tl.dot_scaled` on GPUs, the kernel's own bit arithmetic under the interpreter) and activations are
-quantised as they are loaded.
+weight -> h (rows in expert order), then h -> down -> one row per (token, slot). MXFP4: each GEMM's input is
+act_quant'ed once beforehand by a small kernel that stores the exact values in bf16, so GEMM programs only
+load it. A program owns BM rows of one expert and a tile of weight rows (gate-up: as many gate as up rows,
+one MMA operand); it finds its expert from the segment bounds (tiles of BM rows, expert after expert), so the
+grid is a bound on the tile count known without reading the routing and surplus programs return at once.
+Weight rows are the MMA's M and tokens its N, so a one-token tile reads each weight once. Hopper has no FP4
+MMA: e2m1 codes become bf16 in registers by bit placement and one bf16x2 multiply by the scale a byte
+(exact: e2m1 times a power of two fits bf16), and the bf16 MMA takes them from registers; the K columns of
+a step are read in the order the MMA's threads hold them, the activations stored in that order to match.
+Settings: one table (`_TIERS`), fitted to the device's shared memory (`gemm_plan`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import interpreting, num_sms, shared_memory_per_block
+from ds4.kernels._device import interpreting, shared_memory_per_block
 from ds4.kernels.fp8_linear import act_quant as fp8_act_quant
 
 ACT_GROUP = 128
 MXFP4_GROUP = 32
+MXFP4_MAX_SCALE = 128  # e8m0 byte: the kernels' e2m1 decoding holds weights up to 12 (`_e2m1_tile`)
 
 
 @dataclass(frozen=True)
@@ -154,31 +158,54 @@ def _act_quant_tile(a):
     return q * scale[:, None]
 
 
-@triton.jit
-def _weight_tile(w_ptr, s_ptr, cols, col_ok, k0, K, stride_wn, stride_sn, BK: tl.constexpr, MXFP4: tl.constexpr):
-    """Weight rows `cols`, columns k0 .. k0+BK of one expert, as fp32 [BN, BK]."""
-    if MXFP4:
-        kb = k0 // 2 + tl.arange(0, BK // 2)
-        packed = tl.load(
-            w_ptr + cols[:, None] * stride_wn + kb[None, :], mask=col_ok[:, None] & (kb < K // 2)[None, :], other=0
-        )
-        ks = k0 // 32 + tl.arange(0, BK // 32)
-        sc = tl.load(
-            s_ptr + cols[:, None] * stride_sn + ks[None, :], mask=col_ok[:, None] & (ks < K // 32)[None, :], other=127
-        )
-        codes = tl.join(packed & 15, packed >> 4).reshape(cols.shape[0], BK).to(tl.int32)
-        exponent, mantissa = (codes >> 1) & 3, codes & 1
-        bits = tl.where(exponent == 0, mantissa * 0x3F000000, ((exponent + 126) << 23) | (mantissa << 22))
-        value = (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
-        scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        return (value.reshape(cols.shape[0], BK // 32, 32) * scale[:, :, None]).reshape(cols.shape[0], BK)
-    else:
-        kk = k0 + tl.arange(0, BK)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0)
-        return w.to(tl.float32)
+@triton.jit(do_not_specialize=["rows", "K", "chunk"])
+def _act_quant_kernel(x_ptr, stride_x, out_ptr, stride_out, rows, K, chunk, ROWS: tl.constexpr):
+    """act_quant of ROWS rows x one 128-column group, stored dequantised (e4m3 times a power of two: exact in
+    bf16) in the MMA column order of K steps of `chunk` (`_e2m1_tile`), so the GEMMs load them as they are."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(1) * 128 + tl.arange(0, 128)
+    ok = (r < rows)[:, None] & (c < K)[None, :]
+    a = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
+    q = _act_quant_tile(a.to(tl.float32))
+    step = c % chunk
+    pair = step // 2
+    lane = pair // (chunk // 8)
+    dest = c - step + 2 * (lane + 4 * (pair - lane * (chunk // 8))) + step % 2
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + dest[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
+def _e2m1_tile(packed, scale, BK: tl.constexpr, PTX: tl.constexpr):
+    """uint8 codes [R, BK/2] and e8m0 bytes [R, BK/32] -> bf16 [R, BK], exact, columns in the MMA order.
+
+    A code's low three bits at bf16 bits 6-8 (its sign at 15) read as its value times 2^-126 (code 1, 0.5, is
+    then the subnormal 2^-127), so each byte becomes a pair of bf16 in two multiplies and two masks; times the
+    bf16 2^(s-1) that is the value times 2^(s-127). Valid for scale bytes up to 128 (weights up to 12).
+    Byte c + 4i of the result is byte (BK/8) c + i of the stored row (the MMA column order): each thread of
+    the MMA holds bytes c, c + 4, c + 8, .. of a row (c: its lane mod 4) and so reads them as one run."""
+    rows: tl.constexpr = packed.shape[0]
+    p = packed.to(tl.uint32)
+    pair = ((p * 0x40040) & 0x01C001C0) | ((p * 0x1001000) & 0x80008000)
+    if PTX:  # one bf16x2 multiply a byte (ptxas pairs the compiler's bf16 multiplies with two half swaps each)
+        w = tl.join(pair.to(tl.int16), (pair >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
+        m = ((scale.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        m = tl.broadcast_to(m[:, :, None, None], (rows, BK // 32, 16, 2)).reshape(rows, BK // 2, 2)
+        w = tl.inline_asm_elementwise(
+            "{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $1, $2, z; }",
+            "=r,r,r",
+            [w, m],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=2,
+        )
+    else:  # the interpreter: the same bits as fp32 (its bf16 arithmetic and subnormals are not IEEE)
+        w = tl.join(pair << 16, pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+        m = ((scale.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True)
+        w = w.reshape(rows, BK // 32, 16, 2) * m[:, :, None, None]
+    return w.reshape(rows, 4, BK // 8, 2).permute(0, 2, 1, 3).reshape(rows, BK)
+
+
+@triton.jit(do_not_specialize=["n_experts", "k_slots", "K", "N"])
 def _grouped_gemm_kernel(
     a_ptr,
     stride_a,
@@ -206,16 +233,16 @@ def _grouped_gemm_kernel(
     BK: tl.constexpr,
     MXFP4: tl.constexpr,
     GATED: tl.constexpr,
-    QUANT_ACT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
-    SCALED: tl.constexpr,
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    PTX: tl.constexpr,
 ):
-    """GATED: out[row] = swiglu(gate a[token], up a[token]) * route_w[slot] for the expert-sorted rows (a = x);
-    else out[slot] = down a[row] (a = the first pass's output). Tiles are [BN weight rows, BM rows]."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """GATED: out[row] = swiglu(gate a[token], up a[token]) * route_w[slot] for the expert-sorted rows (a = the
+    activations); else out[slot] = down a[row] (a = the first pass's output). Program (n, m): weight rows
+    n*BN.. (gate-up: BN gate rows then BN up rows, one MMA operand) times rows m*BM.. of one expert."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     ids = tl.arange(0, E_PAD)
     lo = tl.load(bounds_ptr + ids, mask=ids < n_experts, other=0)
     hi = tl.load(bounds_ptr + ids + 1, mask=ids < n_experts, other=0)
@@ -229,50 +256,35 @@ def _grouped_gemm_kernel(
     row_end = tl.sum(tl.where(mine, hi, 0), 0)
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < row_end
-    slot = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    slot = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int32)
     a_rows = (slot // k_slots if GATED else rows).to(tl.int64)
-    cols = pid_n * BN + tl.arange(0, BN)
+    WROWS: tl.constexpr = 2 * BN if GATED else BN
+    r = tl.arange(0, WROWS)
+    cols = pid_n * BN + r % BN
     col_ok = cols < N
-    w_off = expert.to(tl.int64) * stride_we
-    s_off = expert.to(tl.int64) * stride_se
-    acc_gate = tl.zeros((BN, BM), tl.float32)
-    acc_up = tl.zeros((BN, BM), tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0)
-        a = a.to(tl.float32)
-        if QUANT_ACT:
-            a = _act_quant_tile(a)
-        if SCALED:
-            a_t = tl.trans(a.to(tl.bfloat16))
-            kb = k0 // 2 + tl.arange(0, BK // 2)
-            ks = k0 // 32 + tl.arange(0, BK // 32)
-            w_at = cols[:, None] * stride_wn + kb[None, :]
-            s_at = cols[:, None] * stride_sn + ks[None, :]
-            w_ok = col_ok[:, None] & (kb < K // 2)[None, :]
-            s_ok = col_ok[:, None] & (ks < K // 32)[None, :]
-            w = tl.load(gate_ptr + w_off + w_at, mask=w_ok, other=0)
-            sc = tl.load(gate_scale_ptr + s_off + s_at, mask=s_ok, other=127)
-            acc_gate = tl.dot_scaled(w, sc, "e2m1", a_t, None, "bf16", acc_gate)
-            if GATED:
-                w = tl.load(up_ptr + w_off + w_at, mask=w_ok, other=0)
-                sc = tl.load(up_scale_ptr + s_off + s_at, mask=s_ok, other=127)
-                acc_up = tl.dot_scaled(w, sc, "e2m1", a_t, None, "bf16", acc_up)
+    w_base = expert.to(tl.int64) * stride_we + cols * stride_wn
+    w_rows = (tl.where(r < BN, gate_ptr, up_ptr) if GATED else gate_ptr) + w_base
+    WK: tl.constexpr = BK // 2 if MXFP4 else BK
+    a_at = a_ptr + a_rows[None, :] * stride_a + tl.arange(0, BK)[:, None]
+    w_at = w_rows[:, None] + tl.arange(0, WK)[None, :]
+    if MXFP4:
+        s_rows = (tl.where(r < BN, gate_scale_ptr, up_scale_ptr) if GATED else gate_scale_ptr) + (
+            expert.to(tl.int64) * stride_se + cols * stride_sn
+        )
+        s_at = s_rows[:, None] + tl.arange(0, BK // 32)[None, :]
+    acc = tl.zeros((WROWS, BM), tl.float32)
+    for _ in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
+        a = tl.load(a_at, mask=row_ok[None, :], other=0)
+        if MXFP4:
+            w = _e2m1_tile(tl.load(w_at, mask=col_ok[:, None], other=0), tl.load(s_at, mask=col_ok[:, None]), BK, PTX)
+            s_at += BK // 32
         else:
-            a_t = tl.trans(a.to(DOT))
-            w = _weight_tile(
-                gate_ptr + w_off, gate_scale_ptr + s_off, cols, col_ok, k0, K, stride_wn, stride_sn, BK, MXFP4
-            )
-            acc_gate = tl.dot(w.to(DOT), a_t, acc_gate, input_precision=PRECISION)
-            if GATED:
-                w = _weight_tile(
-                    up_ptr + w_off, up_scale_ptr + s_off, cols, col_ok, k0, K, stride_wn, stride_sn, BK, MXFP4
-                )
-                acc_up = tl.dot(w.to(DOT), a_t, acc_up, input_precision=PRECISION)
-    mask = col_ok[:, None] & row_ok[None, :]
+            w = tl.load(w_at, mask=col_ok[:, None], other=0)
+        a_at += BK
+        w_at += WK
+        acc = tl.dot(w.to(DOT), a.to(DOT), acc, input_precision=PRECISION)
     if GATED:
-        gate = acc_gate
-        up = acc_up
+        gate, up = tl.split(acc.reshape(2, BN, BM).permute(1, 2, 0))
         if ROUND_BF16:
             gate = _round_to_bf16(gate)
             up = _round_to_bf16(up)
@@ -283,67 +295,65 @@ def _grouped_gemm_kernel(
         h = h * tl.load(route_w_ptr + slot, mask=row_ok, other=0.0)[None, :]
         if ROUND_BF16:
             h = _round_to_bf16(h)
-        dest = out_ptr + rows.to(tl.int64)[None, :] * stride_out + cols[:, None]
-        tl.store(dest, h.to(out_ptr.dtype.element_ty), mask=mask)
+        out_cols = pid_n * BN + tl.arange(0, BN)
+        dest = out_ptr + rows.to(tl.int64)[None, :] * stride_out + out_cols[:, None]
+        tl.store(dest, h.to(out_ptr.dtype.element_ty), mask=(out_cols < N)[:, None] & row_ok[None, :])
     else:
-        y = acc_gate
+        y = acc
         if ROUND_BF16:
             y = _round_to_bf16(y)
         dest = out_ptr + slot.to(tl.int64)[None, :] * stride_out + cols[:, None]
-        tl.store(dest, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dest, y.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 
 @dataclass(frozen=True)
 class GemmPlan:
-    """Tiles and launch settings of one grouped-GEMM pass. scaled: MXFP4 through tl.dot_scaled (which dequantises
-    e2m1 on the way to the MMA; the interpreter lacks it) rather than the kernel's own dequantisation."""
+    """Tiles and launch settings of one grouped-GEMM pass: bm rows (tokens: the MMA's N) by `weight_rows` (the
+    MMA's M; the gate-up pass takes half of them from gate, half from up) by bk columns a K step."""
 
     bm: int
-    bn: int
+    weight_rows: int
+    bk: int
     warps: int
     stages: int
-    scaled: bool = True
 
 
-# BM: the smallest of these holding the average rows a touched expert gets. BN: the largest of these that
-# still gives every SM two programs (decode: few experts, many column tiles); large tiles when rows are many.
-# Shared memory holds `stages` copies of the loaded operand tiles plus the dequantised weight tiles.
-_ROW_TILES = (16, 32, 64, 128)
-_COL_TILES = (128, 64, 32)
-_PROGRAMS_PER_SM = 2
+# The chosen settings (the sweep lives in `ds4 bench moe`), by the average rows a touched expert gets: row
+# tiles hold them; weight tiles of 64 rows (one warpgroup's MMA) give decode batches a program per 64 rows,
+# enough to fill every SM; prefill tiles decode each weight once for 128 rows.
+_TIERS = (  # (rows per touched expert up to, plan at most stages deep)
+    (16, GemmPlan(bm=16, weight_rows=64, bk=256, warps=4, stages=4)),
+    (32, GemmPlan(bm=32, weight_rows=64, bk=256, warps=4, stages=4)),
+    (64, GemmPlan(bm=64, weight_rows=128, bk=128, warps=4, stages=4)),
+    (None, GemmPlan(bm=128, weight_rows=256, bk=64, warps=8, stages=4)),
+)
 _SHARED_MEMORY_SHARE = 0.9  # of the per-block limit (the rest: barriers, the compiler's own scratch)
-_MAX_STAGES = 4
-_SCALED_MAX_ROWS = 32  # tl.dot_scaled for decode tiles; the kernel's own dequantisation won at 128 rows (H200)
 
 
-def plan_shared_memory(bm: int, bn: int, stages: int, gated: bool, mxfp4: bool, a_bytes: int) -> int:
-    """Bytes of shared memory a plan's operand tiles take: loaded stages plus the bf16 weight tiles."""
-    weights = 2 if gated else 1
-    w_bytes = (ACT_GROUP // 2 + ACT_GROUP // MXFP4_GROUP) if mxfp4 else ACT_GROUP * a_bytes
-    return stages * (bm * ACT_GROUP * a_bytes + weights * bn * w_bytes) + weights * bn * ACT_GROUP * a_bytes
+def plan_shared_memory(plan: GemmPlan, mxfp4: bool, a_bytes: int) -> int:
+    """Bytes of shared memory the pipelined operand tiles of a plan take (`stages` copies)."""
+    w_bytes = plan.bk // 2 + plan.bk // MXFP4_GROUP if mxfp4 else plan.bk * a_bytes
+    return plan.stages * (plan.bm * plan.bk * a_bytes + plan.weight_rows * w_bytes)
 
 
-def gemm_plan(
-    rows: int, n_experts: int, n: int, gated: bool, mxfp4: bool, a_bytes: int, sms: int, shared_memory: int
-) -> GemmPlan:
-    """Tiles for `rows` (token, slot) rows over `n` output columns, from the device's SM count and shared memory."""
-    touched = max(1, min(rows, n_experts))
-    bm = next((b for b in _ROW_TILES if rows / touched <= b), _ROW_TILES[-1])
-    bn = next((b for b in _COL_TILES if touched * triton.cdiv(n, b) >= _PROGRAMS_PER_SM * sms), _COL_TILES[-1])
+def gemm_plan(rows: int, n_experts: int, k: int, mxfp4: bool, a_bytes: int, shared_memory: int) -> GemmPlan:
+    """The plan for `rows` (token, slot) rows over K = k columns, fitted to the device's shared memory: fewer
+    stages, then narrower K steps (down to a K step that divides k)."""
+    per_expert = rows / max(1, min(rows, n_experts))
+    plan = next(p for limit, p in _TIERS if limit is None or per_expert <= limit)
     budget = _SHARED_MEMORY_SHARE * shared_memory
-
-    def stages_that_fit(bm, bn):
-        fixed = plan_shared_memory(bm, bn, 0, gated, mxfp4, a_bytes)
-        per_stage = plan_shared_memory(bm, bn, 1, gated, mxfp4, a_bytes) - fixed
-        return int((budget - fixed) // per_stage)
-
-    while stages_that_fit(bm, bn) < 2 and bm > _ROW_TILES[0]:
-        bm //= 2
-    while stages_that_fit(bm, bn) < 2 and bn > _COL_TILES[-1]:
-        bn //= 2
-    stages = max(1, min(_MAX_STAGES, stages_that_fit(bm, bn)))
-    warps = 8 if bm * bn >= 128 * 128 else 4
-    return GemmPlan(bm, bn, warps, stages, scaled=bm <= _SCALED_MAX_ROWS)
+    min_bk = MXFP4_GROUP if mxfp4 else 16  # a scale group; the MMA's K
+    bk = plan.bk
+    while k % bk and bk > min_bk:
+        bk //= 2
+    if k % bk:
+        raise ValueError(f"routed experts need K ({k}) to be a multiple of {min_bk}")
+    plan = replace(plan, bk=bk)
+    while plan.stages > 2 and plan_shared_memory(plan, mxfp4, a_bytes) > budget:
+        plan = replace(plan, stages=plan.stages - 1)
+    while plan.bk > min_bk and plan_shared_memory(plan, mxfp4, a_bytes) > budget:
+        plan = replace(plan, bk=plan.bk // 2)
+    return plan
 
 
 @functools.cache
@@ -352,13 +362,26 @@ def _expert_ids(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
 
-def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, gated, plan):
+def _act_quant(x: torch.Tensor, rows: int, chunk: int) -> torch.Tensor:
+    """act_quant of x's first `rows` rows, dequantised in bf16, columns in the order of K steps of `chunk`."""
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+    grid = (triton.cdiv(rows, _ACT_QUANT_ROWS), triton.cdiv(x.shape[1], ACT_GROUP))
+    _act_quant_kernel[grid](x, x.stride(0), out, out.stride(0), rows, x.shape[1], chunk, ROWS=_ACT_QUANT_ROWS)
+    return out
+
+
+_ACT_QUANT_ROWS = 16
+
+
+def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan):
+    gated = up is not None
     mxfp4 = scale is not None
     k_dim = w.shape[2] * (2 if mxfp4 else 1)
     n = w.shape[1]
+    bn = plan.weight_rows // 2 if gated else plan.weight_rows
     rows = order.shape[0]
-    dot = tl.float32 if interpreting() or w.dtype == torch.float32 else tl.bfloat16
-    grid = ((rows + min(n_experts, rows) * (plan.bm - 1)) // plan.bm, triton.cdiv(n, plan.bn))
+    dot = tl.float32 if interpreting() or a.dtype == torch.float32 else tl.bfloat16
+    grid = (triton.cdiv(n, bn), (rows + min(n_experts, rows) * (plan.bm - 1)) // plan.bm)
     _grouped_gemm_kernel[grid](
         a,
         a.stride(0),
@@ -382,15 +405,14 @@ def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_expe
         float(limit),
         E_PAD=triton.next_power_of_2(n_experts),
         BM=plan.bm,
-        BN=plan.bn,
-        BK=ACT_GROUP,
+        BN=bn,
+        BK=plan.bk,
         MXFP4=mxfp4,
         GATED=gated,
-        QUANT_ACT=mxfp4,
         ROUND_BF16=out.dtype == torch.bfloat16,
-        SCALED=mxfp4 and plan.scaled and not interpreting(),
         DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32",
+        PTX=not interpreting(),
         num_warps=plan.warps,
         num_stages=plan.stages,
     )
@@ -427,25 +449,26 @@ def routed_experts_triton(
     out_dtype = torch.bfloat16 if experts.mxfp4 else x.dtype
     sorted_experts, order = torch.sort(indices.reshape(-1), stable=True)
     bounds = torch.searchsorted(sorted_experts, _expert_ids(n_experts + 1, x.device), out_int32=True)
-    order = order.to(torch.int32)
-    sms, smem = num_sms(x.device), shared_memory_per_block(x.device)
-    a_bytes = 2 if x.dtype == torch.bfloat16 and not interpreting() else 4
+    smem = shared_memory_per_block(x.device)
+    a_bytes = 2 if experts.mxfp4 or x.dtype == torch.bfloat16 else 4
     plan1, plan2 = plans or (
-        gemm_plan(t * k, n_experts, inter, True, experts.mxfp4, a_bytes, sms, smem),
-        gemm_plan(t * k, n_experts, hidden, False, experts.mxfp4, a_bytes, sms, smem),
+        gemm_plan(t * k, n_experts, hidden, experts.mxfp4, a_bytes, smem),
+        gemm_plan(t * k, n_experts, inter, experts.mxfp4, a_bytes, smem),
     )
     h = torch.empty(t * k, inter, dtype=out_dtype, device=x.device)
     out = torch.empty(t * k, hidden, dtype=out_dtype, device=x.device)
     route_w = weights.reshape(-1).float()
     x = x.contiguous()
+    a = _act_quant(x, t, plan1.bk) if experts.mxfp4 else x
     _grouped_gemm(
-        x, order, bounds, experts.gate, experts.up, experts.gate_scale, experts.up_scale, route_w, h,
-        n_experts, k, limit, True, plan1,
+        a, order, bounds, experts.gate, experts.up, experts.gate_scale, experts.up_scale, route_w, h,
+        n_experts, k, limit, plan1,
     )  # fmt: skip
+    if experts.mxfp4:
+        h = _act_quant(h, t * k, plan2.bk)
     _grouped_gemm(
-        h, order, bounds, experts.down, None, experts.down_scale, None, route_w, out,
-        n_experts, k, limit, False, plan2,
-    )  # fmt: skip
+        h, order, bounds, experts.down, None, experts.down_scale, None, route_w, out, n_experts, k, limit, plan2
+    )
     return out.view(t, k, hidden).sum(dim=1, dtype=torch.float32)
 
 

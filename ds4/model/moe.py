@@ -8,7 +8,7 @@ from torch import nn
 
 from ds4.checkpoint.quant import MXFP4_BLOCK, fp8_block_dequantize, mxfp4_dequantize
 from ds4.config import ModelConfig
-from ds4.kernels.moe import ExpertWeights, routed_experts, swiglu
+from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, routed_experts, swiglu
 from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, kept_fp8_block
 
 
@@ -89,6 +89,8 @@ class Experts(nn.Module):
         if self.format == MXFP4:
             rows = {"w1": slice(0, self.inter), "w3": slice(self.inter, 2 * self.inter), "w2": slice(None)}[projection]
             codes, scales = (self.w2, self.w2_scale) if projection == "w2" else (self.w13, self.w13_scale)
+            if int(scale.view(torch.uint8).max()) > MXFP4_MAX_SCALE:
+                raise ValueError(f"expert {expert} {projection}: MXFP4 scales above 2^{MXFP4_MAX_SCALE - 127}")
             codes[expert, rows].copy_(weight.view(torch.uint8))
             scales[expert, rows].copy_(scale.view(torch.uint8))
             return

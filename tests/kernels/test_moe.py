@@ -156,7 +156,7 @@ def test_interpreted_kernels_split_a_heavy_expert_into_tiles(kernels):
     x = torch.randn(t, d, generator=gen).to(torch.bfloat16)
     indices = torch.stack((torch.full((t,), 2), torch.randint(0, 5, (t,), generator=gen)), dim=1)
     weights = torch.rand(t, k, generator=gen)
-    plan = kernels.GemmPlan(16, 64, 4, 2)
+    plan = kernels.GemmPlan(bm=16, weight_rows=64, bk=64, warps=4, stages=2)
     want = routed_experts_reference(x, weights, indices, experts, 10.0)
     got = kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (plan, plan))
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
@@ -175,13 +175,16 @@ def test_interpreted_kernels_equal_the_reference_dequantized(kernels):
 
 
 def test_plans_follow_the_device():
-    """Decode rows get narrow row tiles and enough column tiles for every SM; the operand tiles fit the
-    device's shared memory, with fewer stages or smaller tiles where it has less."""
-    decode = gemm_plan(6, 256, 2048, True, True, 2, 132, 232448)
-    assert decode.bm == 16 and 6 * 2048 // decode.bn >= 2 * 132
-    big = gemm_plan(49152, 256, 2048, True, True, 2, 132, 232448)
-    small = gemm_plan(49152, 256, 2048, True, True, 2, 188, 101376)
-    assert big.bm == 128 and big.bn == 128 and big.stages >= 2
+    """Decode rows get narrow row tiles, prefill rows wide ones; the pipelined tiles fit the device's shared
+    memory, with fewer stages or narrower K steps where it has less; K steps divide K."""
+    decode = gemm_plan(6, 256, 4096, True, 2, 232448)
+    assert decode.bm == 16 and decode.weight_rows == 64
+    big = gemm_plan(49152, 256, 4096, True, 2, 232448)
+    small = gemm_plan(49152, 256, 4096, True, 2, 101376)
+    assert big.bm == 128 and big.stages >= 3
     for plan, smem in ((big, 232448), (small, 101376)):
-        assert plan_shared_memory(plan.bm, plan.bn, plan.stages, True, True, 2) <= smem
-    assert (small.bm * small.bn, small.stages) < (big.bm * big.bn, big.stages)
+        assert plan_shared_memory(plan, True, 2) <= smem
+    assert plan_shared_memory(small, True, 2) < plan_shared_memory(big, True, 2)
+    dense = gemm_plan(49152, 256, 4096, False, 2, 101376)
+    assert plan_shared_memory(dense, False, 2) <= 101376 and dense.stages >= 2
+    assert 96 % gemm_plan(6, 8, 96, True, 2, 232448).bk == 0
