@@ -15,7 +15,7 @@ tests=$?
 tail -n 25 "$OUT/moe_tests.log"
 timeout "${BENCH_S:-150}" python3 -m ds4.bench.moe --json "$OUT/bench_moe.json" "$@" > "$OUT/bench.log" 2>&1
 bench=$?
-grep -v "^tokens [0-9]*: {" "$OUT/bench.log" | tail -n 30
+tail -n 40 "$OUT/bench.log" | cut -c1-400
 model=0
 if [ "${MODEL_S:-0}" != 0 ]; then
   timeout "$MODEL_S" python3 -m pytest -q --maxfail=4 -m gpu tests/model/test_model_gpu.py tests/engine/test_engine_gpu.py \
