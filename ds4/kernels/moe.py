@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import interpreting, shared_memory_per_block
+from ds4.kernels._device import interpreting, num_sms, shared_memory_per_block
 from ds4.kernels.fp8_linear import act_quant as fp8_act_quant
 
 ACT_GROUP = 128
@@ -158,20 +158,20 @@ def _act_quant_tile(a):
     return q * scale[:, None]
 
 
-@triton.jit(do_not_specialize=["rows", "K", "chunk"])
-def _act_quant_kernel(x_ptr, stride_x, out_ptr, stride_out, rows, K, chunk, ROWS: tl.constexpr):
-    """act_quant of ROWS rows x one 128-column group, stored dequantised (e4m3 times a power of two: exact in
-    bf16) in the MMA column order of K steps of `chunk` (`_e2m1_tile`), so the GEMMs load them as they are."""
+@triton.jit(do_not_specialize=["rows"])
+def _act_quant_kernel(
+    x_ptr, stride_x, out_ptr, stride_out, rows, K, ROWS: tl.constexpr, COLS: tl.constexpr, CHUNK: tl.constexpr
+):
+    """act_quant of ROWS rows x COLS columns (whole 128-groups and K steps of CHUNK), stored dequantised (e4m3
+    times a power of two: exact in bf16) in the MMA column order of each K step (`_e2m1_tile`), so the GEMMs
+    load them as they are."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    c = tl.program_id(1) * 128 + tl.arange(0, 128)
+    c = tl.program_id(1) * COLS + tl.arange(0, COLS)
     ok = (r < rows)[:, None] & (c < K)[None, :]
     a = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
-    q = _act_quant_tile(a.to(tl.float32))
-    step = c % chunk
-    pair = step // 2
-    lane = pair // (chunk // 8)
-    dest = c - step + 2 * (lane + 4 * (pair - lane * (chunk // 8))) + step % 2
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + dest[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
+    q = _act_quant_tile(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
+    q = q.reshape(ROWS, COLS // CHUNK, 4, CHUNK // 8, 2).permute(0, 1, 3, 2, 4).reshape(ROWS, COLS)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + c[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -319,14 +319,17 @@ class GemmPlan:
 
 
 # The chosen settings (the sweep lives in `ds4 bench moe`), by the average rows a touched expert gets: row
-# tiles hold them; weight tiles of 64 rows (one warpgroup's MMA) give decode batches a program per 64 rows,
-# enough to fill every SM; prefill tiles decode each weight once for 128 rows.
+# tiles hold them; decode batches take weight tiles of 128 rows, or of 64 (one warpgroup's MMA) where that
+# leaves fewer than PROGRAMS_PER_SM programs an SM; prefill tiles decode each weight once for up to 256 rows.
 _TIERS = (  # (rows per touched expert up to, plan at most stages deep)
-    (16, GemmPlan(bm=16, weight_rows=64, bk=256, warps=4, stages=4)),
-    (32, GemmPlan(bm=32, weight_rows=64, bk=256, warps=4, stages=4)),
+    (16, GemmPlan(bm=16, weight_rows=128, bk=256, warps=4, stages=4)),
+    (32, GemmPlan(bm=32, weight_rows=128, bk=256, warps=4, stages=4)),
     (64, GemmPlan(bm=64, weight_rows=128, bk=128, warps=4, stages=4)),
-    (None, GemmPlan(bm=128, weight_rows=256, bk=64, warps=8, stages=4)),
+    (128, GemmPlan(bm=128, weight_rows=128, bk=64, warps=4, stages=4)),
+    (None, GemmPlan(bm=256, weight_rows=128, bk=64, warps=8, stages=4)),
 )
+_MIN_WEIGHT_ROWS = 64
+_PROGRAMS_PER_SM = 2
 _SHARED_MEMORY_SHARE = 0.9  # of the per-block limit (the rest: barriers, the compiler's own scratch)
 
 
@@ -336,11 +339,18 @@ def plan_shared_memory(plan: GemmPlan, mxfp4: bool, a_bytes: int) -> int:
     return plan.stages * (plan.bm * plan.bk * a_bytes + plan.weight_rows * w_bytes)
 
 
-def gemm_plan(rows: int, n_experts: int, k: int, mxfp4: bool, a_bytes: int, shared_memory: int) -> GemmPlan:
-    """The plan for `rows` (token, slot) rows over K = k columns, fitted to the device's shared memory: fewer
-    stages, then narrower K steps (down to a K step that divides k)."""
-    per_expert = rows / max(1, min(rows, n_experts))
-    plan = next(p for limit, p in _TIERS if limit is None or per_expert <= limit)
+def gemm_plan(
+    rows: int, n_experts: int, n: int, k: int, gated: bool, mxfp4: bool, a_bytes: int, sms: int, shared_memory: int
+) -> GemmPlan:
+    """The plan for `rows` (token, slot) rows, n output columns (gated: of gate and of up), K = k, from the
+    device's SM count and shared memory: fewer stages, then narrower K steps where it has less."""
+    touched = max(1, min(rows, n_experts))
+    plan = next(p for limit, p in _TIERS if limit is None or rows / touched <= limit)
+    while (
+        plan.weight_rows > _MIN_WEIGHT_ROWS
+        and touched * triton.cdiv(n, plan.weight_rows // (2 if gated else 1)) < _PROGRAMS_PER_SM * sms
+    ):
+        plan = replace(plan, weight_rows=plan.weight_rows // 2)
     budget = _SHARED_MEMORY_SHARE * shared_memory
     min_bk = MXFP4_GROUP if mxfp4 else 16  # a scale group; the MMA's K
     bk = plan.bk
@@ -363,14 +373,18 @@ def _expert_ids(n: int, device: torch.device) -> torch.Tensor:
 
 
 def _act_quant(x: torch.Tensor, rows: int, chunk: int) -> torch.Tensor:
-    """act_quant of x's first `rows` rows, dequantised in bf16, columns in the order of K steps of `chunk`."""
+    """act_quant of x's first `rows` rows, dequantised in bf16, columns in the MMA order of K steps of `chunk`."""
     out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
-    grid = (triton.cdiv(rows, _ACT_QUANT_ROWS), triton.cdiv(x.shape[1], ACT_GROUP))
-    _act_quant_kernel[grid](x, x.stride(0), out, out.stride(0), rows, x.shape[1], chunk, ROWS=_ACT_QUANT_ROWS)
+    cols = max(ACT_GROUP, chunk)
+    block_rows = max(1, _ACT_QUANT_ELEMENTS // cols)
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(x.shape[1], cols))
+    _act_quant_kernel[grid](
+        x, x.stride(0), out, out.stride(0), rows, x.shape[1], ROWS=block_rows, COLS=cols, CHUNK=chunk, num_warps=4
+    )
     return out
 
 
-_ACT_QUANT_ROWS = 16
+_ACT_QUANT_ELEMENTS = 2048  # a program's tile
 
 
 def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan):
@@ -449,11 +463,11 @@ def routed_experts_triton(
     out_dtype = torch.bfloat16 if experts.mxfp4 else x.dtype
     sorted_experts, order = torch.sort(indices.reshape(-1), stable=True)
     bounds = torch.searchsorted(sorted_experts, _expert_ids(n_experts + 1, x.device), out_int32=True)
-    smem = shared_memory_per_block(x.device)
+    sms, smem = num_sms(x.device), shared_memory_per_block(x.device)
     a_bytes = 2 if experts.mxfp4 or x.dtype == torch.bfloat16 else 4
     plan1, plan2 = plans or (
-        gemm_plan(t * k, n_experts, hidden, experts.mxfp4, a_bytes, smem),
-        gemm_plan(t * k, n_experts, inter, experts.mxfp4, a_bytes, smem),
+        gemm_plan(t * k, n_experts, inter, hidden, True, experts.mxfp4, a_bytes, sms, smem),
+        gemm_plan(t * k, n_experts, hidden, inter, False, experts.mxfp4, a_bytes, sms, smem),
     )
     h = torch.empty(t * k, inter, dtype=out_dtype, device=x.device)
     out = torch.empty(t * k, hidden, dtype=out_dtype, device=x.device)

@@ -175,16 +175,19 @@ def test_interpreted_kernels_equal_the_reference_dequantized(kernels):
 
 
 def test_plans_follow_the_device():
-    """Decode rows get narrow row tiles, prefill rows wide ones; the pipelined tiles fit the device's shared
-    memory, with fewer stages or narrower K steps where it has less; K steps divide K."""
-    decode = gemm_plan(6, 256, 4096, True, 2, 232448)
-    assert decode.bm == 16 and decode.weight_rows == 64
-    big = gemm_plan(49152, 256, 4096, True, 2, 232448)
-    small = gemm_plan(49152, 256, 4096, True, 2, 101376)
-    assert big.bm == 128 and big.stages >= 3
+    """Decode rows get narrow row tiles and weight tiles small enough for two programs an SM; prefill rows wide
+    row tiles; the pipelined tiles fit the device's shared memory, with fewer stages or narrower K steps
+    where it has less; K steps divide K."""
+    one_token = gemm_plan(6, 256, 2048, 4096, True, True, 2, 132, 232448)
+    assert one_token.bm == 16 and 6 * 2048 // (one_token.weight_rows // 2) >= 2 * 132
+    batch = gemm_plan(384, 256, 2048, 4096, True, True, 2, 132, 232448)
+    assert batch.bm == 16 and batch.weight_rows > one_token.weight_rows
+    big = gemm_plan(49152, 256, 2048, 4096, True, True, 2, 132, 232448)
+    small = gemm_plan(49152, 256, 2048, 4096, True, True, 2, 188, 101376)
+    assert big.bm == 256 and big.stages >= 3
     for plan, smem in ((big, 232448), (small, 101376)):
         assert plan_shared_memory(plan, True, 2) <= smem
     assert plan_shared_memory(small, True, 2) < plan_shared_memory(big, True, 2)
-    dense = gemm_plan(49152, 256, 4096, False, 2, 101376)
+    dense = gemm_plan(49152, 256, 2048, 4096, True, False, 2, 188, 101376)
     assert plan_shared_memory(dense, False, 2) <= 101376 and dense.stages >= 2
-    assert 96 % gemm_plan(6, 8, 96, True, 2, 232448).bk == 0
+    assert 96 % gemm_plan(6, 8, 64, 96, False, True, 2, 132, 232448).bk == 0
