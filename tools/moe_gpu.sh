@@ -18,7 +18,7 @@ bench=$?
 tail -n 40 "$OUT/bench.log" | cut -c1-400
 model=0
 if [ "${MODEL_S:-0}" != 0 ]; then
-  timeout "$MODEL_S" python3 -m pytest -q --maxfail=4 -m gpu tests/model/test_model_gpu.py tests/engine/test_engine_gpu.py \
+  timeout "$MODEL_S" python3 -m pytest -q --maxfail=4 -m gpu ${MODEL_TESTS:-tests/model/test_model_gpu.py tests/engine/test_engine_gpu.py} \
     > "$OUT/model_tests.log" 2>&1
   model=$?
   tail -n 20 "$OUT/model_tests.log"

@@ -167,8 +167,8 @@ def _plan(bm, weight_rows, bk, warps, stages):
 
 
 SWEEP = {
-    "decode": [_plan(16, 64, 256, 4, 4), _plan(16, 128, 256, 4, 4), _plan(16, 128, 256, 4, 3)],
-    "prefill": [_plan(128, 128, 64, 4, 4), _plan(256, 128, 64, 8, 3), _plan(256, 64, 64, 4, 3)],
+    "decode": [_plan(16, 64, 256, 4, 4), _plan(16, 128, 256, 4, 4), _plan(16, 64, 256, 4, 3)],
+    "prefill": [_plan(256, 128, 128, 8, 3), _plan(128, 128, 64, 4, 4)],
 }
 
 

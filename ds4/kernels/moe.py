@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import interpreting, num_sms, shared_memory_per_block
+from ds4.kernels._device import interpreting, launches_dependents_early, num_sms, shared_memory_per_block
 from ds4.kernels.fp8_linear import act_quant as fp8_act_quant
 
 ACT_GROUP = 128
@@ -160,14 +160,27 @@ def _act_quant_tile(a):
 
 @triton.jit(do_not_specialize=["rows"])
 def _act_quant_kernel(
-    x_ptr, stride_x, out_ptr, stride_out, rows, K, ROWS: tl.constexpr, COLS: tl.constexpr, CHUNK: tl.constexpr
+    x_ptr,
+    stride_x,
+    out_ptr,
+    stride_out,
+    rows,
+    K,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """act_quant of ROWS rows x COLS columns (whole 128-groups and K steps of CHUNK), stored dequantised (e4m3
     times a power of two: exact in bf16) in the MMA column order of each K step (`_e2m1_tile`), so the GEMMs
-    load them as they are."""
+    load them as they are. PDL: launched early; x is read after the launch before this one ends."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1) * COLS + tl.arange(0, COLS)
     ok = (r < rows)[:, None] & (c < K)[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     a = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
     q = _act_quant_tile(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
     q = q.reshape(ROWS, COLS // CHUNK, 4, CHUNK // 8, 2).permute(0, 1, 3, 2, 4).reshape(ROWS, COLS)
@@ -237,10 +250,15 @@ def _grouped_gemm_kernel(
     DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     PTX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """GATED: out[row] = swiglu(gate a[token], up a[token]) * route_w[slot] for the expert-sorted rows (a = the
     activations); else out[slot] = down a[row] (a = the first pass's output). Program (n, m): weight rows
-    n*BN.. (gate-up: BN gate rows then BN up rows, one MMA operand) times rows m*BM.. of one expert."""
+    n*BN.. (gate-up: BN gate rows then BN up rows, one MMA operand) times rows m*BM.. of one expert.
+    PDL: launched early; the routing (from launches before the previous one) is read at once, `a` after the
+    previous launch ends."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     ids = tl.arange(0, E_PAD)
@@ -273,6 +291,8 @@ def _grouped_gemm_kernel(
         )
         s_at = s_rows[:, None] + tl.arange(0, BK // 32)[None, :]
     acc = tl.zeros((WROWS, BM), tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for _ in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
         a = tl.load(a_at, mask=row_ok[None, :], other=0)
         if MXFP4:
@@ -378,9 +398,11 @@ def _act_quant(x: torch.Tensor, rows: int, chunk: int) -> torch.Tensor:
     cols = max(ACT_GROUP, chunk)
     block_rows = max(1, _ACT_QUANT_ELEMENTS // cols)
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(x.shape[1], cols))
+    pdl = launches_dependents_early(x.device)
     _act_quant_kernel[grid](
-        x, x.stride(0), out, out.stride(0), rows, x.shape[1], ROWS=block_rows, COLS=cols, CHUNK=chunk, num_warps=4
-    )
+        x, x.stride(0), out, out.stride(0), rows, x.shape[1], ROWS=block_rows, COLS=cols, CHUNK=chunk, PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
     return out
 
 
@@ -427,8 +449,10 @@ def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_expe
         DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32",
         PTX=not interpreting(),
+        PDL=launches_dependents_early(a.device),
         num_warps=plan.warps,
         num_stages=plan.stages,
+        launch_pdl=launches_dependents_early(a.device),
     )
 
 
