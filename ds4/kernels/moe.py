@@ -159,7 +159,7 @@ def _act_quant_tile(a):
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _act_quant_kernel(
+def _expert_act_quant_kernel(
     x_ptr,
     stride_x,
     out_ptr,
@@ -189,7 +189,8 @@ def _act_quant_kernel(
 
 @triton.jit
 def _e2m1_tile(packed, scale, BK: tl.constexpr, PTX: tl.constexpr):
-    """uint8 codes [R, BK/2] and e8m0 bytes [R, BK/32] -> bf16 [R, BK], exact, columns in the MMA order.
+    """uint8 codes [R, BK/2] and e8m0 bytes [R, BK/32] -> bf16 [R, BK] (fp32 under the interpreter, PTX
+    False), exact, columns in the MMA order.
 
     A code's low three bits at bf16 bits 6-8 (its sign at 15) read as its value times 2^-126 (code 1, 0.5, is
     then the subnormal 2^-127), so each byte becomes a pair of bf16 in two multiplies and two masks; times the
@@ -340,7 +341,7 @@ class GemmPlan:
 
 # The chosen settings (the sweep lives in `ds4 bench moe`), by the average rows a touched expert gets: row
 # tiles hold them; decode batches take weight tiles of 128 rows, or of 64 (one warpgroup's MMA) where that
-# leaves fewer than PROGRAMS_PER_SM programs an SM; prefill tiles decode each weight once for up to 256 rows.
+# leaves fewer than _PROGRAMS_PER_SM programs an SM; prefill tiles decode each weight once for up to 256 rows.
 _TIERS = (  # (rows per touched expert up to, plan at most stages deep)
     (16, GemmPlan(bm=16, weight_rows=128, bk=256, warps=4, stages=4)),
     (32, GemmPlan(bm=32, weight_rows=128, bk=256, warps=4, stages=4)),
@@ -351,6 +352,7 @@ _TIERS = (  # (rows per touched expert up to, plan at most stages deep)
 _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2
 _SHARED_MEMORY_SHARE = 0.9  # of the per-block limit (the rest: barriers, the compiler's own scratch)
+_ACT_QUANT_ELEMENTS = 2048  # an act_quant program's tile
 
 
 def plan_shared_memory(plan: GemmPlan, mxfp4: bool, a_bytes: int) -> int:
@@ -399,14 +401,11 @@ def _act_quant(x: torch.Tensor, rows: int, chunk: int) -> torch.Tensor:
     block_rows = max(1, _ACT_QUANT_ELEMENTS // cols)
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(x.shape[1], cols))
     pdl = launches_dependents_early(x.device)
-    _act_quant_kernel[grid](
+    _expert_act_quant_kernel[grid](
         x, x.stride(0), out, out.stride(0), rows, x.shape[1], ROWS=block_rows, COLS=cols, CHUNK=chunk, PDL=pdl,
         num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out
-
-
-_ACT_QUANT_ELEMENTS = 2048  # a program's tile
 
 
 def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan):
