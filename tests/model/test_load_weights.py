@@ -138,3 +138,15 @@ def test_errors_name_missing_duplicated_unexpected_and_misshapen_tensors(tiny):
         model.load_weights({**main, name: main[name].to(torch.bfloat16)})
     with pytest.raises(ValueError, match="wrong shapes or dtypes: layers.1.attn.wq_b.scale: shape"):
         model.load_weights({**main, scale: main[scale][:1]})
+
+
+def test_mxfp4_scales_beyond_the_kernels_range_fail_at_load(tiny):
+    """The GPU kernels decode MXFP4 weights up to 12 in magnitude (scale bytes up to 128): larger scales are
+    refused when the expert is loaded, not decoded wrongly later."""
+    cfg, state = tiny
+    model = DeepseekV4Model(cfg, torch.float32, "cpu", weight_format="checkpoint")
+    name = "layers.2.ffn.experts.5.w2"
+    scale = state[f"{name}.scale"].view(torch.uint8).clone()
+    scale[0, 0] = 129
+    with pytest.raises(ValueError, match="MXFP4 scales above"):
+        model.layers[2].ffn.experts.load(5, "w2", state[f"{name}.weight"], scale.view(torch.float8_e8m0fnu), None)
