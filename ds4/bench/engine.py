@@ -1,0 +1,240 @@
+"""`ds4 bench engine`: the engine's own time per decode step, next to the model's time in the same steps.
+
+R requests (each of `--batch-sizes`, default 64) of `--input-len` random prompt tokens are prefilled, then
+decode together (greedy, or `--temperature`; EOS ignored) through `LLMEngine.step`; the batch shrinks by
+aborting requests, largest first. Per batch size, medians over `--steps` steps:
+  - step ms: one `LLMEngine.step` (schedule, batch upload, forward or CUDA-graph replay, logits, sampling,
+    detokenisation and stop checks); it returns with the step's tokens on the host.
+  - model ms: the model's forward (graph replay) and logits within those same steps, timed on the device by
+    CUDA events around them (wall time on CPU): the ceiling, a step can be no faster.
+  - host ms: the same steps with the forward and logits replaced by stubs that return ready tensors (logits
+    over a 256-token vocabulary, so the sampler's device work is ~0 too): the engine's own work per step.
+  - exposed ms = step - model: what the engine adds to the model's time. Host work that overlaps the
+    device's work costs nothing here; with none overlapped, exposed ~ host.
+`--cprofile N` prints the N functions with the most own time in the host-only steps (stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import platform
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ds4.bench.throughput import _commit, _device_name
+
+STUB_VOCAB = 256
+
+
+def main(argv: list[str]) -> int:
+    from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args, model_flags_from_args
+
+    parser = argparse.ArgumentParser(prog="ds4 bench engine", description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--batch-sizes", type=_ints, default=[64], help="running requests per step, e.g. 1,64")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (and mode)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N costliest host functions")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    if min(args.batch_sizes) < 1 or args.input_len < 1 or args.steps < 1:
+        parser.error("--batch-sizes, --input-len and --steps must be positive")
+    result = run(args, model_flags_from_args(args), engine_flags_from_args(args))
+    print(table(result))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict:
+    from ds4.engine.engine import LLMEngine
+    from ds4.engine.sampling_params import SamplingParams
+
+    batches = sorted(set(args.batch_sizes), reverse=True)
+    # Every request decodes through the prefill of the others, then through each batch size's steps in both modes.
+    max_tokens = batches[0] + len(batches) * (2 * args.steps + 8) + 16
+    engine_flags = dict(
+        engine_flags,
+        max_num_seqs=batches[0],
+        max_num_partial_prefills=batches[0],
+        max_num_batched_tokens=max(engine_flags["max_num_batched_tokens"], batches[0]),
+        max_model_len=engine_flags["max_model_len"] or args.input_len + max_tokens + 1,
+    )
+    engine = LLMEngine.from_pretrained(args.model, seed=args.seed, **model_flags, **engine_flags)
+    rng = random.Random(args.seed)
+    vocab = engine.model.cfg.vocab_size
+    params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"bench-{i}" for i in range(batches[0])]
+    for request_id in ids:
+        engine.add_request(request_id, [rng.randrange(2, vocab) for _ in range(args.input_len)], params)
+    while any(not engine.requests[i].output_token_ids for i in ids):
+        _step(engine)
+    timer = _ModelTimer(engine)
+    rows = []
+    for batch in batches:
+        for request_id in ids[batch:]:
+            engine.abort(request_id)
+        ids = ids[:batch]
+        for _ in range(3):  # warm-up (and the aborted requests leave)
+            _step(engine)
+        step_ms, model_ms = [], []
+        for _ in range(args.steps):
+            step_ms.append(_timed_step(engine))
+            model_ms.append(timer.elapsed_ms())
+        with _stubbed(engine):
+            _step(engine)
+            host_ms = [_timed_step(engine) for _ in range(args.steps)]
+            if args.cprofile and batch == batches[0]:
+                _print_profile(engine, args.steps, args.cprofile)
+        if any(i not in engine.requests for i in ids):
+            raise SystemExit(f"batch {batch}: a request finished early (max_tokens {max_tokens} too small)")
+        step, model, host = _median(step_ms), _median(model_ms), _median(host_ms)
+        rows.append({"batch": batch, "step_ms": step, "model_ms": model, "host_ms": host, "exposed_ms": step - model})
+    return {
+        "benchmark": "engine",
+        "rows": sorted(rows, key=lambda r: r["batch"]),
+        "input_len": args.input_len,
+        "steps": args.steps,
+        "temperature": args.temperature,
+        "cuda_graphs": engine.runner.graphs is not None,
+        "prefix_caching": engine.prefix_cache is not None,
+        "detokenizing": engine.tokenizer is not None,
+        "engine": engine_flags,
+        "model": str(args.model or "tiny (built-in)"),
+        "device": _device_name(engine.device),
+        "dtype": str(engine.model.dtype),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": _commit(),
+    }
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"engine decode step, {result['model']} on {result['device']}, input {result['input_len']} tokens, "
+        f"temperature {result['temperature']}, CUDA graphs {result['cuda_graphs']}, "
+        f"prefix caching {result['prefix_caching']}, detokenizing {result['detokenizing']}; "
+        f"medians of {result['steps']} steps",
+        "batch | step ms | model ms | exposed ms (step - model) | host ms (model stubbed)",
+        "---|---|---|---|---",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['batch']} | {r['step_ms']:.3f} | {r['model_ms']:.3f} | {r['exposed_ms']:.3f} | {r['host_ms']:.3f}"
+        )
+    return "\n".join(lines)
+
+
+def _step(engine) -> list:
+    outputs = engine.step()
+    for out in outputs:
+        if out.error is not None:
+            raise SystemExit(f"engine step failed for {out.request_id}: {out.error}")
+    return outputs
+
+
+def _timed_step(engine) -> float:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    start = time.perf_counter()
+    _step(engine)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+class _ModelTimer:
+    """Times the model's forward (eager or graph replay) and logits inside engine steps, without syncing:
+    CUDA events around each call, read after the step (whose end waits for its tokens anyway)."""
+
+    def __init__(self, engine):
+        self.cuda = engine.device.type == "cuda"
+        self.spans: list = []
+        model, graphs = engine.model, engine.runner.graphs
+        self._wrap(model, "forward")
+        self._wrap(model, "compute_logits")
+        if graphs is not None:
+            self._wrap(graphs, "_replay")
+
+    def _wrap(self, owner, name: str) -> None:
+        call = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                start.record()
+            out = call(*args, **kwargs)
+            if self.cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.spans.append((start, end))
+            else:
+                self.spans.append((time.perf_counter() - start) * 1e3)
+            return out
+
+        setattr(owner, name, timed)
+
+    def elapsed_ms(self) -> float:
+        """The time of the calls since the last reading."""
+        spans, self.spans = self.spans, []
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(start.elapsed_time(end) for start, end in spans)
+        return sum(spans)
+
+
+class _stubbed:
+    """Within: the model's forward and logits return ready tensors (zeros; small random logits)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __enter__(self):
+        engine, cfg = self.engine, self.engine.model.cfg
+        rows = engine.config.max_num_batched_tokens
+        hidden = torch.zeros(rows, cfg.hc_mult, cfg.hidden_size, dtype=engine.model.dtype, device=engine.device)
+        logits = torch.randn(rows, STUB_VOCAB, generator=torch.Generator().manual_seed(0)).to(engine.device)
+        model, graphs = engine.model, engine.runner.graphs
+        self.saved = [(model, "forward"), (model, "compute_logits")] + ([(graphs, "_replay")] if graphs else [])
+        self.saved = [(owner, name, getattr(owner, name)) for owner, name in self.saved]
+        model.forward = lambda batch, cache: hidden[: batch.num_tokens]
+        model.compute_logits = lambda h: logits[: h.shape[0]]
+        if graphs is not None:
+            graphs._replay = lambda key: hidden[: key[0]]
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, call in self.saved:
+            setattr(owner, name, call)
+
+
+def _print_profile(engine, steps: int, top: int) -> None:
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        _step(engine)
+    profile.disable()
+    print(f"host-only steps under cProfile ({steps} steps), by own time:", file=sys.stderr)
+    pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(top)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
