@@ -22,6 +22,7 @@ from ds4.engine.prefix_cache import StepSnapshots
 from ds4.engine.sampler import Sampler, TokenLogprobs, compute_logprobs
 from ds4.engine.scheduler import ScheduledChunk
 from ds4.engine.speculative import MTPDrafter, may_speculate, verify
+from ds4.engine.uploads import upload
 from ds4.model.batch import ForwardBatch
 
 
@@ -74,10 +75,10 @@ class ModelRunner:
         rows += [r for r, _, _ in prompt_rows]
         results = [ChunkResult() for _ in chunks]
         if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            logits = self.model.compute_logits(_select_rows(hidden, rows))
             self._sample(chunks, sample_rows, logits[:num_sample_rows], results)
             if prompt_rows:
-                targets = torch.tensor([t for _, _, t in prompt_rows], device=logits.device)
+                (targets,) = upload(logits.device, ([t for _, _, t in prompt_rows], torch.long))
                 num_top = [chunks[i].seq.params.prompt_logprobs for _, i, _ in prompt_rows]
                 entries = compute_logprobs(logits[num_sample_rows:], targets, num_top)
                 for (_, i, _), entry in zip(prompt_rows, entries):
@@ -103,12 +104,12 @@ class ModelRunner:
             (drafted_rows if chunks[i].draft_token_ids else plain_rows).extend(range(row, row + n))
             row += n
         if plain:
-            out = self.sampler.sample(logits[plain_rows], [chunks[i].seq.sampling for i in plain])
+            out = self.sampler.sample(_select_rows(logits, plain_rows), [chunks[i].seq.sampling for i in plain])
             for i, token_id, logprobs in zip(plain, out.token_ids.tolist(), out.logprobs):
                 results[i].token_ids = [token_id]
                 results[i].logprobs = None if logprobs is None else [logprobs]
         if drafted:
-            logits = logits[drafted_rows]
+            logits = _select_rows(logits, drafted_rows)
             requests = [chunks[i].seq.sampling for i in drafted]
             kept = verify(self.sampler, logits, requests, [chunks[i].draft_token_ids for i in drafted])
             row = 0
@@ -161,40 +162,57 @@ def chunk_rows(chunks: list[ScheduledChunk], tokens_per_request: int | None = No
 def build_batch(
     chunks: list[ScheduledChunk], device: torch.device, tokens_per_request: int | None = None
 ) -> ForwardBatch:
-    """The flat batch of one step, built on the host and moved to the device in one transfer per field.
+    """The flat batch of one step, built on the host and moved to the device in one transfer.
 
     tokens_per_request (a CUDA-graph step): a decode_only batch, each chunk followed by padding tokens (id 0) at
     the positions after its own, up to that many tokens."""
-    input_ids, positions, starts = [], [], [0]
-    for c in chunks:
-        n = tokens_per_request or c.num_tokens
-        input_ids += c.seq.token_ids(c.start, c.start + c.num_known_tokens) + c.draft_token_ids
-        input_ids += [0] * (n - c.num_tokens)
-        positions += range(c.start, c.start + n)
-        starts.append(starts[-1] + n)
+    input_ids, positions, starts, context_lens, slots, tables = [], [], [0], [], [], []
     width = max(len(c.seq.page_table) for c in chunks)
-    tables = [c.seq.page_table + [-1] * (width - len(c.seq.page_table)) for c in chunks]
-
-    def put(values, dtype=torch.int32) -> torch.Tensor:
-        return _to_device(values, dtype, device)
-
+    for c in chunks:
+        seq, start, n = c.seq, c.start, tokens_per_request or c.num_tokens
+        input_ids += seq.token_ids(start, start + c.num_known_tokens)
+        input_ids += c.draft_token_ids
+        if n > c.num_tokens:
+            input_ids += [0] * (n - c.num_tokens)
+        positions += range(start, start + n)
+        starts.append(starts[-1] + n)
+        context_lens.append(start)
+        slots.append(seq.slot)
+        tables += seq.page_table
+        tables += [-1] * (width - len(seq.page_table))
+    int32, long = torch.int32, torch.long
+    ids, pos, loc, lens, slot, table = upload(
+        device,
+        (input_ids, long),
+        (positions, long),
+        (starts, int32),
+        (context_lens, int32),
+        (slots, int32),
+        (tables, int32),
+    )
     return ForwardBatch(
-        input_ids=put(input_ids, torch.long),
-        positions=put(positions, torch.long),
-        query_start_loc=put(starts),
-        context_lens=put([c.start for c in chunks]),
-        slots=put([c.seq.slot for c in chunks]),
-        block_tables=put(tables),
+        ids,
+        pos,
+        loc,
+        lens,
+        slot,
+        table.view(len(chunks), width),
         decode_only=tokens_per_request is not None,
         tokens_per_request=tokens_per_request or 1,
     )
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    (tensor,) = upload(device, (values, dtype))
+    return tensor
+
+
+def _select_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows]; x itself when rows are all of its rows in order (the common step: every request decodes one token)."""
+    if rows == list(range(x.shape[0])):
+        return x
+    (index,) = upload(x.device, (rows, torch.long))
+    return x[index]
 
 
 def logit_rows(

@@ -12,9 +12,14 @@ Per row, in this order (the order matters when options combine; it is vLLM's):
 - top_k keeps every token tied with the k-th largest logit. top_p keeps the smallest set of most
   likely tokens whose mass reaches top_p (the first token always stays).
 - Randomness: every request owns a CPU `torch.Generator` (seeded from its `seed`, or from the
-  sampler's own generator when it has none). A random row draws exactly one float64 uniform from it
-  per sampled token and inverts the row's cumulative distribution, so a seeded request gives the
-  same tokens whatever else shares the batch, in any row, on any device with the same logits.
+  sampler's own generator when it has none). A random row takes exactly one float64 uniform from its
+  stream per sampled token and inverts the row's cumulative distribution, so a seeded request gives the
+  same tokens whatever else shares the batch, in any row, on any device with the same logits. The
+  uniforms are drawn from the generator in blocks (CPU draws are serial, so a block of n is the next n
+  single draws).
+- The common batch costs a few tensor ops, whatever its size: all-greedy is one argmax, all-random one
+  warp and one draw over the batch; per-request work (grammar, bias, min_tokens, penalties, logprobs) is
+  done only for the requests that ask for it. Host lists reach the device through ds4.engine.uploads.
 - Logprobs are RAW: log_softmax of the model's logits, before bias, penalties, temperature and
   filtering (vLLM's default "raw_logprobs"), so they describe the model, not the sampling options.
 """
@@ -28,8 +33,10 @@ import torch
 
 from ds4.engine.sampling_params import SamplingParams
 from ds4.engine.structured_output import apply_structured_output
+from ds4.engine.uploads import upload
 
 _SEED_RANGE = 2**62
+_UNIFORM_BLOCK = 64
 
 
 @dataclass
@@ -59,6 +66,7 @@ class RequestSampling:
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.generator = torch.Generator().manual_seed(seed)
+        self._uniforms: list[float] = []  # drawn from generator, not yet used; the next one last
         # Built on first use, only for requests with penalties: [vocab] on the logits' device.
         self._seen_in_prompt: torch.Tensor | None = None
         self._output_counts: torch.Tensor | None = None
@@ -69,8 +77,11 @@ class RequestSampling:
             self._output_counts[token_id] += 1
 
     def draw_uniform(self) -> float:
-        """One uniform in [0, 1) from this request's own stream."""
-        return torch.rand((), dtype=torch.float64, generator=self.generator).item()
+        """The next uniform in [0, 1) of this request's own stream."""
+        if not self._uniforms:
+            self._uniforms = torch.rand(_UNIFORM_BLOCK, dtype=torch.float64, generator=self.generator).tolist()
+            self._uniforms.reverse()
+        return self._uniforms.pop()
 
     def penalty_state(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(seen in prompt [vocab] bool, output token counts [vocab] int32)."""
@@ -108,15 +119,18 @@ class Sampler:
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(requests)} requests")
         processed = self.process(logits, requests)
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        greedy = [row for row, request in enumerate(requests) if request.params.is_greedy]
-        if greedy:
-            rows = torch.tensor(greedy, device=logits.device)
-            token_ids[rows] = processed[rows].argmax(dim=-1)
-        randoms = [row for row, request in enumerate(requests) if not request.params.is_greedy]
-        if randoms:
-            rows = torch.tensor(randoms, device=logits.device)
-            token_ids[rows] = sample_random(processed[rows], [requests[row] for row in randoms])
+        greedy = [request.params.is_greedy for request in requests]
+        if all(greedy):
+            token_ids = processed.argmax(dim=-1)
+        elif not any(greedy):
+            token_ids = sample_random(processed, requests)
+        else:
+            greedy_rows = [row for row, is_greedy in enumerate(greedy) if is_greedy]
+            random_rows = [row for row, is_greedy in enumerate(greedy) if not is_greedy]
+            greedy_index, random_index = upload(logits.device, (greedy_rows, torch.long), (random_rows, torch.long))
+            token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            token_ids[greedy_index] = processed[greedy_index].argmax(dim=-1)
+            token_ids[random_index] = sample_random(processed[random_index], [requests[row] for row in random_rows])
         return SamplerOutput(token_ids, self._logprobs(logits, token_ids, requests))
 
     def process(self, logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
@@ -193,7 +207,7 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[RequestSampling]) -
 def sample_random(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
     """One inverse-CDF draw per row of the warped distribution, from the row's own request generator."""
     cdf = warp_logits(logits, [request.params for request in requests]).softmax(dim=-1).double().cumsum(dim=-1)
-    uniforms = torch.tensor([request.draw_uniform() for request in requests], dtype=torch.float64, device=logits.device)
+    (uniforms,) = upload(logits.device, ([request.draw_uniform() for request in requests], torch.float64))
     # right=True picks the first token whose cdf exceeds the target, so never a zero-probability token.
     targets = (uniforms * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=logits.shape[1] - 1)
@@ -201,19 +215,23 @@ def sample_random(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> 
 
 def warp_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then min_p, then top_k, then top_p (filtered tokens get -inf); random rows only."""
-    device, vocab_size = logits.device, logits.shape[1]
-
-    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
-
-    x = logits / column([p.temperature for p in params], logits.dtype)
-    if any(p.min_p > 0 for p in params):
+    vocab_size = logits.shape[1]
+    uses_min_p = any(p.min_p > 0 for p in params)
+    uses_top = any(p.top_k > 0 or p.top_p < 1 for p in params)
+    fields = [([p.temperature for p in params], logits.dtype)]
+    if uses_min_p:
+        fields.append(([p.min_p for p in params], logits.dtype))
+    if uses_top:
+        fields.append(([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.long))
+        fields.append(([p.top_p for p in params], torch.float64))
+    columns = [column.unsqueeze(1) for column in upload(logits.device, *fields)]
+    x = logits / columns.pop(0)
+    if uses_min_p:
         probs = x.softmax(dim=-1)
-        min_p = column([p.min_p for p in params], probs.dtype)
+        min_p = columns.pop(0)
         x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    if any(p.top_k > 0 or p.top_p < 1 for p in params):
-        top_k = column([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], torch.long)
-        top_p = column([p.top_p for p in params], torch.float64)
+    if uses_top:
+        top_k, top_p = columns
         x = x.masked_fill(top_k_top_p_drop(x, top_k, top_p), float("-inf"))
     return x
 

@@ -1,0 +1,79 @@
+"""Small host values (a step's flat batch, rows to pick, sampling columns) to device tensors in one copy.
+
+Built as fresh tensors, each list would cost a pinned allocation and a copy, or a copy from pageable memory
+that blocks the host until the whole stream has drained (the forward included). `upload` packs the lists
+into a persistent pinned ring buffer (one per device) and copies them to the device in one non-blocking
+transfer; the returned tensors are views of one fresh device buffer, so later uploads never change them.
+Ring bytes are written again only after the copy that read them has run (an event per upload), so the host
+never overwrites data still in flight. On CPU the lists simply become tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from functools import cache
+
+import torch
+
+_ALIGN = 8  # every field starts 8-byte aligned, so each one is a valid view of the byte buffer
+
+
+def upload(device: torch.device, *fields: tuple[Sequence[int] | Sequence[float], torch.dtype]) -> list[torch.Tensor]:
+    """One 1-D tensor on `device` per (values, dtype), in order; on CUDA all in one non-blocking copy."""
+    if device.type != "cuda":
+        return [torch.tensor(values, dtype=dtype, device=device) for values, dtype in fields]
+    return _uploader(device).upload(*fields)
+
+
+@cache
+def _uploader(device: torch.device) -> Uploader:
+    return Uploader(device)
+
+
+class Uploader:
+    """The pinned ring of one CUDA device."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 20):
+        self.device = device
+        self._ring = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        self._offset = 0
+        self._in_flight: deque[tuple[int, int, torch.cuda.Event]] = deque()  # (start, end, copy done), ring order
+        self._lock = threading.Lock()
+
+    def upload(self, *fields: tuple[Sequence[int] | Sequence[float], torch.dtype]) -> list[torch.Tensor]:
+        with self._lock:
+            return self._upload(fields)
+
+    def _upload(self, fields) -> list[torch.Tensor]:
+        sizes = [len(values) * dtype.itemsize for values, dtype in fields]
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + -(-size // _ALIGN) * _ALIGN)
+        host = self._reserve(starts[-1])
+        for (values, dtype), start, size in zip(fields, starts, sizes):
+            if size:
+                host[start : start + size].view(dtype).copy_(torch.tensor(values, dtype=dtype))
+        device = host.to(self.device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._in_flight.append((self._offset - starts[-1], self._offset, done))
+        return [device[start : start + size].view(dtype) for (_, dtype), start, size in zip(fields, starts, sizes)]
+
+    def _reserve(self, size: int) -> torch.Tensor:
+        """The next `size` bytes of the ring (from its start when they do not fit before its end), once free."""
+        if size > self._ring.numel():
+            self._wait(lambda start, end: True)
+            self._ring = torch.empty(2 * size, dtype=torch.uint8, pin_memory=True)
+            self._offset = 0
+        start = self._offset if self._offset + size <= self._ring.numel() else 0
+        end = start + size
+        self._wait(lambda first, last: first < end and start < last)
+        self._offset = end
+        return self._ring[start:end]
+
+    def _wait(self, overlaps) -> None:
+        """Wait for the copies (oldest first) that read bytes about to be written."""
+        while self._in_flight and overlaps(*self._in_flight[0][:2]):
+            self._in_flight.popleft()[2].synchronize()
