@@ -39,7 +39,7 @@ class Uploader:
         self.device = device
         self._ring = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
         self._offset = 0
-        self._in_flight: deque[tuple[int, int, torch.cuda.Event]] = deque()  # (start, end, copy done), ring order
+        self._in_flight: deque[tuple[int, int, torch.cuda.Event]] = deque()  # (start, end, copy done), oldest first
         self._lock = threading.Lock()
 
     def upload(self, *fields: tuple[Sequence[int] | Sequence[float], torch.dtype]) -> list[torch.Tensor]:
@@ -51,29 +51,30 @@ class Uploader:
         starts = [0]
         for size in sizes:
             starts.append(starts[-1] + -(-size // _ALIGN) * _ALIGN)
-        host = self._reserve(starts[-1])
+        first, host = self._reserve(starts[-1])
         for (values, dtype), start, size in zip(fields, starts, sizes):
             if size:
                 host[start : start + size].view(dtype).copy_(torch.tensor(values, dtype=dtype))
         device = host.to(self.device, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
-        self._in_flight.append((self._offset - starts[-1], self._offset, done))
+        done.record(torch.cuda.current_stream(self.device))
+        self._in_flight.append((first, first + starts[-1], done))
         return [device[start : start + size].view(dtype) for (_, dtype), start, size in zip(fields, starts, sizes)]
 
-    def _reserve(self, size: int) -> torch.Tensor:
-        """The next `size` bytes of the ring (from its start when they do not fit before its end), once free."""
+    def _reserve(self, size: int) -> tuple[int, torch.Tensor]:
+        """(offset, bytes) of the next `size` bytes of the ring (from its start when they do not fit before its
+        end), once no copy in flight reads them."""
+        while self._in_flight and self._in_flight[0][2].query():
+            self._in_flight.popleft()
         if size > self._ring.numel():
-            self._wait(lambda start, end: True)
+            for _, _, done in self._in_flight:
+                done.synchronize()
+            self._in_flight.clear()
             self._ring = torch.empty(2 * size, dtype=torch.uint8, pin_memory=True)
             self._offset = 0
         start = self._offset if self._offset + size <= self._ring.numel() else 0
-        end = start + size
-        self._wait(lambda first, last: first < end and start < last)
-        self._offset = end
-        return self._ring[start:end]
-
-    def _wait(self, overlaps) -> None:
-        """Wait for the copies (oldest first) that read bytes about to be written."""
-        while self._in_flight and overlaps(*self._in_flight[0][:2]):
-            self._in_flight.popleft()[2].synchronize()
+        end = self._offset = start + size
+        for first, last, done in self._in_flight:
+            if first < end and start < last:
+                done.synchronize()
+        return start, self._ring[start:end]

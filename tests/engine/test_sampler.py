@@ -155,6 +155,28 @@ def test_seeded_request_is_reproducible_whatever_shares_its_batch():
     assert _run_steps(sampler, sampler.new_request(other_seed, [1]), [], 0, steps_logits) != alone
 
 
+def test_a_request_draws_the_successive_uniforms_of_its_seeded_generator():
+    request = Sampler([EOS]).new_request(SamplingParams(seed=5), [1])
+    generator = torch.Generator().manual_seed(5)
+    expected = [torch.rand((), dtype=torch.float64, generator=generator).item() for _ in range(150)]
+    assert [request.draw_uniform() for _ in range(150)] == expected
+
+
+def test_all_greedy_and_all_random_batches_give_each_row_its_token_alone():
+    vocab = 50
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    sampler = Sampler([EOS], seed=0)
+    greedy_requests = [sampler.new_request(greedy(), [2]) for _ in range(5)]
+    assert sampler.sample(logits, greedy_requests).token_ids.tolist() == logits.argmax(dim=-1).tolist()
+
+    options = [dict(temperature=0.7), dict(top_k=4), dict(top_p=0.8), dict(min_p=0.1), dict(temperature=1.4)]
+    batch = [sampler.new_request(SamplingParams(seed=10 + i, **o), [2]) for i, o in enumerate(options)]
+    alone = [sampler.new_request(SamplingParams(seed=10 + i, **o), [2]) for i, o in enumerate(options)]
+    for _ in range(3):
+        together = sampler.sample(logits, batch).token_ids.tolist()
+        assert together == [int(sampler.sample(logits[i : i + 1], [r]).token_ids[0]) for i, r in enumerate(alone)]
+
+
 def test_unseeded_requests_follow_the_sampler_seed():
     logits = torch.zeros(1, 1000)
 

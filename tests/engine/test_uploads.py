@@ -1,0 +1,51 @@
+"""Host lists to device tensors (ds4.engine.uploads): the values and dtypes arrive, and on CUDA a copy still in
+flight is never overwritten by later uploads through the same small ring (wrapping and growing)."""
+
+import random
+
+import pytest
+import torch
+
+from ds4.engine.uploads import Uploader, upload
+
+DTYPES = (torch.int32, torch.long, torch.float32, torch.float64)
+
+
+def _random_fields(rng: random.Random) -> list[tuple[list, torch.dtype]]:
+    fields = []
+    for _ in range(rng.randint(1, 4)):
+        dtype = rng.choice(DTYPES)
+        n = rng.randint(0, 40)
+        values = (
+            [rng.uniform(-1e3, 1e3) for _ in range(n)]
+            if dtype.is_floating_point
+            else rng.sample(range(-900_000, 900_000), n)
+        )
+        fields.append((values, dtype))
+    return fields
+
+
+def test_upload_on_cpu_gives_tensors_of_the_values():
+    got = upload(torch.device("cpu"), ([3, -1, 7], torch.int32), ([0.5, 2.25], torch.float64), ([], torch.long))
+    assert [t.dtype for t in got] == [torch.int32, torch.float64, torch.long]
+    assert [t.tolist() for t in got] == [[3, -1, 7], [0.5, 2.25], []]
+    fields = _random_fields(random.Random(1))
+    for (values, dtype), tensor in zip(fields, upload(torch.device("cpu"), *fields)):
+        assert tensor.dtype == dtype and tensor.tolist() == pytest.approx(values)
+
+
+@pytest.mark.gpu
+def test_uploads_in_flight_are_never_overwritten():
+    rng = random.Random(0)
+    uploader = Uploader(torch.device("cuda"), capacity=256)  # wraps every few uploads, grows for large ones
+    sent, received = [], []
+    torch.cuda._sleep(200_000_000)  # keep the stream busy, so the copies below are still queued as the ring turns
+    for _ in range(200):
+        fields = _random_fields(rng)
+        sent.append(fields)
+        received.append(uploader.upload(*fields))
+    torch.cuda.synchronize()
+    for fields, tensors in zip(sent, received):
+        for (values, dtype), tensor in zip(fields, tensors):
+            assert tensor.is_cuda and tensor.dtype == dtype
+            assert torch.equal(tensor.cpu(), torch.tensor(values, dtype=dtype))
