@@ -56,11 +56,14 @@ class PageAllocator:
         self._free_slots.append(slot)
 
     def can_grow(self, page_table: list[int], num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) - len(page_table) <= self.num_free_pages
+        missing = self.pages_for(num_tokens) - len(page_table)
+        return missing <= 0 or missing <= self.num_free_pages
 
     def grow(self, page_table: list[int], num_tokens: int) -> None:
         """Append pages to `page_table` until it holds `num_tokens` tokens."""
         missing = self.pages_for(num_tokens) - len(page_table)
+        if missing <= 0:
+            return
         if missing > self.num_free_pages:
             raise RuntimeError(f"{missing} pages needed, {self.num_free_pages} free (check can_grow first)")
         for _ in range(missing):

@@ -136,6 +136,8 @@ class Sampler:
     def process(self, logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
         """Grammar masks, logit bias, the min_tokens mask and penalties: the logits greedy rows take the
         argmax of and random rows warp. A new tensor when anything applies: raw logprobs read the input."""
+        if all(_nothing_to_process(request) for request in requests):
+            return logits
         processed = apply_structured_output(logits, requests)
         return apply_penalties(self._mask_early_stops(apply_logit_bias(processed, requests), requests), requests)
 
@@ -160,11 +162,22 @@ class Sampler:
         wanted = [row for row, request in enumerate(requests) if request.params.logprobs is not None]
         out: list[TokenLogprobs | None] = [None] * len(requests)
         if wanted:
-            rows = torch.tensor(wanted, device=logits.device)
+            (rows,) = upload(logits.device, (wanted, torch.long))
             num_top = [requests[row].params.logprobs for row in wanted]
             for row, entry in zip(wanted, compute_logprobs(logits[rows], token_ids[rows], num_top)):
                 out[row] = entry
         return out
+
+
+def _nothing_to_process(request: RequestSampling) -> bool:
+    """No grammar, logit bias, min_tokens mask or penalty applies to this request now."""
+    params = request.params
+    return (
+        params.structured_output is None
+        and not params.logit_bias
+        and not params.uses_penalties
+        and len(request.output_token_ids) >= params.min_tokens
+    )
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:

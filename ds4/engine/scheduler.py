@@ -130,6 +130,8 @@ class Scheduler:
         return drafts
 
     def _schedule_prefills(self, budget: int, scheduled: set[int], out: SchedulerOutput) -> None:
+        if not self.waiting and len(scheduled) == len(self.running):
+            return  # every running request decodes: no prompt to prefill
         limit = self.config.prefill_chunk_limit
         partial = [s for s in self.running if id(s) not in scheduled and s.num_uncomputed_tokens > 0]
         candidates = sorted(partial + list(self.waiting), key=lambda s: (s.num_uncomputed_tokens > limit, s.arrival))
