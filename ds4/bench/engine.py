@@ -67,8 +67,9 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
     from ds4.engine.sampling_params import SamplingParams
 
     batches = sorted(set(args.batch_sizes), reverse=True)
-    # Every request decodes through the prefill of the others, then through each batch size's steps in both modes.
-    max_tokens = batches[0] + len(batches) * (2 * args.steps + 8) + 16
+    # Every request decodes through the prefill of the others, then through each batch size's steps: timed, stubbed
+    # and profiled.
+    max_tokens = batches[0] + len(batches) * (3 * args.steps + 8) + 16
     engine_flags = dict(
         engine_flags,
         max_num_seqs=batches[0],
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
         ids = ids[:batch]
         for _ in range(3):  # warm-up (and the aborted requests leave)
             _step(engine)
+        timer.elapsed_ms()
         step_ms, model_ms = [], []
         for _ in range(args.steps):
             step_ms.append(_timed_step(engine))
