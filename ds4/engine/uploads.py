@@ -17,7 +17,9 @@ from functools import cache
 
 import torch
 
-_ALIGN = 8  # every field starts 8-byte aligned, so each one is a valid view of the byte buffer
+# Every field starts 16-byte aligned: a valid view of the byte buffer for any dtype, and the alignment Triton
+# specialises pointers on (so kernels see the same alignment as for a fresh allocation).
+_ALIGN = 16
 
 
 def upload(device: torch.device, *fields: tuple[Sequence[int] | Sequence[float], torch.dtype]) -> list[torch.Tensor]:

@@ -47,5 +47,5 @@ def test_uploads_in_flight_are_never_overwritten():
     torch.cuda.synchronize()
     for fields, tensors in zip(sent, received):
         for (values, dtype), tensor in zip(fields, tensors):
-            assert tensor.is_cuda and tensor.dtype == dtype
+            assert tensor.is_cuda and tensor.dtype == dtype and tensor.data_ptr() % 16 == 0
             assert torch.equal(tensor.cpu(), torch.tensor(values, dtype=dtype))
