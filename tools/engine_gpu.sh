@@ -7,7 +7,7 @@
 # Needs the wheels from tools/fetch_device_wheels.sh carried in .whl/ (the engine imports xgrammar).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-.out}
+OUT=$(realpath -m "${OUT:-.out}")
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache
 . tools/install_device_wheels.sh
@@ -20,14 +20,15 @@ tests=${PIPESTATUS[0]}
 bench() {  # name, tree, extra args
   local name=$1 tree=$2
   shift 2
-  PYTHONPATH="$tree" timeout 150 python3 -m ds4.bench.engine --batch-sizes 1,64 --input-len 128 --steps 50 \
-    --json "$OUT/engine_$name.json" "$@" >"$OUT/engine_$name.txt" 2>"$OUT/engine_$name.err"
+  (cd "$tree" && PYTHONPATH="$tree" timeout 150 python3 -m ds4.bench.engine --batch-sizes 1,64 --input-len 128 \
+    --steps 50 --json "$OUT/engine_$name.json" "$@" >"$OUT/engine_$name.txt" 2>"$OUT/engine_$name.err")
   echo "bench engine $name rc=$?" >> "$OUT/rc.txt"
 }
 : > "$OUT/rc.txt"
 bench greedy "$PWD"
 bench temperature1 "$PWD" --temperature 1 --cprofile 30
 if [ -n "${BEFORE_TREE:-}" ]; then
+  BEFORE_TREE=$(realpath "$BEFORE_TREE")
   cp ds4/bench/engine.py "$BEFORE_TREE/ds4/bench/engine.py"
   bench before_greedy "$BEFORE_TREE"
   bench before_temperature1 "$BEFORE_TREE" --temperature 1 --cprofile 30
