@@ -152,8 +152,9 @@ class Sampler:
             cols += stops
         if not rows:
             return logits
-        index = (torch.tensor(rows, device=logits.device), _ids_tensor(cols, logits.shape[1], logits.device))
-        return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+        _check_ids(cols, logits.shape[1])
+        index = upload(logits.device, (rows, torch.long), (cols, torch.long))
+        return logits.index_put(tuple(index), logits.new_full((), float("-inf")))
 
     @staticmethod
     def _logprobs(
@@ -189,8 +190,11 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[RequestSampling]) 
         biases += bias.values()
     if not rows:
         return logits
-    index = (torch.tensor(rows, device=logits.device), _ids_tensor(cols, logits.shape[1], logits.device))
-    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+    _check_ids(cols, logits.shape[1])
+    index_rows, index_cols, values = upload(
+        logits.device, (rows, torch.long), (cols, torch.long), (biases, logits.dtype)
+    )
+    return logits.index_put((index_rows, index_cols), values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
@@ -202,16 +206,21 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[RequestSampling]) -
     seen_in_prompt = torch.stack([seen for seen, _ in states])
     counts = torch.stack([count for _, count in states]).to(logits.dtype)
 
-    def column(name: str) -> torch.Tensor:
-        values = [getattr(requests[row].params, name) for row in penalised]
-        return torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)
+    def column(name: str) -> tuple[list[float], torch.dtype]:
+        return [getattr(requests[row].params, name) for row in penalised], logits.dtype
 
-    rows = torch.tensor(penalised, device=device)
+    rows, repetition, frequency, presence = upload(
+        device,
+        (penalised, torch.long),
+        column("repetition_penalty"),
+        column("frequency_penalty"),
+        column("presence_penalty"),
+    )
+    repetition, frequency, presence = repetition.unsqueeze(1), frequency.unsqueeze(1), presence.unsqueeze(1)
     x = logits[rows]
-    repetition = column("repetition_penalty")
     repeated = torch.where(x > 0, x / repetition, x * repetition)
     x = torch.where(seen_in_prompt | (counts > 0), repeated, x)
-    x = x - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0).to(x.dtype)
+    x = x - frequency * counts - presence * (counts > 0).to(x.dtype)
     logits = logits.clone()
     logits[rows] = x
     return logits
@@ -275,8 +284,13 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seq
     ]
 
 
-def _ids_tensor(ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+def _check_ids(ids: Sequence[int], vocab_size: int) -> None:
     bad = [token_id for token_id in ids if not 0 <= token_id < vocab_size]
     if bad:
         raise ValueError(f"token ids outside the vocabulary of {vocab_size}: {bad[:8]}")
-    return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
+def _ids_tensor(ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    _check_ids(ids, vocab_size)
+    (tensor,) = upload(device, (list(ids), torch.long))
+    return tensor
