@@ -5,8 +5,9 @@ decode together (greedy, or `--temperature`; EOS ignored) through `LLMEngine.ste
 aborting requests, largest first. Per batch size, medians over `--steps` steps:
   - step ms: one `LLMEngine.step` (schedule, batch upload, forward or CUDA-graph replay, logits, sampling,
     detokenisation and stop checks); it returns with the step's tokens on the host.
-  - model ms: the model's forward (graph replay) and logits within those same steps, timed on the device by
-    CUDA events around them (wall time on CPU): the ceiling, a step can be no faster.
+  - model ms: the model's forward (a CUDA graph's replay, with the copies into its inputs) and logits within
+    those same steps, timed on the device by CUDA events around them (wall time on CPU): the ceiling, a step
+    can be no faster.
   - host ms: the same steps with the forward and logits replaced by stubs that return ready tensors (logits
     over a 256-token vocabulary, so the sampler's device work is ~0 too): the engine's own work per step.
   - exposed ms = step - model: what the engine adds to the model's time. Host work that overlaps the
@@ -165,25 +166,33 @@ def _median(values: list[float]) -> float:
 
 class _ModelTimer:
     """Times the model's forward (eager or graph replay) and logits inside engine steps, without syncing:
-    CUDA events around each call, read after the step (whose end waits for its tokens anyway)."""
+    CUDA events around each call, read after the step (whose end waits for its tokens anyway). Only the
+    outermost call counts (an eager graph run calls the forward)."""
 
     def __init__(self, engine):
         self.cuda = engine.device.type == "cuda"
         self.spans: list = []
+        self._depth = 0
         model, graphs = engine.model, engine.runner.graphs
         self._wrap(model, "forward")
         self._wrap(model, "compute_logits")
         if graphs is not None:
-            self._wrap(graphs, "_replay")
+            self._wrap(graphs, "run")
 
     def _wrap(self, owner, name: str) -> None:
         call = getattr(owner, name)
 
         def timed(*args, **kwargs):
+            if self._depth:
+                return call(*args, **kwargs)
             start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
             if self.cuda:
                 start.record()
-            out = call(*args, **kwargs)
+            self._depth += 1
+            try:
+                out = call(*args, **kwargs)
+            finally:
+                self._depth -= 1
             if self.cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
@@ -215,17 +224,23 @@ class _stubbed:
         hidden = torch.zeros(rows, cfg.hc_mult, cfg.hidden_size, dtype=engine.model.dtype, device=engine.device)
         logits = torch.randn(rows, STUB_VOCAB, generator=torch.Generator().manual_seed(0)).to(engine.device)
         model, graphs = engine.model, engine.runner.graphs
-        self.saved = [(model, "forward"), (model, "compute_logits")] + ([(graphs, "_replay")] if graphs else [])
+        self.saved = [(model, "forward"), (model, "compute_logits")] + ([(graphs, "run")] if graphs else [])
         self.saved = [(owner, name, getattr(owner, name)) for owner, name in self.saved]
         model.forward = lambda batch, cache: hidden[: batch.num_tokens]
         model.compute_logits = lambda h: logits[: h.shape[0]]
         if graphs is not None:
-            graphs._replay = lambda key: hidden[: key[0]]
+            graphs.run = lambda batch, key: _loaded(graphs, batch, key, hidden)
         return self
 
     def __exit__(self, *exc):
         for owner, name, call in self.saved:
             setattr(owner, name, call)
+
+
+def _loaded(graphs, batch, key, hidden: torch.Tensor) -> torch.Tensor:
+    """A stubbed graph replay: the batch still copied into the graph's inputs (host work), no forward."""
+    graphs.inputs.load(batch, key)
+    return hidden[: batch.num_tokens]
 
 
 def _print_profile(engine, steps: int, top: int) -> None:
