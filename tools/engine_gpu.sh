@@ -20,7 +20,7 @@ tests=${PIPESTATUS[0]}
 bench() {  # name, tree, extra args
   local name=$1 tree=$2
   shift 2
-  (cd "$tree" && PYTHONPATH="$tree:$PYTHONPATH" timeout 150 python3 -m ds4.bench.engine --batch-sizes 1,64 --input-len 128 \
+  (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 150 python3 -m ds4.bench.engine --batch-sizes 1,64 --input-len 128 \
     --steps 50 --json "$OUT/engine_$name.json" "$@" >"$OUT/engine_$name.txt" 2>"$OUT/engine_$name.err")
   echo "bench engine $name rc=$?" >> "$OUT/rc.txt"
 }
