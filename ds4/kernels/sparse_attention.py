@@ -1,40 +1,81 @@
 """Multi-query attention of each token over its own gathered key set, with a per-head sink.
 
-Keys come from one or more flat pools ([N, D], K = V: one shared KV head); each token lists the rows
-it attends to per pool (-1 = no key). The sink adds exp(sink[h]) to the softmax denominator only.
+    out[t, h] = sum_k softmax_k(q[t, h] . key_k * scale  |  sink[h]) key_k
+
+over the keys of token t: one shared KV head (K = V), keys from one or more flat pools, each token listing
+the rows it attends to per pool (-1 = no key). The sink adds exp(sink[h]) to the softmax denominator only.
+A pool is either rows of head_dim values ([N, D], any float dtype) or the FP8 cache's stored entries (uint8
+[N, kv_entry_bytes], see ds4.kernels.fp8_kv; `rope_dim` says how they split), read without a copy.
+
+`sparse_attention_reference` is the spec and the CPU path: it gathers and dequantises every attended key
+into fp32. The Triton kernel (CUDA, or the interpreter) runs one program per token and block of query heads:
+the heads are the MMA's M dimension, so one key tile read from the cache serves all of them; it walks the
+token's key lists tile by tile with an online softmax whose running maximum starts at the sink. Prefill
+chunks and decode steps (one or a few tokens a request) are the same launch; no host sync, every length and
+stride a runtime argument. The output [T, H, D] is what inverse RoPE and the grouped wo_a read.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
+
+from ds4.kernels._device import interpreting, shared_memory_per_block
+from ds4.kernels.fp8_kv import dequantize_kv
 
 # The torch reference gathers keys for a piece of tokens at a time, at most this many bytes of fp32 keys.
 _PIECE_BYTES = 1 << 28
+# Key sets one kernel launch takes (the model passes a window ring, the step's keys, compressed entries).
+MAX_KEY_SETS = 3
+_LOG2E = 1.4426950408889634
 
 
-def sparse_attention(
+def _check(q: torch.Tensor, key_sets, rope_dim: int | None) -> bool:
+    """Whether the pools are FP8 entries (all of them or none); raises on what does not fit."""
+    packed = {kv.dtype == torch.uint8 for kv, _ in key_sets}
+    if len(packed) > 1:
+        raise ValueError("sparse_attention: key pools mix FP8 entries and plain rows")
+    fp8 = packed == {True}
+    if fp8 and rope_dim is None:
+        raise ValueError("sparse_attention: FP8 entries need rope_dim")
+    for kv, idx in key_sets:
+        width_ok = fp8 or kv.shape[-1] == q.shape[2]
+        if kv.dim() != 2 or not width_ok or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"sparse_attention: kv {tuple(kv.shape)} / indices {tuple(idx.shape)} do not fit q {tuple(q.shape)}"
+            )
+    return fp8
+
+
+def sparse_attention_reference(
     q: torch.Tensor,
     key_sets: list[tuple[torch.Tensor, torch.Tensor]],
     sink: torch.Tensor,
     scale: float,
+    rope_dim: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], key_sets [(kv [N_i, D], indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype."""
-    for kv, idx in key_sets:
-        if kv.dim() != 2 or kv.shape[1] != q.shape[2] or idx.shape[0] != q.shape[0]:
-            raise ValueError(
-                f"sparse_attention: kv {tuple(kv.shape)} / indices {tuple(idx.shape)} do not fit q {tuple(q.shape)}"
-            )
+    """q [T, H, D], key_sets [(kv pool, indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype."""
+    fp8 = _check(q, key_sets, rope_dim)
     out = torch.empty_like(q)
     keys_per_token = sum(idx.shape[1] for _, idx in key_sets)
     piece = max(1, _PIECE_BYTES // max(1, keys_per_token * q.shape[2] * 4))
     for start in range(0, q.shape[0], piece):
         rows = slice(start, start + piece)
-        out[rows] = _attend(q[rows], [(kv, idx[rows]) for kv, idx in key_sets], sink, scale)
+        sets = [(kv, idx[rows]) for kv, idx in key_sets]
+        out[rows] = _attend(q[rows], sets, sink, scale, rope_dim if fp8 else None)
     return out
 
 
-def _attend(q: torch.Tensor, key_sets: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor, scale: float):
-    keys = torch.cat([kv[idx.clamp_min(0).long()] for kv, idx in key_sets], dim=1).float()  # [t, K, D]
+def _gather(kv: torch.Tensor, idx: torch.Tensor, head_dim: int, rope_dim: int | None) -> torch.Tensor:
+    rows = kv[idx.clamp_min(0).long()]
+    return rows.float() if rope_dim is None else dequantize_kv(rows, head_dim, rope_dim, torch.float32)
+
+
+def _attend(q, key_sets, sink, scale, rope_dim):
+    keys = torch.cat([_gather(kv, idx, q.shape[2], rope_dim) for kv, idx in key_sets], dim=1)  # [t, K, D]
     valid = torch.cat([idx >= 0 for _, idx in key_sets], dim=1)  # [t, K]
     scores = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
@@ -43,3 +84,251 @@ def _attend(q: torch.Tensor, key_sets: list[tuple[torch.Tensor, torch.Tensor]], 
     weights = torch.exp(scores - peak)
     denom = weights.sum(dim=-1, keepdim=True) + torch.exp(sink_logit - peak)
     return torch.einsum("thk,tkd->thd", weights / denom, keys).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _key_tile(
+    pool,
+    stride_pool,
+    rows,
+    valid,
+    D: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """Keys [BLOCK_N, D] in the dot dtype from pool rows (invalid rows read as zero). FP8 entries: e4m3 values
+    times their block's 2^(byte - 127) (exact in bf16), then the bf16 RoPE channels."""
+    dims = tl.arange(0, D)
+    base = rows.to(tl.int64) * stride_pool
+    if FP8:
+        nope = dims < NOPE
+        live = valid[:, None] & nope[None, :]
+        values = tl.load(
+            pool.to(tl.pointer_type(tl.float8e4nv)) + base[:, None] + dims[None, :], mask=live, other=0.0
+        ).to(tl.float32)
+        exponents = tl.load(pool + base[:, None] + (NOPE + 2 * ROPE) + dims[None, :] // 64, mask=live, other=0)
+        scales = (exponents.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        rope = tl.load(
+            pool.to(tl.pointer_type(tl.bfloat16)) + (base // 2)[:, None] + (NOPE // 2) + (dims - NOPE)[None, :],
+            mask=valid[:, None] & (dims >= NOPE)[None, :],
+            other=0.0,
+        )
+        k = tl.where(nope[None, :], values * scales, rope.to(tl.float32))
+    else:
+        k = tl.load(pool + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    return k.to(DOT)
+
+
+@triton.jit
+def _attend_set(
+    q,
+    m,
+    l,
+    acc,
+    pool,
+    stride_pool,
+    idx_row,
+    width,
+    scale_log2,
+    D: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online softmax over one key list (log2 domain): running max m, denominator l, numerator acc."""
+    for start in range(0, width, BLOCK_N):
+        offsets = start + tl.arange(0, BLOCK_N)
+        rows = tl.load(idx_row + offsets, mask=offsets < width, other=-1)
+        valid = rows >= 0
+        if tl.max(valid.to(tl.int32), axis=0) > 0:  # a tile of padding (-1) costs no dot product
+            k = _key_tile(pool, stride_pool, rows, valid, D, NOPE, ROPE, FP8, DOT)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p.to(DOT), k, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(DOT), k)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+    return m, l, acc
+
+
+@triton.jit(
+    do_not_specialize=[
+        "stride_qt",
+        "stride_qh",
+        "stride_ot",
+        "stride_oh",
+        "n_heads",
+        "stride_i0",
+        "width0",
+        "stride_i1",
+        "width1",
+        "stride_i2",
+        "width2",
+    ]
+)
+def _sparse_attention_kernel(
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    sink_ptr,
+    n_heads,
+    scale_log2,
+    pool0,
+    stride_p0,
+    idx0,
+    stride_i0,
+    width0,
+    pool1,
+    stride_p1,
+    idx1,
+    stride_i1,
+    width1,
+    pool2,
+    stride_p2,
+    idx2,
+    stride_i2,
+    width2,
+    D: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program: one token and BLOCK_H of its heads (the MMA's M); the sink starts the running max.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_in = heads < n_heads
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_in[:, None], other=0.0)
+    q = q.to(DOT)
+    m = tl.load(sink_ptr + heads, mask=head_in, other=0.0).to(tl.float32) * 1.4426950408889634
+    l = tl.full([BLOCK_H], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    m, l, acc = _attend_set(
+        q, m, l, acc, pool0, stride_p0, idx0 + t * stride_i0, width0, scale_log2, D, NOPE, ROPE, FP8, DOT, IEEE, BLOCK_N
+    )
+    m, l, acc = _attend_set(
+        q, m, l, acc, pool1, stride_p1, idx1 + t * stride_i1, width1, scale_log2, D, NOPE, ROPE, FP8, DOT, IEEE, BLOCK_N
+    )
+    m, l, acc = _attend_set(
+        q, m, l, acc, pool2, stride_p2, idx2 + t * stride_i2, width2, scale_log2, D, NOPE, ROPE, FP8, DOT, IEEE, BLOCK_N
+    )
+    out = acc / l[:, None]
+    tl.store(
+        out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_in[:, None],
+    )
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Launch settings: query heads per program (the MMA's M), keys per tile, warps, pipeline stages."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def attention_plan(device: torch.device, heads: int, head_dim: int) -> AttentionPlan:
+    """Settings from the device: up to 64 heads a program (Flash's all, Pro's half) and the widest key tile
+    whose bf16 copies (two stages) fit the shared memory beside the query tile."""
+    block_h = min(64, max(16, triton.next_power_of_2(heads)))
+    if interpreting() or device.type != "cuda":
+        return AttentionPlan(block_h, 16, 4, 1)
+    smem, stages = shared_memory_per_block(device), 2
+    tile = head_dim * 2
+    block_n = next((n for n in (32, 16) if (block_h + stages * n) * tile <= smem * 3 // 4), 16)
+    return AttentionPlan(block_h, block_n, 8 if block_h >= 64 else 4, stages)
+
+
+_DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    key_sets: list[tuple[torch.Tensor, torch.Tensor]],
+    sink: torch.Tensor,
+    scale: float,
+    rope_dim: int | None = None,
+    impl: str = "auto",
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
+    """q [T, H, D], key_sets [(kv pool, indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype.
+
+    Pools: rows [N, D] or FP8 entries uint8 [N, kv_entry_bytes] (then rope_dim is needed), all of one kind.
+    impl: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the reference), or "auto" (triton on CUDA).
+    plan: override the launch settings (benchmarks)."""
+    if impl == "auto":
+        impl = "triton" if q.is_cuda else "torch"
+    if impl == "torch":
+        return sparse_attention_reference(q, key_sets, sink, scale, rope_dim)
+    if impl != "triton":
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    fp8 = _check(q, key_sets, rope_dim)
+    if not 1 <= len(key_sets) <= MAX_KEY_SETS:
+        raise ValueError(f"sparse_attention: 1 to {MAX_KEY_SETS} key sets, got {len(key_sets)}")
+    t, heads, head_dim = q.shape
+    if q.stride(2) != 1 or head_dim != triton.next_power_of_2(head_dim) or q.dtype not in _DOT_TYPES:
+        raise ValueError(f"sparse_attention: q must be [T, H, D] with D a power of two, contiguous in D, got {q.shape}")
+    out = torch.empty((t, heads, head_dim), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    plan = plan or attention_plan(q.device, heads, head_dim)
+    sets = []
+    for kv, idx in key_sets:
+        if kv.stride(1) != 1 or idx.stride(1) != 1:
+            raise ValueError("sparse_attention: pools and indices must be contiguous in their last dim")
+        sets += [kv, kv.stride(0), idx, idx.stride(0), idx.shape[1]]
+    for _ in range(MAX_KEY_SETS - len(key_sets)):
+        sets += sets[:4] + [0]  # an empty list (the first set's tensors, width 0): its loop never runs
+    dot_f32 = interpreting() or q.dtype == torch.float32
+    _sparse_attention_kernel[(t, triton.cdiv(heads, plan.block_h))](
+        q,
+        q.stride(0),
+        q.stride(1),
+        out,
+        out.stride(0),
+        out.stride(1),
+        sink,
+        heads,
+        scale * _LOG2E,
+        *sets,
+        D=head_dim,
+        NOPE=head_dim - (rope_dim or 0),
+        ROPE=rope_dim or 0,
+        FP8=fp8,
+        DOT=tl.float32 if dot_f32 else _DOT_TYPES[q.dtype],
+        IEEE=dot_f32,
+        BLOCK_H=plan.block_h,
+        BLOCK_N=plan.block_n,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    return out
