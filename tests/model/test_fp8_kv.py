@@ -123,7 +123,9 @@ def test_fp8_mode_chunked_equals_whole():
     ids = torch.randint(0, cfg.vocab_size, (45,), generator=torch.Generator().manual_seed(5))
     whole = run_in_chunks(model, model.new_cache(1, 4, 16), ids, [len(ids)], slot=0, table=torch.arange(4))
     chunked = run_in_chunks(model, model.new_cache(1, 4, 16), ids, [7, 1, 4], slot=0, table=torch.arange(4))
-    assert max_rel_err(chunked, whole) <= 1e-5
+    # Chunks of other sizes sum the projections in another order (1e-7); that can move a stored value across
+    # a bf16 (RoPE) or e4m3 rounding boundary, one ulp of one channel: 2e-4 seen.
+    assert max_rel_err(chunked, whole) <= 1e-3
 
 
 def test_fp8_rejected_when_nope_dims_are_not_blocks_of_64():
