@@ -75,8 +75,10 @@ def _gather(kv: torch.Tensor, idx: torch.Tensor, head_dim: int, rope_dim: int | 
 
 
 def _attend(q, key_sets, sink, scale, rope_dim):
-    keys = torch.cat([_gather(kv, idx, q.shape[2], rope_dim) for kv, idx in key_sets], dim=1)  # [t, K, D]
     valid = torch.cat([idx >= 0 for _, idx in key_sets], dim=1)  # [t, K]
+    # Rows behind -1 are never attended: zero them, whatever bytes the pool holds there (NaN included).
+    keys = torch.cat([_gather(kv, idx, q.shape[2], rope_dim) for kv, idx in key_sets], dim=1)  # [t, K, D]
+    keys = keys.masked_fill(~valid[..., None], 0.0)
     scores = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     sink_logit = sink.float()[None, :, None].expand(q.shape[0], -1, 1)
