@@ -132,7 +132,7 @@ def _key_tile(
 def _attend_set(
     q,
     m,
-    l,
+    denom,
     acc,
     pool,
     stride_pool,
@@ -147,7 +147,7 @@ def _attend_set(
     IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Online softmax over one key list (log2 domain): running max m, denominator l, numerator acc."""
+    """Online softmax over one key list (log2 domain): running max m, denominator denom, numerator acc."""
     for start in range(0, width, BLOCK_N):
         offsets = start + tl.arange(0, BLOCK_N)
         rows = tl.load(idx_row + offsets, mask=offsets < width, other=-1)
@@ -162,14 +162,14 @@ def _attend_set(
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
+            denom = denom * alpha + tl.sum(p, axis=1)
             if IEEE:
                 pv = tl.dot(p.to(DOT), k, input_precision="ieee")
             else:
                 pv = tl.dot(p.to(DOT), k)
             acc = acc * alpha[:, None] + pv
             m = m_new
-    return m, l, acc
+    return m, denom, acc
 
 
 @triton.jit(
@@ -229,18 +229,63 @@ def _sparse_attention_kernel(
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_in[:, None], other=0.0)
     q = q.to(DOT)
     m = tl.load(sink_ptr + heads, mask=head_in, other=0.0).to(tl.float32) * 1.4426950408889634
-    l = tl.full([BLOCK_H], 1.0, tl.float32)
+    denom = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
-    m, l, acc = _attend_set(
-        q, m, l, acc, pool0, stride_p0, idx0 + t * stride_i0, width0, scale_log2, D, NOPE, ROPE, FP8, DOT, IEEE, BLOCK_N
+    m, denom, acc = _attend_set(
+        q,
+        m,
+        denom,
+        acc,
+        pool0,
+        stride_p0,
+        idx0 + t * stride_i0,
+        width0,
+        scale_log2,
+        D,
+        NOPE,
+        ROPE,
+        FP8,
+        DOT,
+        IEEE,
+        BLOCK_N,
     )
-    m, l, acc = _attend_set(
-        q, m, l, acc, pool1, stride_p1, idx1 + t * stride_i1, width1, scale_log2, D, NOPE, ROPE, FP8, DOT, IEEE, BLOCK_N
+    m, denom, acc = _attend_set(
+        q,
+        m,
+        denom,
+        acc,
+        pool1,
+        stride_p1,
+        idx1 + t * stride_i1,
+        width1,
+        scale_log2,
+        D,
+        NOPE,
+        ROPE,
+        FP8,
+        DOT,
+        IEEE,
+        BLOCK_N,
     )
-    m, l, acc = _attend_set(
-        q, m, l, acc, pool2, stride_p2, idx2 + t * stride_i2, width2, scale_log2, D, NOPE, ROPE, FP8, DOT, IEEE, BLOCK_N
+    m, denom, acc = _attend_set(
+        q,
+        m,
+        denom,
+        acc,
+        pool2,
+        stride_p2,
+        idx2 + t * stride_i2,
+        width2,
+        scale_log2,
+        D,
+        NOPE,
+        ROPE,
+        FP8,
+        DOT,
+        IEEE,
+        BLOCK_N,
     )
-    out = acc / l[:, None]
+    out = acc / denom[:, None]
     tl.store(
         out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
         out.to(out_ptr.dtype.element_ty),

@@ -85,7 +85,7 @@ def _fp8_fits(cfg: ModelConfig) -> bool:
 
 
 def resolve_kv_cache_dtype(cfg: ModelConfig, kv_cache_dtype: str, device: torch.device | str) -> str:
-    """"bf16" or "fp8": "auto" is the FP8 cache on CUDA (the reference's own semantics) where the config's
+    """ "bf16" or "fp8": "auto" is the FP8 cache on CUDA (the reference's own semantics) where the config's
     non-RoPE dims are whole fp8 blocks, else "bf16" (entries unquantised, in the compute dtype)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
@@ -225,7 +225,9 @@ class ModelCache:
     def _layer(self, cfg: ModelConfig, i: int, dtype: torch.dtype, device: torch.device) -> LayerCache:
         kind, ratio = cfg.layer_kinds[i], cfg.compress_ratios[i]
         fp8 = self.kv_cache_dtype == FP8
-        entry, entry_dtype = (kv_entry_bytes(cfg.head_dim, cfg.qk_rope_head_dim), torch.uint8) if fp8 else (cfg.head_dim, dtype)
+        entry, entry_dtype = (
+            (kv_entry_bytes(cfg.head_dim, cfg.qk_rope_head_dim), torch.uint8) if fp8 else (cfg.head_dim, dtype)
+        )
         layer = LayerCache(
             kind,
             ratio,

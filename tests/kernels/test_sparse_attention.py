@@ -19,9 +19,7 @@ def test_reference_is_softmax_with_the_sink_in_the_denominator():
     case = build_case([(10, 3)], heads=3, head_dim=128, kind="csa", fp8=True)
     out = sa.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.1, case.rope_dim)
     for t in range(3):
-        keys = torch.cat(
-            [dequantize_kv(kv[idx[t][idx[t] >= 0]], 128, 64, torch.float32) for kv, idx in case.key_sets]
-        )
+        keys = torch.cat([dequantize_kv(kv[idx[t][idx[t] >= 0]], 128, 64, torch.float32) for kv, idx in case.key_sets])
         for h in range(3):
             logits = torch.cat([keys @ case.q[t, h] * 0.1, case.sink[h : h + 1]])
             weights = torch.softmax(logits, dim=0)[:-1]  # the sink's share goes nowhere

@@ -102,7 +102,9 @@ def test_fp8_mode_is_close_to_bf16_and_stores_the_reference_entries():
         stores = [(layer_plain.window[0], layer_fp8.window[0])]
         if layer_fp8.compressed is not None:
             written = 70 // layer_fp8.ratio
-            stores.append((layer_plain.compressed.flatten(0, 1)[:written], layer_fp8.compressed.flatten(0, 1)[:written]))
+            stores.append(
+                (layer_plain.compressed.flatten(0, 1)[:written], layer_fp8.compressed.flatten(0, 1)[:written])
+            )
         for values, stored in stores:
             assert stored.dtype == torch.uint8 and values.dtype == torch.float32
             back = dequantize_kv(stored, cfg.head_dim, rope, torch.float32)
