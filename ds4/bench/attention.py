@@ -3,8 +3,8 @@
 One layer's attention of a batch over the FP8 (or bf16) cache, as the model calls it: the window (128 entries),
 then CSA's top-k or every HCA entry. Decode: `batch` requests of one token at `context`; prefill: one request's
 chunk of `tokens` from position 0. Decode is timed as a CUDA-graph replay (a captured step's cost), prefill
-eagerly. The roofline is the larger of the bytes a step must read (the query, each attended entry once per
-token, the index lists, the output) over the measured copy bandwidth and its FLOPs (QK and PV) over the
+eagerly. The roofline is the larger of the bytes a step must read (the query, each distinct attended entry
+once, the index lists, the output) over the measured copy bandwidth and its FLOPs (QK and PV) over the
 measured bf16 GEMM rate; both ceilings are measured in the same run.
 """
 
@@ -63,12 +63,14 @@ def _inputs(cfg, kind: str, positions: torch.Tensor, decode: bool, fp8: bool, de
 
 
 def _cost(cfg, q, key_sets, fp8: bool) -> tuple[int, int]:
-    """(bytes, FLOPs) of one call: every attended entry read once per token (top-k and windows differ per token)."""
+    """(bytes, FLOPs) of one call: each distinct attended entry read once (a chunk's tokens share most of theirs),
+    the index lists, q and the output; QK and PV over every (token, attended entry) pair."""
     heads, dim = cfg.num_attention_heads, cfg.head_dim
     entry = kv_entry_bytes(dim, cfg.qk_rope_head_dim) if fp8 else dim * 2
     attended = sum(int((idx >= 0).sum()) for _, idx in key_sets)
+    distinct = sum(int(idx[idx >= 0].unique().numel()) for _, idx in key_sets)
     index_bytes = sum(idx.numel() * idx.element_size() for _, idx in key_sets)
-    nbytes = attended * entry + index_bytes + 2 * q.numel() * q.element_size()
+    nbytes = distinct * entry + index_bytes + 2 * q.numel() * q.element_size()
     return nbytes, 4 * heads * dim * attended
 
 
