@@ -25,7 +25,7 @@ from ds4.kernels.sparse_attention import AttentionPlan, attention_plan, sparse_a
 
 DECODE = [(b, c) for b in (1, 64) for c in (4096, 16384, 65536)]
 PREFILL = [8192]
-PLANS = [AttentionPlan(64, n, w, s) for n in (16, 32, 64) for w in (4, 8) for s in (1, 2)]
+PLANS = [AttentionPlan(64, n, w, 2) for n in (16, 32, 64) for w in (4, 8)]
 
 
 def _inputs(cfg, kind: str, positions: torch.Tensor, decode: bool, fp8: bool, device, gen: torch.Generator):
