@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
-timeout 55 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention_gpu.py > "$OUT/kernel_tests.log" 2>&1
+timeout 50 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_sparse_attention_gpu.py > "$OUT/kernel_tests.log" 2>&1
 kernel=$?
 timeout 40 python3 -m ds4.cli bench attention --json "$OUT/attention.json" > "$OUT/bench.log" 2>&1
 bench=$?
@@ -19,7 +19,7 @@ model=$?
 timeout 25 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py \
   -k "decode_path_never_syncs or greedy_under_continuous" > "$OUT/engine_tests.log" 2>&1
 engine=$?
-timeout 15 python3 -m ds4.cli bench attention --sweep --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
+timeout 20 python3 -m ds4.cli bench attention --sweep --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
 for f in kernel_tests model_tests engine_tests; do echo "== $f"; tail -n 15 "$OUT/$f.log"; done
 echo "== sweep"; grep "^sweep" "$OUT/sweep.log" | tail -n 12
 echo "== bench"; cat "$OUT/bench.log" | tail -n 25

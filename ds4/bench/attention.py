@@ -102,7 +102,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ds4 bench attention", description=__doc__)
     parser.add_argument("--config", default="flash", help="flash, pro or a config.json (default: flash)")
     parser.add_argument("--kv-cache-dtype", default="fp8", choices=("fp8", "bf16"))
-    parser.add_argument("--sweep", action="store_true", help="also time candidate launch plans (prefill 8K CSA)")
+    parser.add_argument(
+        "--sweep", action="store_true", help="instead of the table: candidate launch plans on CSA decode and prefill"
+    )
     parser.add_argument("--json", metavar="PATH", help="write the report here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -128,6 +130,8 @@ def main(argv: list[str]) -> int:
     print(f"{'case':34} {'ms':>9} {'roof ms':>9} {'of roof':>8} {'MB':>9} {'GFLOP':>8}")
     cases = [("decode", kind, b, c) for kind in ("csa", "hca") for b, c in DECODE]
     cases += [("prefill", kind, 1, n) for kind in ("csa", "hca", "window") for n in PREFILL]
+    if args.sweep:
+        cases = []
     for mode, kind, batch, n in cases:
         if mode == "decode":
             positions = torch.full((batch,), n - 1, device=device)
@@ -143,17 +147,17 @@ def main(argv: list[str]) -> int:
         )
     if args.sweep:
         report["sweep"] = []
+        shapes = {"decode": torch.full((64,), 65535, device=device), "prefill": torch.arange(8192, device=device)}
         for candidate in PLANS:
-            for mode, positions in (("prefill", torch.arange(8192, device=device)), ("decode", None)):
-                if positions is None:
-                    positions = torch.full((64,), 65535, device=device)
+            for mode, positions in shapes.items():
                 try:
                     row = bench_case(cfg, "csa", positions, mode == "decode", fp8, bandwidth, rate, candidate, device)
                 except Exception as e:  # a plan that does not compile or fit is reported, not fatal
                     row = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
                 row.update(plan=candidate.__dict__, mode=mode)
                 report["sweep"].append(row)
-                print(f"sweep {mode:7} {candidate}: " + (f"{row['ms']:.4f} ms" if "ms" in row else row["error"]))
+                result = f"{row['ms']:.4f} ms, {row['of_roofline']:.1%} of roofline" if "ms" in row else row["error"]
+                print(f"sweep {mode:7} {candidate}: {result}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
