@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ds4.kernels._device import interpreting, shared_memory_per_block
-from ds4.kernels.fp8_kv import dequantize_kv
+from ds4.kernels.fp8_kv import dequantize_kv, kv_entry_bytes
 
 # The torch reference gathers keys for a piece of tokens at a time, at most this many bytes of fp32 keys.
 _PIECE_BYTES = 1 << 28
@@ -41,8 +41,9 @@ def _check(q: torch.Tensor, key_sets, rope_dim: int | None) -> bool:
     fp8 = packed == {True}
     if fp8 and rope_dim is None:
         raise ValueError("sparse_attention: FP8 entries need rope_dim")
+    width = kv_entry_bytes(q.shape[2], rope_dim) if fp8 else q.shape[2]
     for kv, idx in key_sets:
-        width_ok = fp8 or kv.shape[-1] == q.shape[2]
+        width_ok = kv.shape[-1] == width
         if kv.dim() != 2 or not width_ok or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
             raise ValueError(
                 f"sparse_attention: kv {tuple(kv.shape)} / indices {tuple(idx.shape)} do not fit q {tuple(q.shape)}"

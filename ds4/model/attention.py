@@ -4,6 +4,10 @@ Window layers see the last `sliding_window` raw tokens; HCA layers add every com
 may see; CSA layers add the indexer's top-k. A per-head sink joins the softmax denominator. The output's
 RoPE channels are rotated back to the query position before the grouped low-rank output projection.
 
+Entries are stored as the cache keeps them (with the FP8 cache: the reference's e4m3 + bf16 RoPE entries, so the
+step's own keys are rounded exactly as the ring will hold them); ds4.kernels.sparse_attention reads them in place
+(its Triton kernel on CUDA, its torch reference elsewhere).
+
 A token's window keys come from two places: its request's ring (positions before the step) and the step's
 fresh kv (positions in it); the ring takes the step's tokens afterwards (row position % rows). The same
 code serves a decode_only batch (no host syncs, CUDA-graph capturable); only the widths differ: a decode_only
