@@ -104,6 +104,7 @@ def _key_tile(
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_CVT: tl.constexpr,
     DOT: tl.constexpr,
 ):
     """Keys [BLOCK_N, D] in the dot dtype from pool rows (invalid rows read as zero). FP8 entries: e4m3 values
@@ -113,9 +114,16 @@ def _key_tile(
     if FP8:
         nope = dims < NOPE
         live = valid[:, None] & nope[None, :]
-        values = tl.load(
-            pool.to(tl.pointer_type(tl.float8e4nv)) + base[:, None] + dims[None, :], mask=live, other=0.0
-        ).to(tl.float32)
+        if FP8_CVT:
+            values = tl.load(
+                pool.to(tl.pointer_type(tl.float8e4nv)) + base[:, None] + dims[None, :], mask=live, other=0.0
+            ).to(tl.float32)
+        else:  # no e4m3 conversion on this device (sm_80): from the bits (exponent bias 7, 3 mantissa bits)
+            bits = tl.load(pool + base[:, None] + dims[None, :], mask=live, other=0).to(tl.int32)
+            magnitude = bits & 0x7F
+            normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+            values = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
+            values = tl.where((bits & 0x80) != 0, -values, values)
         exponents = tl.load(pool + base[:, None] + (NOPE + 2 * ROPE) + dims[None, :] // 64, mask=live, other=0)
         scales = (exponents.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         rope = tl.load(
@@ -144,6 +152,7 @@ def _attend_set(
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_CVT: tl.constexpr,
     DOT: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -154,7 +163,7 @@ def _attend_set(
         rows = tl.load(idx_row + offsets, mask=offsets < width, other=-1)
         valid = rows >= 0
         if tl.max(valid.to(tl.int32), axis=0) > 0:  # a tile of padding (-1) costs no dot product
-            k = _key_tile(pool, stride_pool, rows, valid, D, NOPE, ROPE, FP8, DOT)
+            k = _key_tile(pool, stride_pool, rows, valid, D, NOPE, ROPE, FP8, FP8_CVT, DOT)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -217,6 +226,7 @@ def _sparse_attention_kernel(
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_CVT: tl.constexpr,
     DOT: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -246,6 +256,7 @@ def _sparse_attention_kernel(
         NOPE,
         ROPE,
         FP8,
+        FP8_CVT,
         DOT,
         IEEE,
         BLOCK_N,
@@ -264,6 +275,7 @@ def _sparse_attention_kernel(
         NOPE,
         ROPE,
         FP8,
+        FP8_CVT,
         DOT,
         IEEE,
         BLOCK_N,
@@ -282,6 +294,7 @@ def _sparse_attention_kernel(
         NOPE,
         ROPE,
         FP8,
+        FP8_CVT,
         DOT,
         IEEE,
         BLOCK_N,
@@ -314,6 +327,11 @@ def attention_plan(device: torch.device, heads: int, head_dim: int) -> Attention
     tile = head_dim * 2
     block_n = next((n for n in (32, 16) if (block_h + stages * n) * tile <= smem * 3 // 4), 16)
     return AttentionPlan(block_h, block_n, 8 if block_h >= 64 else 4, stages)
+
+
+def converts_fp8(device: torch.device) -> bool:
+    """Whether the kernel reads e4m3 through the device's conversion (sm_89+; the interpreter), else from bits."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 _DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -372,6 +390,7 @@ def sparse_attention(
         NOPE=head_dim - (rope_dim or 0),
         ROPE=rope_dim or 0,
         FP8=fp8,
+        FP8_CVT=converts_fp8(q.device),
         DOT=tl.float32 if dot_f32 else _DOT_TYPES[q.dtype],
         IEEE=dot_f32,
         BLOCK_H=plan.block_h,

@@ -60,6 +60,19 @@ def test_kernel_with_heads_over_several_programs_and_a_token_seeing_nothing():
     assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
+def test_e4m3_decoded_from_its_bits_as_on_devices_without_fp8_conversion(monkeypatch):
+    """sm_80 has no e4m3 conversion: the kernel then decodes the bits itself (normals and subnormals, signs)."""
+    mod = _kernel()
+    monkeypatch.setattr(mod, "converts_fp8", lambda device: False)
+    case = build_case([(12, 3)], heads=4, head_dim=128, kind="csa", fp8=True, seed=9)
+    pool, idx = case.key_sets[2]
+    pool[:, :64] = torch.arange(256, dtype=torch.uint8).view(-1, 64).repeat(pool.shape[0] // 4 + 1, 1)[: pool.shape[0]]
+    pool[:, :64][pool[:, :64] & 0x7F == 0x7F] = 0  # no NaN codes
+    want = mod.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.09, case.rope_dim)
+    got = mod.sparse_attention(case.q, case.key_sets, case.sink, 0.09, case.rope_dim, impl="triton")
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
 def test_bad_inputs_are_refused():
     case = build_case([(4, 2)], heads=2, head_dim=128, kind="hca", fp8=True)
     with pytest.raises(ValueError, match="rope_dim"):
