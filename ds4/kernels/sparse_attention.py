@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import interpreting, shared_memory_per_block
+from ds4.kernels._device import interpreting, num_sms, shared_memory_per_block
 from ds4.kernels.fp8_kv import dequantize_kv, kv_entry_bytes
 
 # The torch reference gathers keys for a piece of tokens at a time, at most this many bytes of fp32 keys.
@@ -31,6 +31,8 @@ _PIECE_BYTES = 1 << 28
 # Key sets one kernel launch takes (the model passes a window ring, the step's keys, compressed entries).
 MAX_KEY_SETS = 3
 _LOG2E = 1.4426950408889634
+_MIN_SPLIT_TILES = 4
+_COMBINE_BLOCK_D = 64
 
 
 def _check(q: torch.Tensor, key_sets, rope_dim: int | None) -> bool:
@@ -147,6 +149,8 @@ def _attend_set(
     stride_pool,
     idx_row,
     width,
+    first_tile,
+    last_tile,
     scale_log2,
     D: tl.constexpr,
     NOPE: tl.constexpr,
@@ -157,9 +161,10 @@ def _attend_set(
     IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Online softmax over one key list (log2 domain): running max m, denominator denom, numerator acc."""
-    for start in range(0, width, BLOCK_N):
-        offsets = start + tl.arange(0, BLOCK_N)
+    """Online softmax over tiles first_tile .. last_tile - 1 of one key list (log2 domain): running max m,
+    denominator denom, numerator acc."""
+    for tile in range(first_tile, last_tile):
+        offsets = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.load(idx_row + offsets, mask=offsets < width, other=-1)
         valid = rows >= 0
         if tl.max(valid.to(tl.int32), axis=0) > 0:  # a tile of padding (-1) costs no dot product
@@ -182,6 +187,12 @@ def _attend_set(
     return m, denom, acc
 
 
+@triton.jit
+def _tile_range(begin, end, offset, tiles):
+    """The part of global tiles [begin, end) that falls in a list whose tiles are offset .. offset + tiles - 1."""
+    return tl.minimum(tl.maximum(begin - offset, 0), tiles), tl.minimum(tl.maximum(end - offset, 0), tiles)
+
+
 @triton.jit(
     do_not_specialize=[
         "stride_qt",
@@ -195,6 +206,7 @@ def _attend_set(
         "width1",
         "stride_i2",
         "width2",
+        "tiles_per_split",
     ]
 )
 def _sparse_attention_kernel(
@@ -204,6 +216,7 @@ def _sparse_attention_kernel(
     out_ptr,
     stride_ot,
     stride_oh,
+    part_ptr,
     sink_ptr,
     n_heads,
     scale_log2,
@@ -222,6 +235,7 @@ def _sparse_attention_kernel(
     idx2,
     stride_i2,
     width2,
+    tiles_per_split,
     D: tl.constexpr,
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
@@ -229,80 +243,89 @@ def _sparse_attention_kernel(
     FP8_CVT: tl.constexpr,
     DOT: tl.constexpr,
     IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # One program: one token and BLOCK_H of its heads (the MMA's M); the sink starts the running max.
+    # One program: one token, BLOCK_H of its heads (the MMA's M) and one split of its key tiles (the three lists'
+    # tiles counted end to end). The sink starts the running max of the first split; SPLIT: the program's
+    # running max, denominator and numerator go to part_ptr for _combine_splits, else the output is written.
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     head_in = heads < n_heads
     dims = tl.arange(0, D)
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_in[:, None], other=0.0)
     q = q.to(DOT)
-    m = tl.load(sink_ptr + heads, mask=head_in, other=0.0).to(tl.float32) * 1.4426950408889634
-    denom = tl.full([BLOCK_H], 1.0, tl.float32)
+    sink = tl.load(sink_ptr + heads, mask=head_in, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = tl.where(split == 0, sink, float("-inf"))
+    denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
+    begin = split * tiles_per_split
+    end = begin + tiles_per_split
+    tiles0, tiles1, tiles2 = tl.cdiv(width0, BLOCK_N), tl.cdiv(width1, BLOCK_N), tl.cdiv(width2, BLOCK_N)
+    lo, hi = _tile_range(begin, end, 0, tiles0)
     m, denom, acc = _attend_set(
-        q,
-        m,
-        denom,
-        acc,
-        pool0,
-        stride_p0,
-        idx0 + t * stride_i0,
-        width0,
-        scale_log2,
-        D,
-        NOPE,
-        ROPE,
-        FP8,
-        FP8_CVT,
-        DOT,
-        IEEE,
-        BLOCK_N,
-    )
+        q, m, denom, acc, pool0, stride_p0, idx0 + t * stride_i0, width0, lo, hi, scale_log2,
+        D, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
+    )  # fmt: skip
+    lo, hi = _tile_range(begin, end, tiles0, tiles1)
     m, denom, acc = _attend_set(
-        q,
-        m,
-        denom,
-        acc,
-        pool1,
-        stride_p1,
-        idx1 + t * stride_i1,
-        width1,
-        scale_log2,
-        D,
-        NOPE,
-        ROPE,
-        FP8,
-        FP8_CVT,
-        DOT,
-        IEEE,
-        BLOCK_N,
-    )
+        q, m, denom, acc, pool1, stride_p1, idx1 + t * stride_i1, width1, lo, hi, scale_log2,
+        D, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
+    )  # fmt: skip
+    lo, hi = _tile_range(begin, end, tiles0 + tiles1, tiles2)
     m, denom, acc = _attend_set(
-        q,
-        m,
-        denom,
-        acc,
-        pool2,
-        stride_p2,
-        idx2 + t * stride_i2,
-        width2,
-        scale_log2,
-        D,
-        NOPE,
-        ROPE,
-        FP8,
-        FP8_CVT,
-        DOT,
-        IEEE,
-        BLOCK_N,
-    )
-    out = acc / denom[:, None]
+        q, m, denom, acc, pool2, stride_p2, idx2 + t * stride_i2, width2, lo, hi, scale_log2,
+        D, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
+    )  # fmt: skip
+    if SPLIT:
+        # part: [T, splits, n_heads, D + 2] fp32, the numerator then the running max and the denominator
+        row = ((t * tl.num_programs(2) + split) * n_heads + heads) * (D + 2)
+        tl.store(part_ptr + row[:, None] + dims[None, :], acc, mask=head_in[:, None])
+        tl.store(part_ptr + row + D, m, mask=head_in)
+        tl.store(part_ptr + row + D + 1, denom, mask=head_in)
+    else:
+        out = acc / denom[:, None]
+        tl.store(
+            out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_in[:, None],
+        )
+
+
+@triton.jit(do_not_specialize=["stride_ot", "stride_oh", "n_heads", "splits"])
+def _combine_splits(
+    part_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    n_heads,
+    splits,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program: one token's BLOCK_H heads, BLOCK_D of the dims; the splits' softmax pieces rescaled to their
+    # common maximum.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_in = heads < n_heads
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    peak = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(splits):
+        row = ((t * splits + s) * n_heads + heads) * (D + 2)
+        peak = tl.maximum(peak, tl.load(part_ptr + row + D, mask=head_in, other=0.0))
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(splits):
+        row = ((t * splits + s) * n_heads + heads) * (D + 2)
+        weight = tl.exp2(tl.load(part_ptr + row + D, mask=head_in, other=0.0) - peak)
+        denom += weight * tl.load(part_ptr + row + D + 1, mask=head_in, other=0.0)
+        acc += weight[:, None] * tl.load(part_ptr + row[:, None] + dims[None, :], mask=head_in[:, None], other=0.0)
     tl.store(
         out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
+        (acc / tl.where(head_in, denom, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
         mask=head_in[:, None],
     )
 
@@ -329,6 +352,14 @@ def attention_plan(device: torch.device, heads: int, head_dim: int) -> Attention
     return AttentionPlan(block_h, block_n, 8 if block_h >= 64 else 4, stages)
 
 
+def key_splits(programs: int, tiles: int, sms: int) -> int:
+    """Programs a token's key tiles are split over: only when the grid would leave most SMs idle (a small decode
+    batch), each split at least _MIN_SPLIT_TILES tiles (its partial result costs H x D fp32 to write and read)."""
+    if programs * 4 > sms:
+        return 1
+    return max(1, min(-(-sms // programs), tiles // _MIN_SPLIT_TILES))
+
+
 def converts_fp8(device: torch.device) -> bool:
     """Whether the kernel reads e4m3 through the device's conversion (sm_89+; the interpreter), else from bits."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
@@ -345,12 +376,13 @@ def sparse_attention(
     rope_dim: int | None = None,
     impl: str = "auto",
     plan: AttentionPlan | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], key_sets [(kv pool, indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype.
 
     Pools: rows [N, D] or FP8 entries uint8 [N, kv_entry_bytes] (then rope_dim is needed), all of one kind.
     impl: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the reference), or "auto" (triton on CUDA).
-    plan: override the launch settings (benchmarks)."""
+    plan, splits: override the launch settings and the split of each token's keys (tests, benchmarks)."""
     if impl == "auto":
         impl = "triton" if q.is_cuda else "torch"
     if impl == "torch":
@@ -375,17 +407,25 @@ def sparse_attention(
     for _ in range(MAX_KEY_SETS - len(key_sets)):
         sets += sets[:4] + [0]  # an empty list (the first set's tensors, width 0): its loop never runs
     dot_f32 = interpreting() or q.dtype == torch.float32
-    _sparse_attention_kernel[(t, triton.cdiv(heads, plan.block_h))](
+    head_blocks = triton.cdiv(heads, plan.block_h)
+    tiles = sum(triton.cdiv(idx.shape[1], plan.block_n) for _, idx in key_sets)
+    splits = splits or key_splits(t * head_blocks, tiles, num_sms(q.device))
+    per_split = max(1, triton.cdiv(tiles, splits))
+    splits = max(1, triton.cdiv(tiles, per_split))
+    part = torch.empty(t * splits * heads * (head_dim + 2) if splits > 1 else 0, dtype=torch.float32, device=q.device)
+    _sparse_attention_kernel[(t, head_blocks, splits)](
         q,
         q.stride(0),
         q.stride(1),
         out,
         out.stride(0),
         out.stride(1),
+        part,
         sink,
         heads,
         scale * _LOG2E,
         *sets,
+        per_split,
         D=head_dim,
         NOPE=head_dim - (rope_dim or 0),
         ROPE=rope_dim or 0,
@@ -393,9 +433,15 @@ def sparse_attention(
         FP8_CVT=converts_fp8(q.device),
         DOT=tl.float32 if dot_f32 else _DOT_TYPES[q.dtype],
         IEEE=dot_f32,
+        SPLIT=splits > 1,
         BLOCK_H=plan.block_h,
         BLOCK_N=plan.block_n,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
+    if splits > 1:
+        block_d = min(_COMBINE_BLOCK_D, head_dim)
+        _combine_splits[(t, head_blocks, head_dim // block_d)](
+            part, out, out.stride(0), out.stride(1), heads, splits, D=head_dim, BLOCK_H=plan.block_h, BLOCK_D=block_d
+        )
     return out

@@ -60,6 +60,17 @@ def test_kernel_with_heads_over_several_programs_and_a_token_seeing_nothing():
     assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_keys_split_over_programs_combine_to_the_reference(splits):
+    """A small decode batch spreads each token's key tiles over several programs (the window, the step's keys and
+    the entries counted end to end; a split may start inside one list and end in another, or hold only -1)."""
+    mod = _kernel()
+    case = build_case([(40, 1), (23, 2)], heads=4, head_dim=128, kind="csa", topk=20, fp8=True, seed=splits)
+    want = mod.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.09, case.rope_dim)
+    got = mod.sparse_attention(case.q, case.key_sets, case.sink, 0.09, case.rope_dim, impl="triton", splits=splits)
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
 def test_e4m3_decoded_from_its_bits_as_on_devices_without_fp8_conversion(monkeypatch):
     """sm_80 has no e4m3 conversion: the kernel then decodes the bits itself (normals and subnormals, signs)."""
     mod = _kernel()
