@@ -83,14 +83,14 @@ def _graph_ms(fn, device) -> float:
     return median_ms(graph.replay, device, reps=50, warmup=5)
 
 
-def bench_case(cfg, kind, positions, decode: bool, fp8, bandwidth, rate, plan, device) -> dict:
+def bench_case(cfg, kind, positions, decode: bool, fp8, bandwidth, rate, plan, device, splits=None) -> dict:
     """Decode is timed as a CUDA-graph replay, prefill eagerly."""
     gen = torch.Generator(device=device).manual_seed(0)
     q, key_sets, sink = _inputs(cfg, kind, positions, decode, fp8, device, gen)
     rope = cfg.qk_rope_head_dim if fp8 else None
 
     def call():
-        return sparse_attention(q, key_sets, sink, cfg.head_dim**-0.5, rope, impl="triton", plan=plan)
+        return sparse_attention(q, key_sets, sink, cfg.head_dim**-0.5, rope, impl="triton", plan=plan, splits=splits)
 
     ms = _graph_ms(call, device) if decode else median_ms(call, device)
     nbytes, flops = _cost(cfg, q, key_sets, fp8)
@@ -103,7 +103,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", default="flash", help="flash, pro or a config.json (default: flash)")
     parser.add_argument("--kv-cache-dtype", default="fp8", choices=("fp8", "bf16"))
     parser.add_argument(
-        "--sweep", action="store_true", help="instead of the table: candidate launch plans on CSA decode and prefill"
+        "--sweep",
+        action="store_true",
+        help="instead of the table: candidate launch plans on CSA decode and prefill, batch-1 key splits",
     )
     parser.add_argument("--json", metavar="PATH", help="write the report here")
     args = parser.parse_args(argv)
@@ -158,6 +160,12 @@ def main(argv: list[str]) -> int:
                 report["sweep"].append(row)
                 result = f"{row['ms']:.4f} ms, {row['of_roofline']:.1%} of roofline" if "ms" in row else row["error"]
                 print(f"sweep {mode:7} {candidate}: {result}")
+        for splits in (1, None):  # batch-1 decode with and without splitting each token's keys over programs
+            positions = torch.full((1,), 65535, device=device)
+            row = bench_case(cfg, "csa", positions, True, fp8, bandwidth, rate, plan, device, splits)
+            row.update(mode="decode batch 1", splits=splits or "auto")
+            report["sweep"].append(row)
+            print(f"sweep decode batch 1 ctx 65536, splits {splits or 'auto'}: {row['ms']:.4f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
