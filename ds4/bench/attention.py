@@ -149,6 +149,12 @@ def main(argv: list[str]) -> int:
         )
     if args.sweep:
         report["sweep"] = []
+        for splits in (1, None):  # batch-1 decode with and without splitting each token's keys over programs
+            positions = torch.full((1,), 65535, device=device)
+            row = bench_case(cfg, "csa", positions, True, fp8, bandwidth, rate, plan, device, splits)
+            row.update(mode="decode batch 1", splits=splits or "auto")
+            report["sweep"].append(row)
+            print(f"sweep decode batch 1 ctx 65536, splits {splits or 'auto'}: {row['ms']:.4f} ms")
         shapes = {"decode": torch.full((64,), 65535, device=device), "prefill": torch.arange(8192, device=device)}
         for candidate in PLANS:
             for mode, positions in shapes.items():
@@ -160,12 +166,6 @@ def main(argv: list[str]) -> int:
                 report["sweep"].append(row)
                 result = f"{row['ms']:.4f} ms, {row['of_roofline']:.1%} of roofline" if "ms" in row else row["error"]
                 print(f"sweep {mode:7} {candidate}: {result}")
-        for splits in (1, None):  # batch-1 decode with and without splitting each token's keys over programs
-            positions = torch.full((1,), 65535, device=device)
-            row = bench_case(cfg, "csa", positions, True, fp8, bandwidth, rate, plan, device, splits)
-            row.update(mode="decode batch 1", splits=splits or "auto")
-            report["sweep"].append(row)
-            print(f"sweep decode batch 1 ctx 65536, splits {splits or 'auto'}: {row['ms']:.4f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
