@@ -17,11 +17,14 @@ stride a runtime argument. The output [T, H, D] is what inverse RoPE and the gro
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ds4.kernels._device import interpreting, num_sms, shared_memory_per_block
 from ds4.kernels.fp8_kv import dequantize_kv, kv_entry_bytes
@@ -352,6 +355,19 @@ def attention_plan(device: torch.device, heads: int, head_dim: int) -> Attention
     return AttentionPlan(block_h, block_n, 8 if block_h >= 64 else 4, stages)
 
 
+def _smaller(plan: AttentionPlan) -> AttentionPlan | None:
+    """The next plan to try when a compiled kernel does not fit the device: fewer keys a tile, then one stage."""
+    if plan.block_n > 16:
+        return dataclasses.replace(plan, block_n=plan.block_n // 2)
+    if plan.num_stages > 1:
+        return dataclasses.replace(plan, num_stages=1)
+    return None
+
+
+# The plan that compiled within the device's resources, per (device, heads, head_dim, fp8 pools, q dtype).
+_FITTING_PLANS: dict[tuple, AttentionPlan] = {}
+
+
 def key_splits(programs: int, tiles: int, sms: int) -> int:
     """Programs a token's key tiles are split over: only when the grid would leave most SMs idle (a small decode
     batch), each split at least _MIN_SPLIT_TILES tiles (its partial result costs H x D fp32 to write and read)."""
@@ -360,6 +376,7 @@ def key_splits(programs: int, tiles: int, sms: int) -> int:
     return max(1, min(-(-sms // programs), tiles // _MIN_SPLIT_TILES))
 
 
+@functools.cache
 def converts_fp8(device: torch.device) -> bool:
     """Whether the kernel reads e4m3 through the device's conversion (sm_89+; the interpreter), else from bits."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
@@ -398,7 +415,8 @@ def sparse_attention(
     out = torch.empty((t, heads, head_dim), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    plan = plan or attention_plan(q.device, heads, head_dim)
+    key = (q.device, heads, head_dim, fp8, q.dtype)
+    chosen = plan or _FITTING_PLANS.get(key) or attention_plan(q.device, heads, head_dim)
     sets = []
     for kv, idx in key_sets:
         if kv.stride(1) != 1 or idx.stride(1) != 1:
@@ -406,6 +424,20 @@ def sparse_attention(
         sets += [kv, kv.stride(0), idx, idx.stride(0), idx.shape[1]]
     for _ in range(MAX_KEY_SETS - len(key_sets)):
         sets += sets[:4] + [0]  # an empty list (the first set's tensors, width 0): its loop never runs
+    while True:
+        try:
+            _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, chosen, splits)
+            break
+        except OutOfResources:
+            if plan is not None or _smaller(chosen) is None:
+                raise
+            chosen = _smaller(chosen)
+    _FITTING_PLANS.setdefault(key, chosen)
+    return out
+
+
+def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) -> None:
+    t, heads, head_dim = q.shape
     dot_f32 = interpreting() or q.dtype == torch.float32
     head_blocks = triton.cdiv(heads, plan.block_h)
     tiles = sum(triton.cdiv(idx.shape[1], plan.block_n) for _, idx in key_sets)
@@ -444,4 +476,3 @@ def sparse_attention(
         _combine_splits[(t, head_blocks, head_dim // block_d)](
             part, out, out.stride(0), out.stride(1), heads, splits, D=head_dim, BLOCK_H=plan.block_h, BLOCK_D=block_d
         )
-    return out

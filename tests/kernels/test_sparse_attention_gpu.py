@@ -86,4 +86,4 @@ def test_two_hundred_shapes_compile_few_variants():
             _check(case, 0.05)
         assert out.isfinite().all()
     after = sum(len(cache[0]) for cache in kernel.device_caches.values())
-    assert after - before <= 4, after - before  # fp8 or bf16 pools; not one per shape
+    assert after - before <= 8, after - before  # fp8 or bf16 pools, split or not (x plan fallbacks); not per shape
