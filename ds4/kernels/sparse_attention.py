@@ -106,15 +106,16 @@ def _key_tile(
     rows,
     valid,
     D: tl.constexpr,
+    DP: tl.constexpr,
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     FP8: tl.constexpr,
     FP8_CVT: tl.constexpr,
     DOT: tl.constexpr,
 ):
-    """Keys [BLOCK_N, D] in the dot dtype from pool rows (invalid rows read as zero). FP8 entries: e4m3 values
-    times their block's 2^(byte - 127) (exact in bf16), then the bf16 RoPE channels."""
-    dims = tl.arange(0, D)
+    """Keys [BLOCK_N, DP] in the dot dtype from pool rows (invalid rows and dims past D read as zero). FP8
+    entries: e4m3 values times their block's 2^(byte - 127) (exact in bf16), then the bf16 RoPE channels."""
+    dims = tl.arange(0, DP)
     base = rows.to(tl.int64) * stride_pool
     if FP8:
         nope = dims < NOPE
@@ -133,12 +134,12 @@ def _key_tile(
         scales = (exponents.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         rope = tl.load(
             pool.to(tl.pointer_type(tl.bfloat16)) + (base // 2)[:, None] + (NOPE // 2) + (dims - NOPE)[None, :],
-            mask=valid[:, None] & (dims >= NOPE)[None, :],
+            mask=valid[:, None] & ((dims >= NOPE) & (dims < D))[None, :],
             other=0.0,
         )
         k = tl.where(nope[None, :], values * scales, rope.to(tl.float32))
     else:
-        k = tl.load(pool + base[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(pool + base[:, None] + dims[None, :], mask=valid[:, None] & (dims < D)[None, :], other=0.0)
     return k.to(DOT)
 
 
@@ -156,6 +157,7 @@ def _attend_set(
     last_tile,
     scale_log2,
     D: tl.constexpr,
+    DP: tl.constexpr,
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     FP8: tl.constexpr,
@@ -171,7 +173,7 @@ def _attend_set(
         rows = tl.load(idx_row + offsets, mask=offsets < width, other=-1)
         valid = rows >= 0
         if tl.max(valid.to(tl.int32), axis=0) > 0:  # a tile of padding (-1) costs no dot product
-            k = _key_tile(pool, stride_pool, rows, valid, D, NOPE, ROPE, FP8, FP8_CVT, DOT)
+            k = _key_tile(pool, stride_pool, rows, valid, D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -240,6 +242,7 @@ def _sparse_attention_kernel(
     width2,
     tiles_per_split,
     D: tl.constexpr,
+    DP: tl.constexpr,
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     FP8: tl.constexpr,
@@ -257,35 +260,35 @@ def _sparse_attention_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     head_in = heads < n_heads
-    dims = tl.arange(0, D)
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=head_in[:, None], other=0.0)
-    q = q.to(DOT)
+    dims = tl.arange(0, DP)  # D padded to a power of two
+    live = head_in[:, None] & (dims < D)[None, :]
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=live, other=0.0).to(DOT)
     sink = tl.load(sink_ptr + heads, mask=head_in, other=0.0).to(tl.float32) * 1.4426950408889634
     m = tl.where(split == 0, sink, float("-inf"))
     denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    acc = tl.zeros([BLOCK_H, DP], tl.float32)
     begin = split * tiles_per_split
     end = begin + tiles_per_split
     tiles0, tiles1, tiles2 = tl.cdiv(width0, BLOCK_N), tl.cdiv(width1, BLOCK_N), tl.cdiv(width2, BLOCK_N)
     lo, hi = _tile_range(begin, end, 0, tiles0)
     m, denom, acc = _attend_set(
         q, m, denom, acc, pool0, stride_p0, idx0 + t * stride_i0, width0, lo, hi, scale_log2,
-        D, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
+        D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
     )  # fmt: skip
     lo, hi = _tile_range(begin, end, tiles0, tiles1)
     m, denom, acc = _attend_set(
         q, m, denom, acc, pool1, stride_p1, idx1 + t * stride_i1, width1, lo, hi, scale_log2,
-        D, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
+        D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
     )  # fmt: skip
     lo, hi = _tile_range(begin, end, tiles0 + tiles1, tiles2)
     m, denom, acc = _attend_set(
         q, m, denom, acc, pool2, stride_p2, idx2 + t * stride_i2, width2, lo, hi, scale_log2,
-        D, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
+        D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
     )  # fmt: skip
     if SPLIT:
         # part: [T, splits, n_heads, D + 2] fp32, the numerator then the running max and the denominator
         row = ((t * tl.num_programs(2) + split) * n_heads + heads) * (D + 2)
-        tl.store(part_ptr + row[:, None] + dims[None, :], acc, mask=head_in[:, None])
+        tl.store(part_ptr + row[:, None] + dims[None, :], acc, mask=live)
         tl.store(part_ptr + row + D, m, mask=head_in)
         tl.store(part_ptr + row + D + 1, denom, mask=head_in)
     else:
@@ -293,7 +296,7 @@ def _sparse_attention_kernel(
         tl.store(
             out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=head_in[:, None],
+            mask=live,
         )
 
 
@@ -315,6 +318,7 @@ def _combine_splits(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_in = heads < n_heads
     dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    live = head_in[:, None] & (dims < D)[None, :]
     peak = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for s in range(splits):
         row = ((t * splits + s) * n_heads + heads) * (D + 2)
@@ -325,11 +329,11 @@ def _combine_splits(
         row = ((t * splits + s) * n_heads + heads) * (D + 2)
         weight = tl.exp2(tl.load(part_ptr + row + D, mask=head_in, other=0.0) - peak)
         denom += weight * tl.load(part_ptr + row + D + 1, mask=head_in, other=0.0)
-        acc += weight[:, None] * tl.load(part_ptr + row[:, None] + dims[None, :], mask=head_in[:, None], other=0.0)
+        acc += weight[:, None] * tl.load(part_ptr + row[:, None] + dims[None, :], mask=live, other=0.0)
     tl.store(
         out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
         (acc / tl.where(head_in, denom, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
-        mask=head_in[:, None],
+        mask=live,
     )
 
 
@@ -410,8 +414,8 @@ def sparse_attention(
     if not 1 <= len(key_sets) <= MAX_KEY_SETS:
         raise ValueError(f"sparse_attention: 1 to {MAX_KEY_SETS} key sets, got {len(key_sets)}")
     t, heads, head_dim = q.shape
-    if q.stride(2) != 1 or head_dim != triton.next_power_of_2(head_dim) or q.dtype not in _DOT_TYPES:
-        raise ValueError(f"sparse_attention: q must be [T, H, D] with D a power of two, contiguous in D, got {q.shape}")
+    if q.stride(2) != 1 or q.dtype not in _DOT_TYPES:
+        raise ValueError(f"sparse_attention: q must be [T, H, D] contiguous in D, got {q.dtype} {tuple(q.stride())}")
     out = torch.empty((t, heads, head_dim), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
@@ -459,6 +463,7 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) ->
         *sets,
         per_split,
         D=head_dim,
+        DP=triton.next_power_of_2(head_dim),
         NOPE=head_dim - (rope_dim or 0),
         ROPE=rope_dim or 0,
         FP8=fp8,
@@ -472,7 +477,7 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) ->
         num_stages=plan.num_stages,
     )
     if splits > 1:
-        block_d = min(_COMBINE_BLOCK_D, head_dim)
-        _combine_splits[(t, head_blocks, head_dim // block_d)](
+        block_d = min(_COMBINE_BLOCK_D, triton.next_power_of_2(head_dim))
+        _combine_splits[(t, head_blocks, triton.cdiv(head_dim, block_d))](
             part, out, out.stride(0), out.stride(1), heads, splits, D=head_dim, BLOCK_H=plan.block_h, BLOCK_D=block_d
         )

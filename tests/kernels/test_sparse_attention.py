@@ -60,6 +60,16 @@ def test_kernel_with_heads_over_several_programs_and_a_token_seeing_nothing():
     assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_head_dim_that_is_not_a_power_of_two(fp8):
+    """head_dim 80 = 64 + 16 RoPE (a tiny test config): the kernel pads it to 128 and masks the rest."""
+    mod = _kernel()
+    case = build_case([(9, 4), (30, 1)], heads=4, head_dim=80, rope_dim=16, kind="hca", fp8=fp8, seed=4)
+    want = mod.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.1, case.rope_dim)
+    got = mod.sparse_attention(case.q, case.key_sets, case.sink, 0.1, case.rope_dim, impl="triton", splits=2)
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("splits", [2, 3, 7])
 def test_keys_split_over_programs_combine_to_the_reference(splits):
     """A small decode batch spreads each token's key tiles over several programs (the window, the step's keys and
