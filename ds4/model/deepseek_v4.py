@@ -37,7 +37,9 @@ class DeepseekV4Model(nn.Module):
         weight_format: str = "auto",
     ):
         """weight_format: "checkpoint" keeps FP8 linears and MXFP4 experts as the checkpoint stores them (the
-        default on CUDA); "dequantized" holds every weight in `dtype` or fp32 (the default elsewhere: the spec)."""
+        default on CUDA); "dequantized" holds every weight in `dtype` or fp32 (the default elsewhere: the spec).
+        kv_cache_dtype: "fp8" (the reference's FP8 cache, stored as such), "bf16" (unquantised, in `dtype`) or
+        "auto" (fp8 on CUDA where the dims allow it, else bf16); the model keeps the resolved one."""
         super().__init__()
         if with_mtp and cfg.num_mtp_layers < 1:
             raise ValueError("with_mtp: the config has no MTP layer (num_nextn_predict_layers is 0)")
