@@ -9,6 +9,7 @@ import sys
 from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args, model_flags_from_args
 
 _BENCHMARKS = {
+    "attention": "ds4.bench.attention",
     "engine": "ds4.bench.engine",
     "kernels": "ds4.bench.kernels",
     "linear": "ds4.bench.linear",

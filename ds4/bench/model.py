@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     from ds4.engine.engine import LLMEngine, _resolve_dtype
     from ds4.engine.loader import checkpoint_dir, load_model, model_config
     from ds4.kernels.indexer import ENTRY_BYTES
-    from ds4.model.cache import packed_index_keys
+    from ds4.model.cache import kv_entry_size, packed_index_keys
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _resolve_dtype(args.dtype, device)
@@ -171,8 +171,8 @@ def run(args: argparse.Namespace) -> dict:
         )
 
     item = dtype.itemsize
-    kv_entry = cfg.head_dim * item
-    index_entry = ENTRY_BYTES if packed_index_keys(cfg, args.kv_cache_dtype) else cfg.index_head_dim * item
+    kv_entry = kv_entry_size(cfg, model.kv_cache_dtype, dtype)
+    index_entry = ENTRY_BYTES if packed_index_keys(cfg, model.kv_cache_dtype) else cfg.index_head_dim * item
     rng = random.Random(args.seed)
     decode = _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens)
     prefill = _prefill(engine, args, cfg, rates, rng)
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> dict:
         "layer_kinds": list(cfg.layer_kinds[: cfg.num_hidden_layers]),
         "context": args.context,
         "dtype": str(dtype),
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": model.kv_cache_dtype,
         "kv_entry_bytes": kv_entry,
         "index_entry_bytes": index_entry,
         "load_s": load_s,

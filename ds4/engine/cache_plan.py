@@ -35,6 +35,7 @@ class CachePlan:
     slot_bytes: int
     num_snapshots: int = 0  # prefix caching's boundary snapshots (0: prefix caching off)
     snapshot_bytes: int = 0
+    kv_cache_dtype: str = "bf16"
 
     @property
     def capacity_tokens(self) -> int:
@@ -50,8 +51,10 @@ class CachePlan:
 
     def describe(self) -> str:
         return (
-            f"KV cache: {self.num_pages} pages x {self.page_size} tokens = {self.capacity_tokens} tokens of context, "
-            f"{self.num_slots} request slots, {self.total_bytes / GiB:.3f} GiB; max_model_len {self.max_model_len}; "
+            f"KV cache ({self.kv_cache_dtype}): {self.num_pages} pages x {self.page_size} tokens = "
+            f"{self.capacity_tokens} tokens of context at {self.page_bytes / self.page_size:.0f} bytes a token, "
+            f"{self.num_slots} request slots of {self.slot_bytes} bytes, {self.total_bytes / GiB:.3f} GiB; "
+            f"max_model_len {self.max_model_len}; "
             + (
                 f"prefix caching on: {self.num_snapshots} page-end snapshots "
                 f"({self.snapshot_bytes_total / GiB:.3f} GiB, {self.snapshot_bytes} bytes each)"
@@ -63,12 +66,13 @@ class CachePlan:
 
 def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int) -> CachePlan:
     cfg = model.cfg
-    page_bytes = bytes_per_page(cfg, config.page_size, model.dtype, model.with_mtp, model.kv_cache_dtype)
-    slot_bytes = bytes_per_slot(cfg, model.dtype, model.with_mtp, config.num_speculative_tokens)
+    kv = model.kv_cache_dtype
+    page_bytes = bytes_per_page(cfg, config.page_size, model.dtype, model.with_mtp, kv)
+    slot_bytes = bytes_per_slot(cfg, model.dtype, model.with_mtp, config.num_speculative_tokens, kv)
     budget = config.kv_cache_memory
     if budget is None:
         budget = cuda_cache_budget(model, config, device) if device.type == "cuda" else CPU_DEFAULT_CACHE_BYTES
-    snapshot_bytes = bytes_per_snapshot(cfg, model.dtype, model.with_mtp)
+    snapshot_bytes = bytes_per_snapshot(cfg, model.dtype, model.with_mtp, kv)
     num_snapshots = 0
     if config.enable_prefix_caching:
         num_snapshots = config.prefix_cache_snapshots or max(1, int(budget * DEFAULT_SNAPSHOT_SHARE) // snapshot_bytes)
@@ -87,7 +91,7 @@ def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int
     if config.prefix_cache_snapshots is None:
         num_snapshots = min(num_snapshots, num_pages)  # no use for more than one per page
     plan = CachePlan(
-        num_pages, num_slots, config.page_size, max_model_len, page_bytes, slot_bytes, num_snapshots, snapshot_bytes
+        num_pages, num_slots, config.page_size, max_model_len, page_bytes, slot_bytes, num_snapshots, snapshot_bytes, kv
     )
     logger.info(plan.describe())
     return plan

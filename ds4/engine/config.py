@@ -169,8 +169,9 @@ def add_model_args(parser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=("auto", "fp8"),
-        help="fp8: the reference's FP8 KV-cache semantics (default: the compute dtype)",
+        choices=("auto", "bf16", "fp8"),
+        help="fp8: the reference's FP8 KV cache, stored as such (584 bytes an attention entry); bf16: entries "
+        "unquantised in the compute dtype; auto: fp8 on CUDA (where the model's dims allow it), else bf16",
     )
     parser.add_argument(
         "--load-format",

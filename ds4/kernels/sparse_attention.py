@@ -1,41 +1,90 @@
 """Multi-query attention of each token over its own gathered key set, with a per-head sink.
 
-Keys come from one or more flat pools ([N, D], K = V: one shared KV head); each token lists the rows
-it attends to per pool (-1 = no key). The sink adds exp(sink[h]) to the softmax denominator only.
+    out[t, h] = sum_k softmax_k(q[t, h] . key_k * scale  |  sink[h]) key_k
+
+over the keys of token t: one shared KV head (K = V), keys from one or more flat pools, each token listing
+the rows it attends to per pool (-1 = no key). The sink adds exp(sink[h]) to the softmax denominator only.
+A pool is either rows of head_dim values ([N, D], any float dtype) or the FP8 cache's stored entries (uint8
+[N, kv_entry_bytes], see ds4.kernels.fp8_kv; `rope_dim` says how they split), read without a copy.
+
+`sparse_attention_reference` is the spec and the CPU path: it gathers and dequantises every attended key
+into fp32. The Triton kernel (CUDA, or the interpreter) runs one program per token and block of query heads:
+the heads are the MMA's M dimension, so one key tile read from the cache serves all of them; it walks the
+token's key lists tile by tile with an online softmax whose running maximum starts at the sink. Prefill
+chunks and decode steps (one or a few tokens a request) are the same launch; no host sync, every length and
+stride a runtime argument. The output [T, H, D] is what inverse RoPE and the grouped wo_a read.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from ds4.kernels._device import interpreting, num_sms, shared_memory_per_block
+from ds4.kernels.fp8_kv import dequantize_kv, kv_entry_bytes
 
 # The torch reference gathers keys for a piece of tokens at a time, at most this many bytes of fp32 keys.
 _PIECE_BYTES = 1 << 28
+# Key sets one kernel launch takes (the model passes a window ring, the step's keys, compressed entries).
+MAX_KEY_SETS = 3
+_LOG2E = 1.4426950408889634
+_MIN_SPLIT_TILES = 4
+_COMBINE_BLOCK_D = 64
 
 
-def sparse_attention(
+def _check(q: torch.Tensor, key_sets, rope_dim: int | None) -> bool:
+    """Whether the pools are FP8 entries (all of them or none); raises on what does not fit."""
+    packed = {kv.dtype == torch.uint8 for kv, _ in key_sets}
+    if len(packed) > 1:
+        raise ValueError("sparse_attention: key pools mix FP8 entries and plain rows")
+    fp8 = packed == {True}
+    if fp8 and rope_dim is None:
+        raise ValueError("sparse_attention: FP8 entries need rope_dim")
+    width = kv_entry_bytes(q.shape[2], rope_dim) if fp8 else q.shape[2]
+    for kv, idx in key_sets:
+        width_ok = kv.shape[-1] == width
+        if kv.dim() != 2 or not width_ok or idx.dim() != 2 or idx.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"sparse_attention: kv {tuple(kv.shape)} / indices {tuple(idx.shape)} do not fit q {tuple(q.shape)}"
+            )
+    return fp8
+
+
+def sparse_attention_reference(
     q: torch.Tensor,
     key_sets: list[tuple[torch.Tensor, torch.Tensor]],
     sink: torch.Tensor,
     scale: float,
+    rope_dim: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], key_sets [(kv [N_i, D], indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype."""
-    for kv, idx in key_sets:
-        if kv.dim() != 2 or kv.shape[1] != q.shape[2] or idx.shape[0] != q.shape[0]:
-            raise ValueError(
-                f"sparse_attention: kv {tuple(kv.shape)} / indices {tuple(idx.shape)} do not fit q {tuple(q.shape)}"
-            )
+    """q [T, H, D], key_sets [(kv pool, indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype."""
+    fp8 = _check(q, key_sets, rope_dim)
     out = torch.empty_like(q)
     keys_per_token = sum(idx.shape[1] for _, idx in key_sets)
     piece = max(1, _PIECE_BYTES // max(1, keys_per_token * q.shape[2] * 4))
     for start in range(0, q.shape[0], piece):
         rows = slice(start, start + piece)
-        out[rows] = _attend(q[rows], [(kv, idx[rows]) for kv, idx in key_sets], sink, scale)
+        sets = [(kv, idx[rows]) for kv, idx in key_sets]
+        out[rows] = _attend(q[rows], sets, sink, scale, rope_dim if fp8 else None)
     return out
 
 
-def _attend(q: torch.Tensor, key_sets: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor, scale: float):
-    keys = torch.cat([kv[idx.clamp_min(0).long()] for kv, idx in key_sets], dim=1).float()  # [t, K, D]
+def _gather(kv: torch.Tensor, idx: torch.Tensor, head_dim: int, rope_dim: int | None) -> torch.Tensor:
+    rows = kv[idx.clamp_min(0).long()]
+    return rows.float() if rope_dim is None else dequantize_kv(rows, head_dim, rope_dim, torch.float32)
+
+
+def _attend(q, key_sets, sink, scale, rope_dim):
     valid = torch.cat([idx >= 0 for _, idx in key_sets], dim=1)  # [t, K]
+    # Rows behind -1 are never attended: zero them, whatever bytes the pool holds there (NaN included).
+    keys = torch.cat([_gather(kv, idx, q.shape[2], rope_dim) for kv, idx in key_sets], dim=1)  # [t, K, D]
+    keys = keys.masked_fill(~valid[..., None], 0.0)
     scores = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     sink_logit = sink.float()[None, :, None].expand(q.shape[0], -1, 1)
@@ -43,3 +92,392 @@ def _attend(q: torch.Tensor, key_sets: list[tuple[torch.Tensor, torch.Tensor]], 
     weights = torch.exp(scores - peak)
     denom = weights.sum(dim=-1, keepdim=True) + torch.exp(sink_logit - peak)
     return torch.einsum("thk,tkd->thd", weights / denom, keys).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _key_tile(
+    pool,
+    stride_pool,
+    rows,
+    valid,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_CVT: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """Keys [BLOCK_N, DP] in the dot dtype from pool rows (invalid rows and dims past D read as zero). FP8
+    entries: e4m3 values times their block's 2^(byte - 127) (exact in bf16), then the bf16 RoPE channels."""
+    dims = tl.arange(0, DP)
+    base = rows.to(tl.int64) * stride_pool
+    if FP8:
+        nope = dims < NOPE
+        live = valid[:, None] & nope[None, :]
+        if FP8_CVT:
+            values = tl.load(
+                pool.to(tl.pointer_type(tl.float8e4nv)) + base[:, None] + dims[None, :], mask=live, other=0.0
+            ).to(tl.float32)
+        else:  # no e4m3 conversion on this device (sm_80): from the bits (exponent bias 7, 3 mantissa bits)
+            bits = tl.load(pool + base[:, None] + dims[None, :], mask=live, other=0).to(tl.int32)
+            magnitude = bits & 0x7F
+            normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+            values = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
+            values = tl.where((bits & 0x80) != 0, -values, values)
+        exponents = tl.load(pool + base[:, None] + (NOPE + 2 * ROPE) + dims[None, :] // 64, mask=live, other=0)
+        scales = (exponents.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        rope = tl.load(
+            pool.to(tl.pointer_type(tl.bfloat16)) + (base // 2)[:, None] + (NOPE // 2) + (dims - NOPE)[None, :],
+            mask=valid[:, None] & ((dims >= NOPE) & (dims < D))[None, :],
+            other=0.0,
+        )
+        k = tl.where(nope[None, :], values * scales, rope.to(tl.float32))
+    else:
+        k = tl.load(pool + base[:, None] + dims[None, :], mask=valid[:, None] & (dims < D)[None, :], other=0.0)
+    return k.to(DOT)
+
+
+@triton.jit
+def _attend_set(
+    q,
+    m,
+    denom,
+    acc,
+    pool,
+    stride_pool,
+    idx_row,
+    width,
+    first_tile,
+    last_tile,
+    scale_log2,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_CVT: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online softmax over tiles first_tile .. last_tile - 1 of one key list (log2 domain): running max m,
+    denominator denom, numerator acc."""
+    for tile in range(first_tile, last_tile):
+        offsets = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.load(idx_row + offsets, mask=offsets < width, other=-1)
+        valid = rows >= 0
+        if tl.max(valid.to(tl.int32), axis=0) > 0:  # a tile of padding (-1) costs no dot product
+            k = _key_tile(pool, stride_pool, rows, valid, D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p.to(DOT), k, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(DOT), k)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+    return m, denom, acc
+
+
+@triton.jit
+def _tile_range(begin, end, offset, tiles):
+    """The part of global tiles [begin, end) that falls in a list whose tiles are offset .. offset + tiles - 1."""
+    return tl.minimum(tl.maximum(begin - offset, 0), tiles), tl.minimum(tl.maximum(end - offset, 0), tiles)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "stride_qt",
+        "stride_qh",
+        "stride_ot",
+        "stride_oh",
+        "n_heads",
+        "stride_i0",
+        "width0",
+        "stride_i1",
+        "width1",
+        "stride_i2",
+        "width2",
+        "tiles_per_split",
+    ]
+)
+def _sparse_attention_kernel(
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    part_ptr,
+    sink_ptr,
+    n_heads,
+    scale_log2,
+    pool0,
+    stride_p0,
+    idx0,
+    stride_i0,
+    width0,
+    pool1,
+    stride_p1,
+    idx1,
+    stride_i1,
+    width1,
+    pool2,
+    stride_p2,
+    idx2,
+    stride_i2,
+    width2,
+    tiles_per_split,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_CVT: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program: one token, BLOCK_H of its heads (the MMA's M) and one split of its key tiles (the three lists'
+    # tiles counted end to end). The sink starts the running max of the first split; SPLIT: the program's
+    # running max, denominator and numerator go to part_ptr for _combine_splits, else the output is written.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    head_in = heads < n_heads
+    dims = tl.arange(0, DP)  # D padded to a power of two
+    live = head_in[:, None] & (dims < D)[None, :]
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=live, other=0.0).to(DOT)
+    sink = tl.load(sink_ptr + heads, mask=head_in, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = tl.where(split == 0, sink, float("-inf"))
+    denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DP], tl.float32)
+    begin = split * tiles_per_split
+    end = begin + tiles_per_split
+    tiles0, tiles1, tiles2 = tl.cdiv(width0, BLOCK_N), tl.cdiv(width1, BLOCK_N), tl.cdiv(width2, BLOCK_N)
+    lo, hi = _tile_range(begin, end, 0, tiles0)
+    m, denom, acc = _attend_set(
+        q, m, denom, acc, pool0, stride_p0, idx0 + t * stride_i0, width0, lo, hi, scale_log2,
+        D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
+    )  # fmt: skip
+    lo, hi = _tile_range(begin, end, tiles0, tiles1)
+    m, denom, acc = _attend_set(
+        q, m, denom, acc, pool1, stride_p1, idx1 + t * stride_i1, width1, lo, hi, scale_log2,
+        D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
+    )  # fmt: skip
+    lo, hi = _tile_range(begin, end, tiles0 + tiles1, tiles2)
+    m, denom, acc = _attend_set(
+        q, m, denom, acc, pool2, stride_p2, idx2 + t * stride_i2, width2, lo, hi, scale_log2,
+        D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
+    )  # fmt: skip
+    if SPLIT:
+        # part: [T, splits, n_heads, D + 2] fp32, the numerator then the running max and the denominator
+        row = ((t * tl.num_programs(2) + split) * n_heads + heads) * (D + 2)
+        tl.store(part_ptr + row[:, None] + dims[None, :], acc, mask=live)
+        tl.store(part_ptr + row + D, m, mask=head_in)
+        tl.store(part_ptr + row + D + 1, denom, mask=head_in)
+    else:
+        out = acc / denom[:, None]
+        tl.store(
+            out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=live,
+        )
+
+
+@triton.jit(do_not_specialize=["stride_ot", "stride_oh", "n_heads", "splits"])
+def _combine_splits(
+    part_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    n_heads,
+    splits,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program: one token's BLOCK_H heads, BLOCK_D of the dims; the splits' softmax pieces rescaled to their
+    # common maximum.
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_in = heads < n_heads
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    live = head_in[:, None] & (dims < D)[None, :]
+    peak = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(splits):
+        row = ((t * splits + s) * n_heads + heads) * (D + 2)
+        peak = tl.maximum(peak, tl.load(part_ptr + row + D, mask=head_in, other=0.0))
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(splits):
+        row = ((t * splits + s) * n_heads + heads) * (D + 2)
+        weight = tl.exp2(tl.load(part_ptr + row + D, mask=head_in, other=0.0) - peak)
+        denom += weight * tl.load(part_ptr + row + D + 1, mask=head_in, other=0.0)
+        acc += weight[:, None] * tl.load(part_ptr + row[:, None] + dims[None, :], mask=live, other=0.0)
+    tl.store(
+        out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        (acc / tl.where(head_in, denom, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
+        mask=live,
+    )
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Launch settings: query heads per program (the MMA's M), keys per tile, warps, pipeline stages."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def attention_plan(device: torch.device, heads: int, head_dim: int) -> AttentionPlan:
+    """Settings: up to 64 heads a program (Flash's all, Pro's half), 16 keys a tile and 4 warps (measured on the
+    H200, BENCHMARKS.md: 1.6x faster than 32 keys and 8 warps at decode and prefill), two pipeline stages where
+    the query tile and two key tiles in bf16 fit the device's shared memory per block, else one."""
+    block_h = min(64, max(16, triton.next_power_of_2(heads)))
+    if interpreting() or device.type != "cuda":
+        return AttentionPlan(block_h, 16, 4, 1)
+    block_n, tile = 16, triton.next_power_of_2(head_dim) * 2
+    stages = 2 if (block_h + 2 * block_n) * tile <= shared_memory_per_block(device) else 1
+    return AttentionPlan(block_h, block_n, 4, stages)
+
+
+def _smaller(plan: AttentionPlan) -> AttentionPlan | None:
+    """The next plan to try when a compiled kernel does not fit the device: fewer keys a tile, then one stage."""
+    if plan.block_n > 16:
+        return dataclasses.replace(plan, block_n=plan.block_n // 2)
+    if plan.num_stages > 1:
+        return dataclasses.replace(plan, num_stages=1)
+    return None
+
+
+# The plan that compiled within the device's resources, per (device, heads, head_dim, fp8 pools, q dtype).
+_FITTING_PLANS: dict[tuple, AttentionPlan] = {}
+
+
+def key_splits(programs: int, tiles: int, sms: int) -> int:
+    """Programs a token's key tiles are split over: only when the grid would leave most SMs idle (a small decode
+    batch), each split at least _MIN_SPLIT_TILES tiles (its partial result costs H x D fp32 to write and read)."""
+    if programs * 4 > sms:
+        return 1
+    return max(1, min(-(-sms // programs), tiles // _MIN_SPLIT_TILES))
+
+
+@functools.cache
+def converts_fp8(device: torch.device) -> bool:
+    """Whether the kernel reads e4m3 through the device's conversion (sm_89+; the interpreter), else from bits."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+_DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    key_sets: list[tuple[torch.Tensor, torch.Tensor]],
+    sink: torch.Tensor,
+    scale: float,
+    rope_dim: int | None = None,
+    impl: str = "auto",
+    plan: AttentionPlan | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """q [T, H, D], key_sets [(kv pool, indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype.
+
+    Pools: rows [N, D] or FP8 entries uint8 [N, kv_entry_bytes] (then rope_dim is needed), all of one kind.
+    impl: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the reference), or "auto" (triton on CUDA).
+    plan, splits: override the launch settings and the split of each token's keys (tests, benchmarks)."""
+    if impl == "auto":
+        impl = "triton" if q.is_cuda else "torch"
+    if impl == "torch":
+        return sparse_attention_reference(q, key_sets, sink, scale, rope_dim)
+    if impl != "triton":
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    fp8 = _check(q, key_sets, rope_dim)
+    if not 1 <= len(key_sets) <= MAX_KEY_SETS:
+        raise ValueError(f"sparse_attention: 1 to {MAX_KEY_SETS} key sets, got {len(key_sets)}")
+    t, heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.dtype not in _DOT_TYPES:
+        raise ValueError(f"sparse_attention: q must be [T, H, D] contiguous in D, got {q.dtype} {tuple(q.stride())}")
+    out = torch.empty((t, heads, head_dim), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    key = (q.device, heads, head_dim, fp8, q.dtype)
+    chosen = plan or _FITTING_PLANS.get(key) or attention_plan(q.device, heads, head_dim)
+    sets = []
+    for kv, idx in key_sets:
+        if kv.stride(1) != 1 or idx.stride(1) != 1:
+            raise ValueError("sparse_attention: pools and indices must be contiguous in their last dim")
+        sets += [kv, kv.stride(0), idx, idx.stride(0), idx.shape[1]]
+    for _ in range(MAX_KEY_SETS - len(key_sets)):
+        sets += sets[:4] + [0]  # an empty list (the first set's tensors, width 0): its loop never runs
+    while True:
+        try:
+            _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, chosen, splits)
+            break
+        except OutOfResources:
+            if plan is not None or _smaller(chosen) is None:
+                raise
+            chosen = _smaller(chosen)
+    _FITTING_PLANS.setdefault(key, chosen)
+    return out
+
+
+def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) -> None:
+    t, heads, head_dim = q.shape
+    dot_f32 = interpreting() or q.dtype == torch.float32
+    head_blocks = triton.cdiv(heads, plan.block_h)
+    tiles = sum(triton.cdiv(idx.shape[1], plan.block_n) for _, idx in key_sets)
+    splits = splits or key_splits(t * head_blocks, tiles, num_sms(q.device))
+    per_split = max(1, triton.cdiv(tiles, splits))
+    splits = max(1, triton.cdiv(tiles, per_split))
+    part = torch.empty(t * splits * heads * (head_dim + 2) if splits > 1 else 0, dtype=torch.float32, device=q.device)
+    _sparse_attention_kernel[(t, head_blocks, splits)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        out,
+        out.stride(0),
+        out.stride(1),
+        part,
+        sink,
+        heads,
+        scale * _LOG2E,
+        *sets,
+        per_split,
+        D=head_dim,
+        DP=triton.next_power_of_2(head_dim),
+        NOPE=head_dim - (rope_dim or 0),
+        ROPE=rope_dim or 0,
+        FP8=fp8,
+        FP8_CVT=converts_fp8(q.device),
+        DOT=tl.float32 if dot_f32 else _DOT_TYPES[q.dtype],
+        IEEE=dot_f32,
+        SPLIT=splits > 1,
+        BLOCK_H=plan.block_h,
+        BLOCK_N=plan.block_n,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    if splits > 1:
+        block_d = min(_COMBINE_BLOCK_D, triton.next_power_of_2(head_dim))
+        _combine_splits[(t, head_blocks, triton.cdiv(head_dim, block_d))](
+            part, out, out.stride(0), out.stride(1), heads, splits, D=head_dim, BLOCK_H=plan.block_h, BLOCK_D=block_d
+        )

@@ -4,6 +4,10 @@ Window layers see the last `sliding_window` raw tokens; HCA layers add every com
 may see; CSA layers add the indexer's top-k. A per-head sink joins the softmax denominator. The output's
 RoPE channels are rotated back to the query position before the grouped low-rank output projection.
 
+Entries are stored as the cache keeps them (with the FP8 cache: the reference's e4m3 + bf16 RoPE entries, so the
+step's own keys are rounded exactly as the ring will hold them); ds4.kernels.sparse_attention reads them in place
+(its Triton kernel on CUDA, its torch reference elsewhere).
+
 A token's window keys come from two places: its request's ring (positions before the step) and the step's
 fresh kv (positions in it); the ring takes the step's tokens afterwards (row position % rows). The same
 code serves a decode_only batch (no host syncs, CUDA-graph capturable); only the widths differ: a decode_only
@@ -20,22 +24,17 @@ import torch
 from torch import nn
 
 from ds4.config import CSA, WINDOW, ModelConfig
-from ds4.kernels.fp8_kv import fp8_quant_dequant
+from ds4.kernels.fp8_kv import quantize_kv
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.rope import apply_rope
 from ds4.kernels.sparse_attention import sparse_attention
 from ds4.model.batch import ForwardBatch, LayerStep, StepLayout
-from ds4.model.cache import LayerCache
+from ds4.model.cache import FP8, LayerCache
 from ds4.model.compressor import Compressor
 from ds4.model.indexer import Indexer
 from ds4.model.linear import DEQUANTIZED, Linear, Norm, fp32_param, kept_fp8_block
 from ds4.model.paging import visible_entry_rows
 from ds4.model.rope import layer_inv_freq
-
-
-def _round_kv(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    """fp8 KV: the non-RoPE channels go through e4m3 (blocks of 64); RoPE channels stay exact."""
-    return torch.cat((fp8_quant_dequant(kv[..., :-rope_dim]), kv[..., -rope_dim:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -55,8 +54,9 @@ class Attention(nn.Module):
         self.heads, self.head_dim, self.rope_dim = heads, hd, cfg.qk_rope_head_dim
         self.groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
         self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
-        fp8_kv = kv_cache_dtype == "fp8"
-        self.round_kv = functools.partial(_round_kv, rope_dim=self.rope_dim) if fp8_kv else nn.Identity()
+        fp8_kv = kv_cache_dtype == FP8
+        # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
+        self.stored = functools.partial(quantize_kv, rope_dim=self.rope_dim) if fp8_kv else nn.Identity()
         self.wq_a = Linear(d, cfg.q_lora_rank, dtype, device, fp8)
         self.q_norm = Norm(cfg.q_lora_rank, device)
         self.wq_b = Linear(cfg.q_lora_rank, heads * hd, dtype, device, fp8)
@@ -69,7 +69,7 @@ class Attention(nn.Module):
         self.attn_sink = fp32_param(heads, device=device)
         self.register_buffer("inv_freq", layer_inv_freq(cfg, layer).to(device), persistent=False)
         if self.kind != WINDOW:
-            self.compressor = Compressor(d, self.ratio, hd, self.kind == CSA, self.eps, device, self.round_kv)
+            self.compressor = Compressor(d, self.ratio, hd, self.kind == CSA, self.eps, device, self.stored)
         if self.kind == CSA:
             self.indexer = Indexer(cfg, self.ratio, dtype, device, fp8_kv, weight_format)
 
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         q = rms_norm(self.wq_b(qr).view(t, self.heads, self.head_dim), None, self.eps)
         q = apply_rope(q, pos, self.inv_freq)
         kv = rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
-        kv = self.round_kv(apply_rope(kv, pos, self.inv_freq))
+        kv = self.stored(apply_rope(kv, pos, self.inv_freq))
 
         key_sets = self._window_keys(kv, step)
         if self.kind != WINDOW:
@@ -95,8 +95,8 @@ class Attention(nn.Module):
             else:
                 tables = batch.block_tables[step.token_requests]
                 rows = visible_entry_rows(tables, (pos + 1) // self.ratio, cache.compressed.shape[1], width)
-            key_sets.append((cache.compressed.view(-1, self.head_dim), rows))
-        o = sparse_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5)
+            key_sets.append((cache.compressed.flatten(0, 1), rows))
+        o = sparse_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5, self.rope_dim)
         self._snapshot_windows(kv, step)
         self._store_window(kv, step)
 
@@ -116,7 +116,7 @@ class Attention(nn.Module):
         fresh_pos = pos - (fresh_width - 1) + torch.arange(fresh_width, device=kv.device)
         fresh_rows = batch.query_start_loc.long()[req][:, None] + fresh_pos - ctx
         return [
-            (step.cache.window.view(-1, self.head_dim), torch.where((ring_pos >= 0) & (ring_pos < ctx), ring_rows, -1)),
+            (step.cache.window.flatten(0, 1), torch.where((ring_pos >= 0) & (ring_pos < ctx), ring_rows, -1)),
             (kv, torch.where(fresh_pos >= ctx, fresh_rows, -1)),
         ]
 

@@ -15,8 +15,11 @@ positions past what the request keeps (speculative tokens the verification rejec
 undoing, because the rows those writes land on are read again only after the kept tokens at those
 positions have rewritten them. The paged pools need no spare: an entry a rejected token completed is
 visible to no position before its window completes again, which rewrites it first.
-With kv_cache_dtype "fp8" the stores hold fp8-rounded values (kept dequantised in the compute dtype for now,
-except the indexer keys, whose MXFP4-rounded values the packed e4m3 cache holds exactly).
+Attention entries (window and compressed) are rows of the compute dtype with kv_cache_dtype "bf16", or with
+"fp8" the reference's FP8 entries as stored bytes (uint8 rows of ds4.kernels.fp8_kv.kv_entry_bytes: e4m3
+non-RoPE channels with power-of-two block scales, bf16 RoPE channels; 584 bytes for DeepSeek-V4), which
+ds4.kernels.sparse_attention reads directly; "auto" is "fp8" on CUDA where the dims allow it, else "bf16".
+The fp8 mode's indexer keys are MXFP4-rounded, which the packed e4m3 indexer cache holds exactly.
 
 Boundary snapshots (prefix caching): the state a request needs to resume at a page end e, for `num_snapshots`
 snapshot ids. At a page end every compressor window is complete (page_size is a multiple of every ratio), so
@@ -38,10 +41,11 @@ from dataclasses import dataclass
 import torch
 
 from ds4.config import CSA, WINDOW, ModelConfig
-from ds4.kernels.fp8_kv import KV_QUANT_BLOCK
+from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, kv_entry_bytes
 from ds4.kernels.indexer import ENTRY_BYTES, HEAD_DIM, new_indexer_cache, page_entries, write_indexer_keys
 
-KV_CACHE_DTYPES = ("auto", "fp8")
+FP8, BF16 = "fp8", "bf16"
+KV_CACHE_DTYPES = ("auto", BF16, FP8)
 SCRATCH_PAGES = 1
 
 
@@ -57,8 +61,9 @@ class CompressorState:
 class LayerCache:
     kind: str
     ratio: int
-    window: torch.Tensor  # [slots, sliding_window + spare, head_dim], token p in row p % rows
-    compressed: torch.Tensor | None = None  # [pages + 1, page_size // ratio, head_dim], the last page scratch
+    # Attention entries are rows of `entry` elements: head_dim values, or kv_entry_bytes bytes with the fp8 cache.
+    window: torch.Tensor  # [slots, sliding_window + spare, entry], token p in row p % rows
+    compressed: torch.Tensor | None = None  # [pages + 1, page_size // ratio, entry], the last page scratch
     # [pages + 1, page_size // ratio, index_head_dim] or packed (see packed_index_keys); the last page scratch
     index_keys: torch.Tensor | None = None
     compressor: CompressorState | None = None
@@ -70,19 +75,41 @@ class LayerCache:
 class LayerSnapshots:
     """One layer's boundary snapshots (see the module docstring); `compressor` / `indexer` only for CSA."""
 
-    window: torch.Tensor  # [snapshots, sliding_window, head_dim]
+    window: torch.Tensor  # [snapshots, sliding_window, entry]
     compressor: CompressorState | None = None  # kv / score [snapshots, ratio, 2 * head_dim]
     indexer: CompressorState | None = None  # [snapshots, ratio, 2 * index_head_dim]
 
 
-def check_kv_cache_dtype(cfg: ModelConfig, kv_cache_dtype: str) -> None:
+def _fp8_fits(cfg: ModelConfig) -> bool:
+    return cfg.nope_head_dim > 0 and cfg.nope_head_dim % KV_QUANT_BLOCK == 0
+
+
+def resolve_kv_cache_dtype(cfg: ModelConfig, kv_cache_dtype: str, device: torch.device | str) -> str:
+    """ "bf16" or "fp8": "auto" is the FP8 cache on CUDA (the reference's own semantics) where the config's
+    non-RoPE dims are whole fp8 blocks, else "bf16" (entries unquantised, in the compute dtype)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
-    if kv_cache_dtype == "fp8" and cfg.nope_head_dim % KV_QUANT_BLOCK:
+    if kv_cache_dtype == "auto":
+        return FP8 if torch.device(device).type == "cuda" and _fp8_fits(cfg) else BF16
+    if kv_cache_dtype == FP8 and not _fp8_fits(cfg):
         raise ValueError(
             f"kv_cache_dtype 'fp8': the non-RoPE head dims ({cfg.head_dim} - {cfg.qk_rope_head_dim} = "
             f"{cfg.nope_head_dim}) must be a multiple of the fp8 block {KV_QUANT_BLOCK}"
         )
+    return kv_cache_dtype
+
+
+def _resolved(kv_cache_dtype: str) -> str:
+    if kv_cache_dtype not in (BF16, FP8):
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r}: byte counts need 'bf16' or 'fp8' (resolve 'auto' first)")
+    return kv_cache_dtype
+
+
+def kv_entry_size(cfg: ModelConfig, kv_cache_dtype: str, dtype: torch.dtype) -> int:
+    """Bytes one attention entry (window or compressed) takes in the cache."""
+    if _resolved(kv_cache_dtype) == FP8:
+        return kv_entry_bytes(cfg.head_dim, cfg.qk_rope_head_dim)
+    return cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def cache_layers(cfg: ModelConfig, with_mtp: bool) -> range:
@@ -104,46 +131,50 @@ def _compressor_shape(kind: str, ratio: int, head_dim: int, spare: int) -> tuple
 
 def packed_index_keys(cfg: ModelConfig, kv_cache_dtype: str) -> bool:
     """Whether the indexer keys live in the packed e4m3 cache (fp8 mode, keys of the kernels' 128 dims)."""
-    return kv_cache_dtype == "fp8" and cfg.index_head_dim == HEAD_DIM
+    return kv_cache_dtype == FP8 and cfg.index_head_dim == HEAD_DIM
 
 
 def bytes_per_page(
-    cfg: ModelConfig, page_size: int, dtype: torch.dtype, with_mtp: bool = False, kv_cache_dtype: str = "auto"
+    cfg: ModelConfig, page_size: int, dtype: torch.dtype, with_mtp: bool = False, kv_cache_dtype: str = BF16
 ) -> int:
     """Bytes one page of page_size tokens takes across every paged pool."""
     check_page_size(cfg, page_size, with_mtp)
     item = torch.empty((), dtype=dtype).element_size()
+    entry = kv_entry_size(cfg, kv_cache_dtype, dtype)
     index_entry = ENTRY_BYTES if packed_index_keys(cfg, kv_cache_dtype) else cfg.index_head_dim * item
     total = 0
     for i in cache_layers(cfg, with_mtp):
         kind, ratio = cfg.layer_kinds[i], cfg.compress_ratios[i]
         if kind != WINDOW:
-            total += page_size // ratio * cfg.head_dim * item
+            total += page_size // ratio * entry
         if kind == CSA:
             total += page_size // ratio * index_entry
     return total
 
 
 def entries_per_page(pool: torch.Tensor) -> int:
-    """Entries one page of a compressed pool holds (dense [pages, entries, dim] or packed indexer keys)."""
-    return page_entries(pool) if pool.dtype == torch.uint8 else pool.shape[1]
+    """Entries one page of a compressed pool holds ([pages, entries, entry] or the packed indexer keys)."""
+    return page_entries(pool) if pool.dim() == 2 else pool.shape[1]
 
 
 def store_entries(pool: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor) -> None:
-    """Writes entries [N, dim] to flat rows [N] (row = page * entries_per_page + offset) of a pool."""
-    if pool.dtype == torch.uint8:
+    """Writes entries [N, dim] to flat rows [N] (row = page * entries_per_page + offset) of a pool: the packed
+    indexer keys (quantised here) or rows of the pool's dtype (FP8 attention entries come already stored)."""
+    if pool.dim() == 2:
         write_indexer_keys(pool, rows, entries)
     else:
         pool.view(-1, pool.shape[-1])[rows] = entries.to(pool.dtype)
 
 
-def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = False, spare: int = 0) -> int:
+def bytes_per_slot(
+    cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = False, spare: int = 0, kv_cache_dtype: str = BF16
+) -> int:
     """Bytes one request slot takes: sliding windows plus fp32 compressor states (`spare`: see the module doc)."""
-    item = torch.empty((), dtype=dtype).element_size()
+    entry = kv_entry_size(cfg, kv_cache_dtype, dtype)
     total = 0
     for i in cache_layers(cfg, with_mtp):
         kind, ratio = cfg.layer_kinds[i], cfg.compress_ratios[i]
-        total += (cfg.sliding_window + spare) * cfg.head_dim * item
+        total += (cfg.sliding_window + spare) * entry
         if kind != WINDOW:
             rows, width = _compressor_shape(kind, ratio, cfg.head_dim, spare)
             total += 2 * rows * width * 4
@@ -153,12 +184,12 @@ def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = False,
     return total
 
 
-def bytes_per_snapshot(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = False) -> int:
+def bytes_per_snapshot(cfg: ModelConfig, dtype: torch.dtype, with_mtp: bool = False, kv_cache_dtype: str = BF16) -> int:
     """Bytes one boundary snapshot takes: windows plus CSA's overlap rows (fp32 kv and score)."""
-    item = torch.empty((), dtype=dtype).element_size()
+    entry = kv_entry_size(cfg, kv_cache_dtype, dtype)
     total = 0
     for i in cache_layers(cfg, with_mtp):
-        total += cfg.sliding_window * cfg.head_dim * item
+        total += cfg.sliding_window * entry
         if cfg.layer_kinds[i] == CSA:
             total += 2 * cfg.compress_ratios[i] * 2 * (cfg.head_dim + cfg.index_head_dim) * 4
     return total
@@ -180,7 +211,7 @@ class ModelCache:
         spare: int = 0,
         num_snapshots: int = 0,
     ):
-        check_kv_cache_dtype(cfg, kv_cache_dtype)
+        kv_cache_dtype = resolve_kv_cache_dtype(cfg, kv_cache_dtype, device)
         check_page_size(cfg, page_size, with_mtp)
         if num_slots < 1 or num_pages < 1:
             raise ValueError(f"ModelCache: need at least one slot and one page (got {num_slots}, {num_pages})")
@@ -193,18 +224,22 @@ class ModelCache:
 
     def _layer(self, cfg: ModelConfig, i: int, dtype: torch.dtype, device: torch.device) -> LayerCache:
         kind, ratio = cfg.layer_kinds[i], cfg.compress_ratios[i]
+        fp8 = self.kv_cache_dtype == FP8
+        entry, entry_dtype = (
+            (kv_entry_bytes(cfg.head_dim, cfg.qk_rope_head_dim), torch.uint8) if fp8 else (cfg.head_dim, dtype)
+        )
         layer = LayerCache(
             kind,
             ratio,
-            torch.zeros(self.num_slots, cfg.sliding_window + self.spare, cfg.head_dim, dtype=dtype, device=device),
+            torch.zeros(self.num_slots, cfg.sliding_window + self.spare, entry, dtype=entry_dtype, device=device),
         )
         if self.num_snapshots:
-            window = torch.zeros(self.num_snapshots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
+            window = torch.zeros(self.num_snapshots, cfg.sliding_window, entry, dtype=entry_dtype, device=device)
             layer.snapshot = LayerSnapshots(window)
         if kind == WINDOW:
             return layer
         entries, pages = self.page_size // ratio, self.num_pages + SCRATCH_PAGES
-        layer.compressed = torch.zeros(pages, entries, cfg.head_dim, dtype=dtype, device=device)
+        layer.compressed = torch.zeros(pages, entries, entry, dtype=entry_dtype, device=device)
         layer.compressor = self._state(kind, ratio, cfg.head_dim, device)
         if kind == CSA:
             if packed_index_keys(cfg, self.kv_cache_dtype):

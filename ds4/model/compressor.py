@@ -39,7 +39,8 @@ class Compressor(nn.Module):
         device: torch.device,
         finish: Callable[[torch.Tensor], torch.Tensor],
     ):
-        """finish: the storage rounding (fp8 / fp4 simulation) of normalised, rotated entries."""
+        """finish: normalised, rotated entries -> the form `pool` takes (FP8 attention entries, the indexer's fp4
+        simulation, or as they are)."""
         super().__init__()
         self.ratio, self.head_dim, self.overlap, self.eps, self.finish = ratio, head_dim, overlap, eps, finish
         width = (2 if overlap else 1) * head_dim

@@ -15,7 +15,7 @@ from ds4.kernels.hyper_connections import hc_head
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.block import Block
-from ds4.model.cache import ModelCache, check_kv_cache_dtype
+from ds4.model.cache import ModelCache, resolve_kv_cache_dtype
 from ds4.model.linear import CHECKPOINT, DEQUANTIZED, WEIGHT_FORMATS, Linear, Norm, fp32_param
 from ds4.model.mtp import MTPBlock
 
@@ -37,12 +37,14 @@ class DeepseekV4Model(nn.Module):
         weight_format: str = "auto",
     ):
         """weight_format: "checkpoint" keeps FP8 linears and MXFP4 experts as the checkpoint stores them (the
-        default on CUDA); "dequantized" holds every weight in `dtype` or fp32 (the default elsewhere: the spec)."""
+        default on CUDA); "dequantized" holds every weight in `dtype` or fp32 (the default elsewhere: the spec).
+        kv_cache_dtype: "fp8" (the reference's FP8 cache, stored as such), "bf16" (unquantised, in `dtype`) or
+        "auto" (fp8 on CUDA where the dims allow it, else bf16); the model keeps the resolved one."""
         super().__init__()
-        check_kv_cache_dtype(cfg, kv_cache_dtype)
         if with_mtp and cfg.num_mtp_layers < 1:
             raise ValueError("with_mtp: the config has no MTP layer (num_nextn_predict_layers is 0)")
         device = torch.device(device)
+        kv_cache_dtype = resolve_kv_cache_dtype(cfg, kv_cache_dtype, device)
         if weight_format == "auto":
             weight_format = CHECKPOINT if device.type == "cuda" else DEQUANTIZED
         if weight_format not in WEIGHT_FORMATS:

@@ -31,7 +31,7 @@ class ToyModel(nn.Module):
 
     def __init__(self, cfg, device):
         super().__init__()
-        self.cfg, self.dtype, self.with_mtp, self.kv_cache_dtype = cfg, torch.float32, False, "auto"
+        self.cfg, self.dtype, self.with_mtp, self.kv_cache_dtype = cfg, torch.float32, False, "bf16"
         self.embed = nn.Parameter(
             torch.randn(cfg.vocab_size, 8, generator=torch.Generator().manual_seed(0)).to(device), requires_grad=False
         )

@@ -8,6 +8,7 @@ import pytest
 import torch
 from dsv4_tiny import CONFIGS, ds4_model, max_rel_err, official_tensors, step_batch, tiny_config, transformers_model
 
+import ds4.model.attention
 import ds4.model.indexer
 from ds4.model.batch import ForwardBatch
 from ds4.model.deepseek_v4 import DeepseekV4Model
@@ -100,7 +101,10 @@ def test_padded_decode_matches_the_general_path_and_touches_only_scratch(model):
         )
         batch = _padded_decode_batch(tokens, pos, slots, tables, pad_rows=2, scratch_slot=scratch_slot)
         got = model.compute_logits(model(batch, decode)[:3])
-        assert max_rel_err(got, expected) <= 1e-5, f"decode step {step}"
+        # fp8: one-token and multi-token steps sum the projections in other orders (1e-7), which can move a
+        # stored value across a bf16 (RoPE) or e4m3 rounding boundary: one ulp of one channel.
+        tolerance = 1e-3 if model.kv_cache_dtype == "fp8" else 1e-5
+        assert max_rel_err(got, expected) <= tolerance, f"decode step {step}"
         for name, t in _slot_tensors(decode):
             assert (t[free_slots] == _sentinel(t)).all(), f"{name}: padding wrote into a free slot"
         for name, t in _page_tensors(decode):
@@ -248,18 +252,17 @@ def test_validate_checks_what_the_decode_path_trusts():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels through the CPU interpreter")
 @pytest.mark.parametrize("model", [("yarn_hc2_hca16", "fp8")], indirect=True, ids=["yarn_hc2_hca16-fp8"])
-def test_packed_indexer_decode_through_the_triton_kernels_equals_their_references(model, monkeypatch):
-    """fp8 mode's decode path (the packed indexer cache) with the Triton indexer kernels (interpreted: the
-    decode stream kernel and the top-k) gives what it gives on their torch references, padding rows included."""
+def test_fp8_decode_through_the_triton_kernels_equals_their_references(model, monkeypatch):
+    """fp8 mode's decode path (the packed indexer cache, the FP8 attention cache) with the Triton kernels
+    (interpreted: the indexer's decode stream kernel, the top-k, sparse attention) gives what it gives on their
+    torch references, padding rows included."""
     prompt = torch.arange(1, 30) % model.cfg.vocab_size
     table = torch.tensor([2, 0, 3, 1])
     outs = []
     for patched in (False, True):
         if patched:
-            for name in ("indexer_topk",):
-                monkeypatch.setattr(
-                    ds4.model.indexer, name, functools.partial(getattr(ds4.model.indexer, name), impl="triton")
-                )
+            for module, name in ((ds4.model.indexer, "indexer_topk"), (ds4.model.attention, "sparse_attention")):
+                monkeypatch.setattr(module, name, functools.partial(getattr(module, name), impl="triton"))
         cache = model.new_cache(3, 4, PAGE)
         model(step_batch([(prompt, 0, 0, table)]), cache)
         steps = []
@@ -267,4 +270,6 @@ def test_packed_indexer_decode_through_the_triton_kernels_equals_their_reference
             batch = _padded_decode_batch([5 + step], [len(prompt) + step], [0], [table], pad_rows=2, scratch_slot=2)
             steps.append(model(batch, cache))
         outs.append(torch.stack(steps))
-    assert max_rel_err(outs[1], outs[0]) <= 1e-5
+    # The kernels sum in other orders (1e-7); in a later layer that can move a stored FP8 value across a rounding
+    # boundary (one ulp of one channel).
+    assert max_rel_err(outs[1], outs[0]) <= 1e-3

@@ -1,4 +1,4 @@
-"""On CUDA the model gives the CPU logits (fp32, auto and fp8 KV), and runs in bf16 with the fp8 KV cache."""
+"""On CUDA the model gives the CPU logits (fp32, bf16 and fp8 KV caches), and runs in bf16 with the FP8 KV cache."""
 
 import pytest
 import torch
@@ -21,23 +21,26 @@ def test_cuda_matches_cpu(name):
     cfg = tiny_config(name)
     tensors = official_tensors(transformers_model(cfg))
     ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(9))
-    cpu = _logits(cfg, tensors, ids, "cpu", torch.float32, "auto", [70])
-    gpu = _logits(cfg, tensors, ids, "cuda", torch.float32, "auto", [9, 1, 30])
+    cpu = _logits(cfg, tensors, ids, "cpu", torch.float32, "bf16", [70])
+    gpu = _logits(cfg, tensors, ids, "cuda", torch.float32, "bf16", [9, 1, 30])
     assert max_rel_err(gpu, cpu) <= 1e-4
-    bf16 = _logits(cfg, tensors, ids, "cuda", torch.bfloat16, "fp8", [33, 1])
+    bf16 = _logits(cfg, tensors, ids, "cuda", torch.bfloat16, "auto", [33, 1])  # auto: the FP8 cache on CUDA
     assert torch.isfinite(bf16).all() and F.cosine_similarity(bf16, cpu, dim=-1).mean() >= 0.9
 
 
 @pytest.mark.gpu
-def test_fp8_mode_indexer_kernels_match_the_cpu_reference():
-    """fp8 mode with 128-dim indexer keys: the packed e4m3 cache read by the Triton indexer and top-k on
-    CUDA gives the CPU run's logits (the kernels' torch references); fp8 tensor-core sums differ in order."""
+def test_fp8_cache_model_on_cuda_matches_the_cpu_reference():
+    """The whole model with the FP8 cache (stored quantised, read by the Triton sparse attention kernel; the
+    packed e4m3 indexer keys read by the Triton indexer and top-k) on CUDA gives the CPU run's logits (the
+    kernels' torch references). Tolerance 2e-3 relative: the kernels sum in other orders (fp8 tensor cores for
+    the indexer), which can move a stored FP8 or bf16 value across a rounding boundary (one ulp of one
+    channel, 2e-4 in the logits each, seen on the CPU between chunkings)."""
     cfg = tiny_config("yarn_hc2_hca16")
     tensors = official_tensors(transformers_model(cfg))
     ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(10))
     cpu = _logits(cfg, tensors, ids, "cpu", torch.float32, "fp8", [70])
-    gpu = _logits(cfg, tensors, ids, "cuda", torch.float32, "fp8", [9, 1, 30])
-    assert max_rel_err(gpu, cpu) <= 1e-3
+    gpu = _logits(cfg, tensors, ids, "cuda", torch.float32, "auto", [9, 1, 30])
+    assert max_rel_err(gpu, cpu) <= 2e-3
 
 
 @pytest.mark.gpu
@@ -57,7 +60,7 @@ def test_checkpoint_precision_on_cuda_matches_the_cpu_paths():
     ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(11))
 
     def logits(device, dtype, weight_format, chunks):
-        model = DeepseekV4Model(cfg, dtype, device, weight_format=weight_format)
+        model = DeepseekV4Model(cfg, dtype, device, kv_cache_dtype="bf16", weight_format=weight_format)
         model.load_weights(state)
         table = torch.arange(6, device=device)
         return run_in_chunks(model, model.new_cache(2, 6, 16), ids.to(device), chunks, slot=1, table=table).cpu()

@@ -14,10 +14,13 @@ from ds4.model.batch import BoundarySnapshot
 PAGE = 8
 
 
-@pytest.mark.parametrize("name", ["mixed_hca8", "csa_heavy_yarn"])  # windows of 8 (= a page) and 5
-def test_resuming_after_shared_pages_from_a_snapshot_matches_whole_prefill(name):
+# windows of 8 (= a page) and 5; the FP8 cache's entries (80 = 64 e4m3 + 16 bf16 RoPE dims) snapshot as rows
+@pytest.mark.parametrize(
+    "name,kv_cache_dtype", [("mixed_hca8", "bf16"), ("csa_heavy_yarn", "bf16"), ("mixed_hca8", "fp8")]
+)
+def test_resuming_after_shared_pages_from_a_snapshot_matches_whole_prefill(name, kv_cache_dtype):
     cfg = tiny_config(name)
-    model = ds4_model(cfg, official_tensors(transformers_model(cfg)))
+    model = ds4_model(cfg, official_tensors(transformers_model(cfg)), kv_cache_dtype=kv_cache_dtype)
     ids = torch.randint(0, cfg.vocab_size, (6 * PAGE + 3,), generator=torch.Generator().manual_seed(3))
     pages = torch.arange(7)
     whole_cache = model.new_cache(1, 7, PAGE)
@@ -42,4 +45,6 @@ def test_resuming_after_shared_pages_from_a_snapshot_matches_whole_prefill(name)
         for start, stop in ((end, end + 3), (end + 3, len(ids))):
             if start < stop:
                 logits.append(model.compute_logits(model(step_batch([(ids[start:stop], start, 1, other)]), cache)))
-        assert max_rel_err(torch.cat(logits), whole[end:]) <= 1e-5, f"resumed at {end}"
+        # fp8: other chunkings sum in other orders (1e-7), which can move a stored value across a rounding boundary
+        tolerance = 1e-3 if kv_cache_dtype == "fp8" else 1e-5
+        assert max_rel_err(torch.cat(logits), whole[end:]) <= tolerance, f"resumed at {end}"

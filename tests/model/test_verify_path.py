@@ -13,6 +13,7 @@ import torch
 from dsv4_tiny import ds4_model, max_rel_err, official_tensors, step_batch, tiny_config, transformers_model
 from test_rejected_tokens import _live_state
 
+from ds4.kernels.fp8_kv import dequantize_kv, kv_entry_bytes
 from ds4.model.batch import ForwardBatch
 
 PAGE, TABLE_WIDTH = 16, 6
@@ -71,7 +72,10 @@ def test_padded_verify_steps_equal_the_general_path(model, k):
         expected = model.compute_logits(model(step_batch(steps), caches[0]))
         hidden = model(verify_batch(steps, k, pad_requests=2, scratch_slot=scratch_slot), caches[1])
         rows = [r * (k + 1) + j for r, (t, *_) in enumerate(steps) for j in range(len(t))]
-        assert max_rel_err(model.compute_logits(hidden[rows]), expected) <= 1e-5, f"step {step}"
+        # fp8: the two paths sum the projections in other orders (1e-7), which can move a stored value across a
+        # bf16 (RoPE) or e4m3 rounding boundary: one ulp of one channel.
+        tolerance = 1e-3 if model.kv_cache_dtype == "fp8" else 1e-5
+        assert max_rel_err(model.compute_logits(hidden[rows]), expected) <= tolerance, f"step {step}"
         for r in range(3):  # keep a random prefix of the drafts, and one more token
             kept = rng.randint(0, len(drafts[r]))
             context[r] += kept + 1
@@ -80,7 +84,12 @@ def test_padded_verify_steps_equal_the_general_path(model, k):
         general = _live_state(model, caches[0], context[r], tables[r], slots[r])
         padded = _live_state(model, caches[1], context[r], tables[r], slots[r])
         for a, b in zip(general, padded):
-            assert torch.allclose(b.float(), a.float(), rtol=1e-5, atol=1e-5), f"request {r}"
+            if a.dtype == torch.uint8 and a.shape[-1] == kv_entry_bytes(cfg.head_dim, cfg.qk_rope_head_dim):
+                # FP8 entries: compare the values; one may sit one e4m3 step (1/8) or bf16 step apart (see above).
+                a, b = (dequantize_kv(x, cfg.head_dim, cfg.qk_rope_head_dim, torch.float32) for x in (a, b))
+                assert torch.allclose(b, a, rtol=0.125, atol=1e-3), f"request {r}"
+                continue
+            assert torch.allclose(b.float(), a.float(), rtol=tolerance, atol=tolerance), f"request {r}"
 
 
 def test_validate_knows_tokens_per_request():

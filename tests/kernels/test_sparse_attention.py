@@ -1,0 +1,103 @@
+"""Sparse attention: the reference against a plain softmax, the Triton kernel (interpreted) against the reference."""
+
+import pytest
+import torch
+from attention_cases import build_case
+from interpreted import interpreted
+
+import ds4.kernels.sparse_attention as sa
+from ds4.kernels.fp8_kv import dequantize_kv
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernel through the CPU interpreter")
+
+
+def _kernel():
+    return interpreted(sa, "_sparse_attention_kernel")
+
+
+def test_reference_is_softmax_with_the_sink_in_the_denominator():
+    case = build_case([(10, 3)], heads=3, head_dim=128, kind="csa", fp8=True)
+    out = sa.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.1, case.rope_dim)
+    for t in range(3):
+        keys = torch.cat([dequantize_kv(kv[idx[t][idx[t] >= 0]], 128, 64, torch.float32) for kv, idx in case.key_sets])
+        for h in range(3):
+            logits = torch.cat([keys @ case.q[t, h] * 0.1, case.sink[h : h + 1]])
+            weights = torch.softmax(logits, dim=0)[:-1]  # the sink's share goes nowhere
+            assert torch.allclose(out[t, h], weights @ keys, atol=1e-5)
+
+
+CASES = {
+    "window only, prefill from 0": dict(requests=[(0, 11)], kind="window"),
+    "window only, decode 1 token x 3 requests": dict(requests=[(3, 1), (20, 1), (0, 1)], kind="window"),
+    "CSA, decode 1 token with -1 padding": dict(requests=[(9, 1), (40, 1)], kind="csa"),
+    "CSA, 4 tokens a request (speculative verify)": dict(requests=[(13, 4), (30, 4)], kind="csa"),
+    "HCA, decode 4 tokens": dict(requests=[(27, 4), (5, 4)], kind="hca", ratio=8),
+    "CSA, chunk crossing window and entry boundaries": dict(requests=[(6, 13), (17, 5)], kind="csa"),
+    "HCA, chunk after a long context": dict(requests=[(70, 9)], kind="hca", ratio=8),
+}
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name, fp8):
+    mod = _kernel()
+    case = build_case(heads=4, head_dim=128, fp8=fp8, seed=len(name), **CASES[name])
+    want = mod.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.09, case.rope_dim)
+    got = mod.sparse_attention(case.q, case.key_sets, case.sink, 0.09, case.rope_dim, impl="triton")
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_kernel_with_heads_over_several_programs_and_a_token_seeing_nothing():
+    """20 heads in programs of 16 (as Pro's 128 in two of 64); a token whose lists are all -1 gets 0 (the sink
+    alone), like the reference."""
+    mod = _kernel()
+    case = build_case([(0, 3), (12, 2)], heads=20, head_dim=128, kind="hca", fp8=True, seed=3)
+    case.key_sets = [(kv, torch.where(torch.arange(len(idx))[:, None] == 0, -1, idx)) for kv, idx in case.key_sets]
+    plan = mod.AttentionPlan(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    want = mod.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.09, case.rope_dim)
+    got = mod.sparse_attention(case.q, case.key_sets, case.sink, 0.09, case.rope_dim, impl="triton", plan=plan)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_head_dim_that_is_not_a_power_of_two(fp8):
+    """head_dim 80 = 64 + 16 RoPE (a tiny test config): the kernel pads it to 128 and masks the rest."""
+    mod = _kernel()
+    case = build_case([(9, 4), (30, 1)], heads=4, head_dim=80, rope_dim=16, kind="hca", fp8=fp8, seed=4)
+    want = mod.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.1, case.rope_dim)
+    got = mod.sparse_attention(case.q, case.key_sets, case.sink, 0.1, case.rope_dim, impl="triton", splits=2)
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_keys_split_over_programs_combine_to_the_reference(splits):
+    """A small decode batch spreads each token's key tiles over several programs (the window, the step's keys and
+    the entries counted end to end; a split may start inside one list and end in another, or hold only -1)."""
+    mod = _kernel()
+    case = build_case([(40, 1), (23, 2)], heads=4, head_dim=128, kind="csa", topk=20, fp8=True, seed=splits)
+    want = mod.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.09, case.rope_dim)
+    got = mod.sparse_attention(case.q, case.key_sets, case.sink, 0.09, case.rope_dim, impl="triton", splits=splits)
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_e4m3_decoded_from_its_bits_as_on_devices_without_fp8_conversion(monkeypatch):
+    """sm_80 has no e4m3 conversion: the kernel then decodes the bits itself (normals and subnormals, signs)."""
+    mod = _kernel()
+    monkeypatch.setattr(mod, "converts_fp8", lambda device: False)
+    case = build_case([(12, 3)], heads=4, head_dim=128, kind="csa", fp8=True, seed=9)
+    pool, idx = case.key_sets[2]
+    pool[:, :64] = torch.arange(256, dtype=torch.uint8).view(-1, 64).repeat(pool.shape[0] // 4 + 1, 1)[: pool.shape[0]]
+    pool[:, :64][pool[:, :64] & 0x7F == 0x7F] = 0  # no NaN codes
+    want = mod.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.09, case.rope_dim)
+    got = mod.sparse_attention(case.q, case.key_sets, case.sink, 0.09, case.rope_dim, impl="triton")
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_bad_inputs_are_refused():
+    case = build_case([(4, 2)], heads=2, head_dim=128, kind="hca", fp8=True)
+    with pytest.raises(ValueError, match="rope_dim"):
+        sa.sparse_attention(case.q, case.key_sets, case.sink, 0.1)
+    mixed = [case.key_sets[0], (torch.zeros(4, 128), case.key_sets[1][1])]
+    with pytest.raises(ValueError, match="mix"):
+        sa.sparse_attention(case.q, mixed, case.sink, 0.1, 64)
