@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20 on one GPU (run from the repo root, after `. tools/install_device_wheels.sh` with .whl carried: the engine
+# MTP speculative decoding on one GPU (run from the repo root, after `. tools/install_device_wheels.sh` with .whl carried: the engine
 # imports xgrammar, the server fastapi). Stages, each logged under ${OUT:-out}/mtp, tables printed last:
 #  tests  the speculative CPU tests and the GPU ones: graph replay == eager for verify and MTP draft steps
 #         (k = 1, 2, 3), greedy with MTP and graphs == greedy without (tests/engine/test_speculative_gpu.py);
@@ -9,7 +9,7 @@
 #  serve  `ds4 serve` on the same model without MTP and with k = 1, 2, 3, each measured by `ds4 bench serve` at
 #         concurrency 1/4/8 (short input and output); random weights accept ~nothing, so every streamed token is a
 #         verify step and --acceptance-lengths gives the tok/s those acceptance lengths would give.
-# (`ds4 bench prefill --profile` for issue 20 is in the serve/prefill script of issue 21's work.)
+# (`ds4 bench prefill --profile` is in tools/gpu_serve.sh.)
 # STAGES picks them (default "tests bench serve"); LAYERS (20), KS (0,1,2,3), CONTEXT (1024), STEPS (10) and
 # the serve sizes below can be set from the environment; MODEL_ARGS replaces the model flags altogether.
 set -uo pipefail
