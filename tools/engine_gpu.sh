@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The engine's own time per decode step on the GPU, in one device call, on the built-in tiny
 # model: the gpu-marked engine tests, `ds4 bench engine` at 1 and 64 running requests (greedy, then temperature
-# 1 with the costliest host functions), and `ds4 bench model`'s tiny decode at 64 (9.3 ms at 66d0053).
+# 1 with the costliest host functions), and `ds4 bench model`'s tiny decode at 64 (9.3 ms at f79f037).
 # With BEFORE_TREE set to a copy of an older tree (no .git needed), the same `ds4 bench engine` runs on its
 # engine too, for a before/after on one machine. Logs and JSON go to $OUT (default .out/); tables print last.
 # Needs the wheels from tools/fetch_device_wheels.sh carried in .whl/ (the engine imports xgrammar).
