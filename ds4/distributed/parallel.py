@@ -35,25 +35,30 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size
 
-    def validate(self, cfg: ModelConfig, num_devices: int | None = None) -> None:
+    def validate(self, cfg: ModelConfig, num_devices: int | None = None, weight_format: str = "auto") -> None:
         """Refuse a layout this model cannot be split into (ValueError naming every reason), before any weight
-        is read. num_devices: the accelerators available (None: CPU processes, no limit)."""
-        reasons = layout_errors(cfg, self)
+        is read. num_devices: the GPUs available (None: CPU processes, no limit). weight_format as the model's:
+        "checkpoint" keeps FP8 / MXFP4 weights quantised, so a rank's part must be whole scale blocks; "auto" is
+        "checkpoint" on GPUs (num_devices given) and "dequantized" on CPU."""
+        if weight_format == "auto":
+            weight_format = "checkpoint" if num_devices is not None else "dequantized"
+        reasons = layout_errors(cfg, self, weight_format == "checkpoint")
         n = self.tensor_parallel_size
         if num_devices is not None and n > num_devices:
-            reasons.append(f"{n} ranks need {n} devices, {num_devices} available")
+            reasons.append(f"{n} ranks need {n} GPUs, {num_devices} available")
         if reasons:
             kind = "expert parallel" if self.enable_expert_parallel else "tensor parallel"
             raise ValueError(f"cannot split {_describe(cfg)} over {n} ranks ({kind}): " + "; ".join(reasons))
 
 
 def _describe(cfg: ModelConfig) -> str:
-    return f"the model (hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.n_routed_experts} experts)"
+    return f"the model ({cfg.num_attention_heads} heads, {cfg.o_groups} o_groups, {cfg.n_routed_experts} experts)"
 
 
-def layout_errors(cfg: ModelConfig, pc: ParallelConfig) -> list[str]:
-    """Every reason the model cannot be split this way (empty: it can). Quantised weights are split only at
-    whole FP8 blocks (128 x 128) and whole MXFP4 groups (32 input columns)."""
+def layout_errors(cfg: ModelConfig, pc: ParallelConfig, quantised: bool) -> list[str]:
+    """Every reason the model cannot be split this way (empty: it can). quantised: weights stay in checkpoint
+    precision, so a rank holds whole FP8 blocks (128 x 128) and whole MXFP4 groups, and each rank's inputs to
+    act_quant'ed GEMMs are whole 128-wide quantisation groups (so the split computes what one rank would)."""
     n = pc.tensor_parallel_size
     if n < 1:
         return [f"tensor_parallel_size must be at least 1, got {n}"]
@@ -61,28 +66,30 @@ def layout_errors(cfg: ModelConfig, pc: ParallelConfig) -> list[str]:
         return []
     reasons = []
 
-    def divides(what: str, total: int, unit: int = 1, unit_name: str = "") -> None:
+    def split(what: str, total: int, unit: int = 1, why: str = "") -> None:
         if total % (n * unit):
-            per = f" into whole {unit_name} of {unit}" if unit > 1 else ""
-            reasons.append(f"{what} ({total}) does not split {n} ways{per}")
+            reasons.append(f"{what} ({total}) does not split {n} ways" + (f" into {why} of {unit}" if unit > 1 else ""))
 
-    block_out, block_in = cfg.fp8_block or (1, 1)
-    divides("num_attention_heads", cfg.num_attention_heads)
-    divides("o_groups", cfg.o_groups)
-    # wq_b rows (heads x head_dim) and wo_a rows (groups x o_lora_rank) are FP8 output blocks per rank.
-    divides("attention rows (heads x head_dim)", cfg.num_attention_heads * cfg.head_dim, block_out, "FP8 blocks")
-    divides("o_groups x o_lora_rank", cfg.o_groups * cfg.o_lora_rank, block_out, "FP8 blocks")
-    divides("vocab_size", cfg.vocab_size)
-    if cfg.n_shared_experts:
-        # Shared expert: w1/w3 rows and w2 input columns split; FP8 blocks on both sides.
-        divides("shared expert intermediate size", cfg.moe_intermediate_size, max(block_out, block_in), "FP8 blocks")
+    split("num_attention_heads", cfg.num_attention_heads)
+    split("vocab_size", cfg.vocab_size)
+    groups = cfg.o_groups
+    if groups % n and (quantised or n % groups):
+        more = "" if quantised else f" (nor do {n} ranks split each of its groups evenly)"
+        reasons.append(f"o_groups ({groups}) does not split {n} ways{more}")
     if pc.enable_expert_parallel:
-        divides("n_routed_experts", cfg.n_routed_experts)
+        split("n_routed_experts", cfg.n_routed_experts)
     else:
-        unit, name = max(block_out, block_in), "FP8 blocks"
-        if cfg.expert_dtype == "fp4":
-            unit, name = max(block_out, 32), "FP8 blocks / MXFP4 groups"
-        divides("routed expert moe_intermediate_size", cfg.moe_intermediate_size, unit, name)
+        split("moe_intermediate_size", cfg.moe_intermediate_size)
+    if not quantised or cfg.fp8_block is None:
+        return reasons
+    block = max(cfg.fp8_block)
+    whole = "whole FP8 blocks"
+    split("attention rows (num_attention_heads x head_dim)", cfg.num_attention_heads * cfg.head_dim, block, whole)
+    split("o_groups x o_lora_rank", groups * cfg.o_lora_rank, block, whole)
+    if cfg.n_shared_experts:
+        split("shared expert moe_intermediate_size", cfg.moe_intermediate_size, block, whole)
+    if not pc.enable_expert_parallel and cfg.expert_dtype == "fp4":
+        split("routed expert moe_intermediate_size", cfg.moe_intermediate_size, 128, "whole act_quant groups")
     return reasons
 
 
