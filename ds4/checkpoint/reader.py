@@ -232,11 +232,12 @@ def _stream(
 def _stream_lazy(
     plan: _Plan, fmt: str, files: ExitStack, stats: ReadStats, progress: bool
 ) -> Iterator[tuple[str, StoredSlice]]:
-    with files:
+    with files, tqdm(unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
         for f, reads, data_start in plan:
             for name, entry in reads:
                 stored = StoredSlice(f, data_start, entry, name, stats)
                 yield (hf_names.saved_to_official(name) if fmt == HF else name), stored
+                bar.update(stats.bytes_read.get(name, 0))
 
 
 class StoredSlice:

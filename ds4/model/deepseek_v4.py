@@ -135,7 +135,8 @@ class DeepseekV4Model(nn.Module):
         FP8 and MXFP4 weights next to their `.scale`, kept or dequantised per weight_format.
 
         Streaming: each tensor is placed as soon as it (and its scale) has arrived and then dropped, so loading
-        never holds a second copy of the weights. Every expected name must come exactly once, in any order.
+        never holds a second copy of the weights. Every expected name this shard holds must come exactly once,
+        in any order (the others may come, and are skipped).
         A tensor may come as a lazy slice (`[index]` and `.get_shape()`, as safetensors' get_slice): a shard
         then reads only its part of it, and nothing of the tensors it does not hold (`holds`).
         """
@@ -168,7 +169,7 @@ class DeepseekV4Model(nn.Module):
                 del pair
             else:
                 waiting[name] = tensor
-        missing = sorted(set(specs) - seen)
+        missing = sorted(n for n in set(specs) - seen if self.holds(n))
         if missing or unexpected or duplicated:
             raise ValueError(
                 f"load_weights: missing {_few(missing)}; unexpected {_few(unexpected)}; duplicated {_few(duplicated)}"
