@@ -5,7 +5,6 @@ import multiprocessing
 import time
 
 import pytest
-import torch
 from spawn import run_ranks
 
 
