@@ -20,6 +20,7 @@ _BENCHMARKS = {
     "prefill": "ds4.bench.prefill",
     "serve": "ds4.bench.serve",
     "throughput": "ds4.bench.throughput",
+    "traffic": "ds4.bench.traffic",
 }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -29,12 +29,21 @@ _E8M0_BIAS = 127
 
 
 def dummy_weights(
-    cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, with_mtp: bool = False
+    cfg: ModelConfig,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    with_mtp: bool = False,
+    holds: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(official name, stored tensor) for every tensor of the checkpoint, each weight followed by its `.scale`."""
+    """(official name, stored tensor) for every tensor of the checkpoint, each weight followed by its `.scale`.
+
+    Every tensor's values depend on the seed and its name only, so the ranks of a sharded model make the same
+    tensors and each keeps its part; holds(name) False (a shard's `holds`: another rank's experts): not made."""
     device = torch.device(device)
     stored = stored_tensor_specs(cfg, with_mtp)
     for name, spec in expected_parameter_shapes(cfg, with_mtp).items():
+        if holds is not None and not holds(name):
+            continue
         gen = torch.Generator(device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
         weight = stored[name]
         scale_name = name.removesuffix(".weight") + ".scale"

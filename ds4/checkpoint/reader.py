@@ -9,6 +9,9 @@ Which tensors are read is decided from names alone: `mtp.*` only with `with_mtp=
 needed is never opened. Each needed shard is opened once, its header parsed, and its tensors read in file order
 with plain `readinto` calls, counted per tensor in `ReadStats` so the byte traffic is observable. Tensors come
 as stored (FP8 / MXFP4 weights next to their `.scale`): the model keeps or dequantises them as it loads.
+
+`lazy=True` yields `StoredSlice`s instead (safetensors' `get_slice` semantics): nothing is read until the
+consumer indexes one, and then only the rows and columns it asks for (a rank of a sharded model its part).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ SINGLE_FILE = "model.safetensors"
 OFFICIAL, HF = "official", "hf"
 MTP_PREFIX = "mtp."
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
     "U8": torch.uint8,
     "I8": torch.int8,
@@ -100,13 +103,15 @@ def load_checkpoint(
     with_mtp: bool = False,
     progress: bool = True,
     stats: ReadStats | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    lazy: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]] | Iterator[tuple[str, StoredSlice]]:
     """(official name, stored CPU tensor) pairs for `DeepseekV4Model.load_weights`, one tensor at a time.
 
     Everything is checked against the config from the index and the shard headers first: this call raises
     CheckpointError before a data byte is read. An official checkpoint's tensors come as written (FP8 / MXFP4
     weights and their float8_e8m0fnu `.scale`s, bf16, fp32, int32); a transformers-format checkpoint's come
-    under official names in the float dtype it was saved in.
+    under official names in the float dtype it was saved in. lazy: StoredSlices to index within the iteration
+    (the shards close when it ends).
     """
     model_dir = Path(model_dir)
     cfg = config if config is not None else load_config(model_dir)
@@ -124,7 +129,7 @@ def load_checkpoint(
     except BaseException:
         files.close()
         raise
-    return _stream(plan, fmt, files, stats, progress)
+    return (_stream_lazy if lazy else _stream)(plan, fmt, files, stats, progress)
 
 
 def _expected_stored(cfg: ModelConfig, fmt: str, with_mtp: bool) -> dict[str, _Expected]:
@@ -224,6 +229,76 @@ def _stream(
                     yield (hf_names.saved_to_official(name) if fmt == HF else name), tensor
 
 
+def _stream_lazy(
+    plan: _Plan, fmt: str, files: ExitStack, stats: ReadStats, progress: bool
+) -> Iterator[tuple[str, StoredSlice]]:
+    with files, tqdm(unit="B", unit_scale=True, desc="loading weights", disable=not progress) as bar:
+        for f, reads, data_start in plan:
+            for name, entry in reads:
+                stored = StoredSlice(f, data_start, entry, name, stats)
+                yield (hf_names.saved_to_official(name) if fmt == HF else name), stored
+                bar.update(stats.bytes_read.get(name, 0))
+
+
+class StoredSlice:
+    """One tensor of an open shard, not read yet: `[index]` reads only the part indexed (slices of step 1 over
+    the first two dims), `.get_shape()` / `.get_dtype()` as safetensors' slices. Bytes read go to the stats."""
+
+    def __init__(self, f: BinaryIO, data_start: int, entry: _Entry, name: str, stats: ReadStats):
+        self.f, self.data_start, self.entry, self.name, self.stats = f, data_start, entry, name, stats
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.entry.dtype
+
+    def get_shape(self) -> list[int]:
+        return list(self.entry.shape)
+
+    def get_dtype(self) -> str:
+        return next(k for k, v in SAFETENSORS_DTYPES.items() if v == self.entry.dtype)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        shape = self.entry.shape
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > len(shape) or (len(index) > 2 and any(s != slice(None) for s in index[2:])):
+            raise IndexError(f"{self.name}: a stored slice takes slices of the first two dims only, got {index}")
+        spans = [_span(s, n, self.name) for s, n in zip(index, shape)] + [(0, n) for n in shape[len(index) :]]
+        (r0, r1), rest = spans[0], shape[1:]
+        row_elems = 1
+        for n in rest:
+            row_elems *= n
+        size = self.entry.dtype.itemsize
+        if len(shape) < 2 or spans[1] == (0, shape[1]):
+            data = self._read(r0 * row_elems * size, (r1 - r0) * row_elems * size)
+            return _as_tensor(data, self.entry.dtype, (r1 - r0, *rest))
+        (c0, c1), inner = spans[1], row_elems // shape[1]
+        out = bytearray()
+        for r in range(r0, r1):
+            out += self._read((r * row_elems + c0 * inner) * size, (c1 - c0) * inner * size)
+        return _as_tensor(out, self.entry.dtype, (r1 - r0, c1 - c0, *shape[2:]))
+
+    def _read(self, offset: int, size: int) -> bytearray:
+        buffer = bytearray(size)
+        self.f.seek(self.data_start + self.entry.begin + offset)
+        if self.f.readinto(buffer) != size:
+            raise CheckpointError(f"{self.f.name}: file shrank while reading {self.name}")
+        self.stats.bytes_read[self.name] = self.stats.bytes_read.get(self.name, 0) + size
+        return buffer
+
+
+def _span(s: slice, n: int, name: str) -> tuple[int, int]:
+    if not isinstance(s, slice) or s.step not in (None, 1):
+        raise IndexError(f"{name}: a stored slice takes slices of step 1, got {s!r}")
+    start, stop, _ = s.indices(n)
+    return start, max(start, stop)
+
+
+def _as_tensor(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
 def _check_entry(shard: str, name: str, entry: _Entry | None, want: _Expected) -> str | None:
     if entry is None:
         return f"{name}: the index places it in {shard}, whose header does not list it"
@@ -268,7 +343,7 @@ def _read_header(f: BinaryIO, file_size: int, shard: str) -> tuple[dict[str, _En
 
 def _parse_entry(shard: str, name: str, info: object) -> _Entry:
     try:
-        dtype = _DTYPES[info["dtype"]]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
         shape = tuple(int(d) for d in info["shape"])
         begin, end = (int(x) for x in info["data_offsets"])
     except (KeyError, TypeError, ValueError) as e:
@@ -290,9 +365,7 @@ def _read_tensor(f: BinaryIO, data_start: int, entry: _Entry) -> torch.Tensor:
     f.seek(data_start + entry.begin)
     if f.readinto(buffer) != size:
         raise CheckpointError(f"{f.name}: file shrank while reading")
-    if size == 0:
-        return torch.empty(entry.shape, dtype=entry.dtype)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape)
+    return _as_tensor(buffer, entry.dtype, entry.shape)
 
 
 def _listing(names: list[str], limit: int = 20) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ds4.config import ModelConfig
+from ds4.distributed.parallel import Parallel
 
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -56,18 +57,27 @@ def load_model(
     weight_format: str = "auto",
     seed: int = 0,
     with_mtp: bool = False,
+    parallel: Parallel | None = None,
 ):
     """A DeepseekV4Model with its weights, streamed in stored form: read from model_dir, or (dummy) generated on
-    the device; with_mtp adds the MTP layer (speculative decoding)."""
+    the device; with_mtp adds the MTP layer (speculative decoding). parallel: this rank's shard, which reads
+    (or makes) only its part of the weights."""
     from ds4.checkpoint.dummy import dummy_weights
     from ds4.checkpoint.reader import load_checkpoint
     from ds4.model.deepseek_v4 import DeepseekV4Model
 
     model = DeepseekV4Model(
-        cfg, dtype=dtype, device=device, kv_cache_dtype=kv_cache_dtype, weight_format=weight_format, with_mtp=with_mtp
+        cfg,
+        dtype=dtype,
+        device=device,
+        kv_cache_dtype=kv_cache_dtype,
+        weight_format=weight_format,
+        with_mtp=with_mtp,
+        parallel=parallel,
     )
     if load_format == "dummy":
-        model.load_weights(dummy_weights(cfg, device, seed, with_mtp))
+        model.load_weights(dummy_weights(cfg, device, seed, with_mtp, holds=model.holds))
     else:
-        model.load_weights(load_checkpoint(model_dir, cfg, with_mtp=with_mtp))
+        progress = parallel is None or parallel.rank == 0
+        model.load_weights(load_checkpoint(model_dir, cfg, with_mtp=with_mtp, lazy=True, progress=progress))
     return model

@@ -14,6 +14,12 @@ code serves a decode_only batch (no host syncs, CUDA-graph capturable); only the
 token gathers its request's tokens_per_request fresh keys (one, or k + 1 verifying drafts; causally masked) and
 as many compressed entries as its block table holds, a general step up to the longest chunk and the most
 entries any token sees.
+
+Tensor parallel: a rank holds a contiguous run of heads (its rows of wq_b, its sinks) and the output
+projection of the o_groups they feed (its rows of wo_a and columns of wo_b; when ranks outnumber the groups,
+its heads' columns of its group's wo_a, exact only without act_quant in between, see ParallelConfig); the
+rank's wo_b output is a partial sum, all-reduced. The single KV head, the compressor, the indexer and their
+caches are replicated: one KV head cannot be split by heads, and every rank's heads read all of it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from torch import nn
 
 from ds4.config import CSA, WINDOW, ModelConfig
+from ds4.distributed.parallel import Parallel
 from ds4.kernels.fp8_kv import quantize_kv
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.rope import apply_rope
@@ -35,6 +42,29 @@ from ds4.model.indexer import Indexer
 from ds4.model.linear import DEQUANTIZED, Linear, Norm, fp32_param, kept_fp8_block
 from ds4.model.paging import visible_entry_rows
 from ds4.model.rope import layer_inv_freq
+from ds4.model.shard import hold
+
+
+class _HeadSplit:
+    """A rank's heads, the o_groups they feed, and their place inside the first of those groups (None: the
+    whole model, world size 1)."""
+
+    def __init__(self, cfg: ModelConfig, parallel: Parallel):
+        heads, groups = cfg.num_attention_heads, cfg.o_groups
+        self.single = parallel.is_single
+        self.heads = parallel.shard(heads)
+        per_group = heads // groups
+        first, last = self.heads.start // per_group, -(-self.heads.stop // per_group)
+        self.groups = slice(first, last)
+        inside = self.heads.start - first * per_group
+        self.group_heads = slice(inside, inside + min(per_group, self.heads.stop - self.heads.start))
+        self.full_group = self.group_heads == slice(0, per_group)
+
+    def scaled(self, s: slice, unit: int) -> slice | None:
+        """s in units of `unit` rows or columns; None when this rank holds everything (world size 1)."""
+        if self.single:
+            return None
+        return slice(s.start * unit, s.stop * unit)
 
 
 class Attention(nn.Module):
@@ -46,27 +76,32 @@ class Attention(nn.Module):
         device: torch.device,
         kv_cache_dtype: str,
         weight_format: str = DEQUANTIZED,
+        parallel: Parallel | None = None,
     ):
         super().__init__()
+        self.parallel = parallel = parallel or Parallel.single()
         fp8 = kept_fp8_block(cfg, weight_format)
-        d, hd, heads = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads
+        d, hd = cfg.hidden_size, cfg.head_dim
         self.kind, self.ratio = cfg.layer_kinds[layer], cfg.compress_ratios[layer]
-        self.heads, self.head_dim, self.rope_dim = heads, hd, cfg.qk_rope_head_dim
-        self.groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.head_dim, self.rope_dim, self.o_lora_rank = hd, cfg.qk_rope_head_dim, cfg.o_lora_rank
+        split = _HeadSplit(cfg, parallel)
+        self.heads, self.groups = split.heads.stop - split.heads.start, split.groups.stop - split.groups.start
+        heads, olr = self.heads, self.o_lora_rank
         self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
         fp8_kv = kv_cache_dtype == FP8
         # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
         self.stored = functools.partial(quantize_kv, rope_dim=self.rope_dim) if fp8_kv else nn.Identity()
         self.wq_a = Linear(d, cfg.q_lora_rank, dtype, device, fp8)
         self.q_norm = Norm(cfg.q_lora_rank, device)
-        self.wq_b = Linear(cfg.q_lora_rank, heads * hd, dtype, device, fp8)
+        self.wq_b = Linear(cfg.q_lora_rank, heads * hd, dtype, device, fp8, rows=split.scaled(split.heads, hd))
         self.wkv = Linear(d, hd, dtype, device, fp8)
         self.kv_norm = Norm(hd, device)
         # Grouped low-rank output projection; the reference multiplies it without act_quant.
-        in_a, out_a = heads * hd // self.groups, self.groups * self.o_lora_rank
-        self.wo_a = Linear(in_a, out_a, dtype, device, fp8, groups=self.groups, quantize_input=False)
-        self.wo_b = Linear(self.groups * self.o_lora_rank, d, dtype, device, fp8)
-        self.attn_sink = fp32_param(heads, device=device)
+        in_a, out_a, o_rows = heads * hd // self.groups, self.groups * olr, split.scaled(split.groups, olr)
+        in_cols = None if split.full_group else split.scaled(split.group_heads, hd)
+        self.wo_a = Linear(in_a, out_a, dtype, device, fp8, self.groups, False, rows=o_rows, cols=in_cols)
+        self.wo_b = Linear(out_a, d, dtype, device, fp8, cols=o_rows)
+        self.attn_sink = hold(fp32_param(heads, device=device), split.scaled(split.heads, 1))
         self.register_buffer("inv_freq", layer_inv_freq(cfg, layer).to(device), persistent=False)
         if self.kind != WINDOW:
             self.compressor = Compressor(d, self.ratio, hd, self.kind == CSA, self.eps, device, self.stored)
@@ -101,7 +136,7 @@ class Attention(nn.Module):
         self._store_window(kv, step)
 
         o = apply_rope(o, pos, self.inv_freq, inverse=True).flatten(1)
-        return self.wo_b(self.wo_a(o))
+        return self.parallel.all_reduce(self.wo_b(self.wo_a(o)))
 
     def _window_keys(self, kv: torch.Tensor, step: LayerStep) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each token's last `window` positions: [(ring pool, rows of the positions before the step),

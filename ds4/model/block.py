@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ds4.config import ModelConfig
+from ds4.distributed.parallel import Parallel
 from ds4.kernels.hyper_connections import hc_post, hc_pre
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.attention import Attention
@@ -24,12 +25,14 @@ class Block(nn.Module):
         device: torch.device,
         kv_cache_dtype: str,
         weight_format: str = DEQUANTIZED,
+        parallel: Parallel | None = None,
     ):
+        """parallel: this rank's shard of the attention and the MoE (mHC and the norms are replicated)."""
         super().__init__()
         hc, d = cfg.hc_mult, cfg.hidden_size
         self.hc, self.iters, self.hc_eps, self.eps = hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-        self.attn = Attention(cfg, layer, dtype, device, kv_cache_dtype, weight_format)
-        self.ffn = MoE(cfg, cfg.is_hash_layer(layer), dtype, device, weight_format)
+        self.attn = Attention(cfg, layer, dtype, device, kv_cache_dtype, weight_format, parallel)
+        self.ffn = MoE(cfg, cfg.is_hash_layer(layer), dtype, device, weight_format, parallel)
         self.attn_norm = Norm(d, device)
         self.ffn_norm = Norm(d, device)
         mix = (2 + hc) * hc

@@ -1,4 +1,10 @@
-"""The DeepSeek-V4 model over flat batches: embed -> blocks on hc_mult residual streams -> hc_head, norm, head."""
+"""The DeepSeek-V4 model over flat batches: embed -> blocks on hc_mult residual streams -> hc_head, norm, head.
+
+Built with a `Parallel` of world size N, the model is one rank's shard (SPMD: every rank runs the same
+forward on the same batch, with its own caches; the collectives are inside): attention heads and o_groups,
+the shared expert, the routed experts (inside each, or whole experts per rank) and the vocabulary of the
+embedding and head are split; everything else is replicated (see ARCHITECTURE.md).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,11 @@ import re
 from collections.abc import Iterable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ds4.checkpoint.weights_spec import StoredSpec, stored_tensor_specs
 from ds4.config import ModelConfig
+from ds4.distributed.parallel import Parallel, ParallelConfig
 from ds4.kernels.hyper_connections import hc_head
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.batch import ForwardBatch, StepLayout
@@ -18,6 +24,8 @@ from ds4.model.block import Block
 from ds4.model.cache import ModelCache, resolve_kv_cache_dtype
 from ds4.model.linear import CHECKPOINT, DEQUANTIZED, WEIGHT_FORMATS, Linear, Norm, fp32_param
 from ds4.model.mtp import MTPBlock
+from ds4.model.shard import read, region_of, stored_dtype, stored_shape
+from ds4.model.vocab import VocabEmbedding, VocabHead
 
 _EXPERT_NAME = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 _QUANTISED_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
@@ -35,11 +43,13 @@ class DeepseekV4Model(nn.Module):
         kv_cache_dtype: str = "auto",
         with_mtp: bool = False,
         weight_format: str = "auto",
+        parallel: Parallel | None = None,
     ):
         """weight_format: "checkpoint" keeps FP8 linears and MXFP4 experts as the checkpoint stores them (the
         default on CUDA); "dequantized" holds every weight in `dtype` or fp32 (the default elsewhere: the spec).
         kv_cache_dtype: "fp8" (the reference's FP8 cache, stored as such), "bf16" (unquantised, in `dtype`) or
-        "auto" (fp8 on CUDA where the dims allow it, else bf16); the model keeps the resolved one."""
+        "auto" (fp8 on CUDA where the dims allow it, else bf16); the model keeps the resolved one.
+        parallel: build this rank's shard (default: the whole model, world size 1)."""
         super().__init__()
         if with_mtp and cfg.num_mtp_layers < 1:
             raise ValueError("with_mtp: the config has no MTP layer (num_nextn_predict_layers is 0)")
@@ -51,18 +61,20 @@ class DeepseekV4Model(nn.Module):
             raise ValueError(f"weight_format: {weight_format!r} is not 'auto' or one of {WEIGHT_FORMATS}")
         self.cfg, self.dtype, self.kv_cache_dtype, self.with_mtp = cfg, dtype, kv_cache_dtype, with_mtp
         self.weight_format = weight_format
+        self.parallel = parallel = parallel or Parallel.single()
+        ParallelConfig(parallel.world_size, parallel.expert_parallel).validate(cfg, None, weight_format)
         d, hc = cfg.hidden_size, cfg.hc_mult
-        self.embed = nn.Embedding(cfg.vocab_size, d, dtype=dtype, device=device).requires_grad_(False)
+        self.embed = VocabEmbedding(cfg.vocab_size, d, dtype, device, parallel)
         self.layers = nn.ModuleList(
-            Block(cfg, i, dtype, device, kv_cache_dtype, weight_format) for i in range(cfg.num_hidden_layers)
+            Block(cfg, i, dtype, device, kv_cache_dtype, weight_format, parallel) for i in range(cfg.num_hidden_layers)
         )
         self.norm = Norm(d, device)
-        # The reference computes logits in fp32.
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False, dtype=torch.float32, device=device).requires_grad_(False)
+        self.head = VocabHead(d, cfg.vocab_size, device, parallel)
         self.hc_head_fn = fp32_param(hc, hc * d, device=device)
         self.hc_head_base = fp32_param(hc, device=device)
         self.hc_head_scale = fp32_param(1, device=device)
-        self.mtp = nn.ModuleList([MTPBlock(cfg, dtype, device, kv_cache_dtype, weight_format)] if with_mtp else [])
+        mtp = [MTPBlock(cfg, dtype, device, kv_cache_dtype, weight_format, parallel)] if with_mtp else []
+        self.mtp = nn.ModuleList(mtp)
 
     def new_cache(
         self, num_slots: int, num_pages: int, page_size: int, num_snapshots: int = 0, spare: int = 0
@@ -117,7 +129,7 @@ class DeepseekV4Model(nn.Module):
     def _logits(self, hidden, fn, scale, base, norm_weight) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
         x = rms_norm(hc_head(hidden, fn, scale, base, self.cfg.hc_eps, eps), norm_weight, eps)
-        return F.linear(x.float(), self.head.weight)
+        return self.head(x)
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
@@ -125,7 +137,10 @@ class DeepseekV4Model(nn.Module):
         FP8 and MXFP4 weights next to their `.scale`, kept or dequantised per weight_format.
 
         Streaming: each tensor is placed as soon as it (and its scale) has arrived and then dropped, so loading
-        never holds a second copy of the weights. Every expected name must come exactly once, in any order.
+        never holds a second copy of the weights. Every expected name this shard holds must come exactly once,
+        in any order (the others may come, and are skipped).
+        A tensor may come as a lazy slice (`[index]` and `.get_shape()`, as safetensors' get_slice): a shard
+        then reads only its part of it, and nothing of the tensors it does not hold (`holds`).
         """
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         specs = stored_tensor_specs(self.cfg, self.with_mtp)
@@ -140,6 +155,8 @@ class DeepseekV4Model(nn.Module):
                 (unexpected if spec is None else duplicated).append(name)
                 continue
             seen.add(name)
+            if not self.holds(name):
+                continue
             problem = _stored_problem(name, tensor, spec)
             if problem:
                 wrong.append(problem)
@@ -154,7 +171,7 @@ class DeepseekV4Model(nn.Module):
                 del pair
             else:
                 waiting[name] = tensor
-        missing = sorted(set(specs) - seen)
+        missing = sorted(n for n in set(specs) - seen if self.holds(n))
         if missing or unexpected or duplicated:
             raise ValueError(
                 f"load_weights: missing {_few(missing)}; unexpected {_few(unexpected)}; duplicated {_few(duplicated)}"
@@ -171,26 +188,32 @@ class DeepseekV4Model(nn.Module):
         if isinstance(owner, Linear):
             owner.load(tensor, scale, self.cfg.fp8_block)
         elif name in targets:
-            targets[name].copy_(tensor)
+            targets[name].copy_(read(tensor, region_of(targets[name])))
         else:
             raise ValueError(f"load_weights: {name} has no place in the model")
 
+    def holds(self, name: str) -> bool:
+        """Whether this shard holds any of the stored tensor `name` (expert parallel: only its experts')."""
+        expert = _EXPERT_NAME.match(name)
+        return expert is None or self.get_submodule(expert.group(1)).holds(int(expert.group(2)))
 
-def _stored_problem(name: str, tensor: torch.Tensor, spec: StoredSpec) -> str | None:
-    """Why `tensor` is not `name` as stored: its shape, or its dtype (quantised ones exactly; floating ones may
-    come in any floating dtype, integer tables in any integer dtype)."""
-    if tuple(tensor.shape) != spec.shape:
-        return f"{name}: shape {tuple(tensor.shape)} != {spec.shape}"
+
+def _stored_problem(name: str, source, spec: StoredSpec) -> str | None:
+    """Why `source` (a tensor or a lazy slice) is not `name` as stored: its shape, or its dtype (quantised ones
+    exactly; floating ones may come in any floating dtype, integer tables in any integer dtype)."""
+    shape, dtype = stored_shape(source), stored_dtype(source)
+    if shape != spec.shape:
+        return f"{name}: shape {shape} != {spec.shape}"
     if spec.dtype in _QUANTISED_DTYPES:
-        ok = tensor.dtype == spec.dtype
+        ok = dtype == spec.dtype
     elif spec.dtype.is_floating_point:
-        ok = tensor.dtype.is_floating_point and tensor.dtype not in _QUANTISED_DTYPES
+        ok = dtype.is_floating_point and dtype not in _QUANTISED_DTYPES
     else:
-        ok = not tensor.dtype.is_floating_point
+        ok = not dtype.is_floating_point
     if ok:
         return None
-    hint = "; dequantise it: the config has no quantization_config" if tensor.dtype in _QUANTISED_DTYPES else ""
-    return f"{name}: dtype {tensor.dtype} where the checkpoint stores {spec.dtype}{hint}"
+    hint = "; dequantise it: the config has no quantization_config" if dtype in _QUANTISED_DTYPES else ""
+    return f"{name}: dtype {dtype} where the checkpoint stores {spec.dtype}{hint}"
 
 
 def _layout(batch: ForwardBatch) -> StepLayout | None:

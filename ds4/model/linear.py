@@ -14,6 +14,7 @@ from torch import nn
 from ds4.checkpoint.quant import e8m0_to_float, fp8_block_dequantize
 from ds4.config import ModelConfig
 from ds4.kernels.fp8_linear import QUANT_BLOCK, fp8_linear
+from ds4.model.shard import cut, hold, read, read_grouped, region_of
 
 CHECKPOINT, DEQUANTIZED = "checkpoint", "dequantized"
 WEIGHT_FORMATS = (CHECKPOINT, DEQUANTIZED)
@@ -27,7 +28,8 @@ def kept_fp8_block(cfg: ModelConfig, weight_format: str) -> tuple[int, int] | No
 class Linear(nn.Module):
     """y = x W^T. `groups` > 1: x holds that many column groups and the weight that many row blocks, block g
     multiplying group g only (the attention's grouped wo_a). `quantize_input=False` multiplies an FP8 weight
-    without act_quant on the input, as the reference does for wo_a."""
+    without act_quant on the input, as the reference does for wo_a. rows / cols: the part of the stored weight
+    this layer holds (a tensor-parallel shard, see ds4.model.shard); None: all of it."""
 
     def __init__(
         self,
@@ -38,6 +40,8 @@ class Linear(nn.Module):
         fp8_block: tuple[int, int] | None = None,
         groups: int = 1,
         quantize_input: bool = True,
+        rows: slice | None = None,
+        cols: slice | None = None,
     ):
         super().__init__()
         self.dtype, self.groups, self.quantize_input = dtype, groups, quantize_input
@@ -47,22 +51,28 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=weight_dtype, device=device), requires_grad=False
         )
+        hold(self.weight, rows, cols)
         self.scale = None
         if fp8_block is not None:
             blocks = (-(-out_features // QUANT_BLOCK), -(-in_features // QUANT_BLOCK))
             self.scale = nn.Parameter(torch.empty(blocks, dtype=torch.float32, device=device), requires_grad=False)
 
     @torch.no_grad()
-    def load(self, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None) -> None:
-        """A stored weight (with its e8m0 `scale` for an FP8 one): kept as is, or dequantised into this layer."""
+    def load(self, weight, scale, block: tuple[int, int] | None) -> None:
+        """A stored weight (with its e8m0 `scale` for an FP8 one), a tensor or a lazy slice of which only this
+        layer's part is read: kept as is, or dequantised into this layer."""
+        region = region_of(self.weight)
         if scale is None:
-            self.weight.copy_(weight)
-        elif self.scale is not None:
+            self.weight.copy_(read(weight, region))
+            return
+        weight, scale, offset = read_grouped(weight, scale, region, block)
+        if self.scale is not None:
             self.weight.copy_(weight)
             self.scale.copy_(e8m0_to_float(scale.to(self.scale.device)))
         else:
             device = self.weight.device
-            self.weight.copy_(fp8_block_dequantize(weight.to(device), scale.to(device), block, self.dtype))
+            full = fp8_block_dequantize(weight.to(device), scale.to(device), block, self.dtype)
+            self.weight.copy_(cut(full, offset, self.weight.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:

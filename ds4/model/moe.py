@@ -1,4 +1,11 @@
-"""The MoE feed-forward: sqrt-softplus (or sigmoid / softmax) router, hash or top-k routing, one shared expert."""
+"""The MoE feed-forward: sqrt-softplus (or sigmoid / softmax) router, hash or top-k routing, one shared expert.
+
+Several ranks: the router is replicated (every rank routes every token, the same way); the shared expert is
+split inside (its intermediate channels); the routed experts are split inside each expert (tensor parallel)
+or placed whole, E / N a rank (expert parallel). Every rank holds every token (attention all-reduces its
+output), so dispatching a token to the rank of its expert needs no traffic: a rank computes its experts'
+slots and gives the others' weight 0; one all-reduce of the layer's partial outputs combines them.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,10 @@ from torch import nn
 
 from ds4.checkpoint.quant import MXFP4_BLOCK, fp8_block_dequantize, mxfp4_dequantize
 from ds4.config import ModelConfig
+from ds4.distributed.parallel import Parallel
 from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, routed_experts, swiglu
 from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, kept_fp8_block
+from ds4.model.shard import Region, cut, read, read_grouped, stored_dtype
 
 
 class Gate(nn.Module):
@@ -59,9 +68,26 @@ class Experts(nn.Module):
     "dequantized" (the CPU path, FP8 experts, unquantised configs): w1/w3 [E, I, D], w2 [E, D, I] in `dtype`.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, weight_format: str = DEQUANTIZED):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: str = DEQUANTIZED,
+        parallel: Parallel | None = None,
+    ):
+        """parallel: hold this rank's E / N whole experts (expert parallel) or I / N channels of every expert."""
         super().__init__()
+        parallel = parallel or Parallel.single()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        # Expert parallel: this rank's experts; tensor parallel: its channels of each (None: all of them).
+        self.held_experts = self.held_channels = None
+        if not parallel.is_single and parallel.expert_parallel:
+            self.held_experts = parallel.shard(e)
+            e = e // parallel.world_size
+        elif not parallel.is_single:
+            self.held_channels = parallel.shard(i)
+            i = i // parallel.world_size
         self.inter, self.dtype = i, dtype
         packed = weight_format == CHECKPOINT and cfg.fp8_block is not None and cfg.expert_dtype == "fp4"
         self.format = MXFP4 if packed else DENSE
@@ -85,7 +111,18 @@ class Experts(nn.Module):
         fp8_block: tuple[int, int] | None,
     ) -> None:
         """One expert's stored projection ("w1", "w2" or "w3"): MXFP4 int8 codes or FP8 with its e8m0 `scale`,
-        or a floating weight (scale None)."""
+        or a floating weight (scale None); tensors or lazy slices, of which only this rank's channels are read."""
+        if self.held_experts is not None:
+            expert -= self.held_experts.start
+        region = None
+        if self.held_channels is not None:
+            region = Region(cols=self.held_channels) if projection == "w2" else Region(rows=self.held_channels)
+        if scale is None:
+            getattr(self, projection)[expert].copy_(read(weight, region))
+            return
+        mxfp4 = stored_dtype(weight) == torch.int8
+        group, packed = ((1, MXFP4_BLOCK), 2) if mxfp4 else (fp8_block, 1)
+        weight, scale, offset = read_grouped(weight, scale, region, group, packed)
         if self.format == MXFP4:
             rows = {"w1": slice(0, self.inter), "w3": slice(self.inter, 2 * self.inter), "w2": slice(None)}[projection]
             codes, scales = (self.w2, self.w2_scale) if projection == "w2" else (self.w13, self.w13_scale)
@@ -95,13 +132,22 @@ class Experts(nn.Module):
             scales[expert, rows].copy_(scale.view(torch.uint8))
             return
         target = getattr(self, projection)[expert]
-        if scale is not None:
-            weight, scale = weight.to(target.device), scale.to(target.device)
-            if weight.dtype == torch.int8:
-                weight = mxfp4_dequantize(weight, scale, self.dtype)
-            else:
-                weight = fp8_block_dequantize(weight, scale, fp8_block, self.dtype)
-        target.copy_(weight)
+        weight, scale = weight.to(target.device), scale.to(target.device)
+        if mxfp4:
+            weight = mxfp4_dequantize(weight, scale, self.dtype)
+        else:
+            weight = fp8_block_dequantize(weight, scale, fp8_block, self.dtype)
+        target.copy_(cut(weight, offset, target.shape))
+
+    def holds(self, expert: int) -> bool:
+        return self.held_experts is None or self.held_experts.start <= expert < self.held_experts.stop
+
+    def local_routes(self, weights: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallel: routes to this rank's experts renumbered from 0; the other ranks' slots go to expert
+        0 with weight 0 (fixed shapes, no host sync; they add exact zeros)."""
+        local = indices - self.held_experts.start
+        foreign = (local < 0) | (local >= self.held_experts.stop - self.held_experts.start)
+        return weights.masked_fill(foreign, 0.0), local.masked_fill(foreign, 0)
 
 
 def _bytes(*shape: int, device: torch.device) -> nn.Parameter:
@@ -109,14 +155,25 @@ def _bytes(*shape: int, device: torch.device) -> nn.Parameter:
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, weight_format: str = DEQUANTIZED):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: str = DEQUANTIZED,
+        parallel: Parallel | None = None,
+    ):
+        """parallel: hold this rank's I / N intermediate channels (the output is then a partial sum)."""
         super().__init__()
+        parallel = parallel or Parallel.single()
         d, i = cfg.hidden_size, cfg.moe_intermediate_size
+        channels = None if parallel.is_single else parallel.shard(i)
+        i //= parallel.world_size
         self.limit = cfg.swiglu_limit
         fp8 = kept_fp8_block(cfg, weight_format)
-        self.w1 = Linear(d, i, dtype, device, fp8)
-        self.w2 = Linear(i, d, dtype, device, fp8)
-        self.w3 = Linear(d, i, dtype, device, fp8)
+        self.w1 = Linear(d, i, dtype, device, fp8, rows=channels)
+        self.w2 = Linear(i, d, dtype, device, fp8, cols=channels)
+        self.w3 = Linear(d, i, dtype, device, fp8, rows=channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
@@ -124,22 +181,32 @@ class SharedExpert(nn.Module):
 
 class MoE(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, hashed: bool, dtype: torch.dtype, device: torch.device, weight_format: str = DEQUANTIZED
+        self,
+        cfg: ModelConfig,
+        hashed: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: str = DEQUANTIZED,
+        parallel: Parallel | None = None,
     ):
         super().__init__()
+        self.parallel = parallel or Parallel.single()
         self.limit = cfg.swiglu_limit
         self.gate = Gate(cfg, hashed, device)
-        self.experts = Experts(cfg, dtype, device, weight_format)
+        self.experts = Experts(cfg, dtype, device, weight_format, self.parallel)
+        self.expert_parallel = self.experts.held_experts is not None
         shared = cfg.n_shared_experts
-        self.shared_experts = SharedExpert(cfg, dtype, device, weight_format) if shared else None
+        self.shared_experts = SharedExpert(cfg, dtype, device, weight_format, self.parallel) if shared else None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Fixed shapes, no host sync: the same call serves prefill and captured decode steps."""
         weights, indices = self.gate(x, input_ids)
+        if self.expert_parallel:
+            weights, indices = self.experts.local_routes(weights, indices)
         y = routed_experts(x, weights, indices, expert_weights(self.experts), self.limit)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
-        return y.to(x.dtype)
+        return self.parallel.all_reduce(y.to(x.dtype))
 
 
 def expert_weights(experts: Experts) -> ExpertWeights:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ds4.config import ModelConfig
+from ds4.distributed.parallel import Parallel
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.block import Block
 from ds4.model.linear import DEQUANTIZED, Linear, Norm, fp32_param, kept_fp8_block
@@ -22,8 +23,11 @@ class MTPBlock(Block):
         device: torch.device,
         kv_cache_dtype: str,
         weight_format: str = DEQUANTIZED,
+        parallel: Parallel | None = None,
     ):
-        super().__init__(cfg, cfg.num_hidden_layers, dtype, device, kv_cache_dtype, weight_format)
+        """parallel: the block splits as the main ones; e_proj and h_proj are replicated (D x D, before the
+        block's input, which every rank needs whole)."""
+        super().__init__(cfg, cfg.num_hidden_layers, dtype, device, kv_cache_dtype, weight_format, parallel)
         d, hc = cfg.hidden_size, cfg.hc_mult
         fp8 = kept_fp8_block(cfg, weight_format)
         self.e_proj = Linear(d, d, dtype, device, fp8)

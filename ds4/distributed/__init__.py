@@ -1,0 +1,1 @@
+"""Several ranks: the process group, the split layout and the collectives, and the bytes they move."""
