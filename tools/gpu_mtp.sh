@@ -46,14 +46,16 @@ if [[ $stages == *" serve "* ]]; then
       >"$out/serve_k$k.log" 2>&1 &
     server=$!
     for _ in $(seq 900); do
-      curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
+        2>/dev/null && break
       kill -0 "$server" 2>/dev/null || break
       sleep 1
     done
     timeout "${SERVE_BENCH_TIMEOUT:-600}" python3 -m ds4.cli bench serve --base-url "http://127.0.0.1:$port" \
       --model bench "${bench[@]}" --json "$out/serve_k$k.json" >"$out/bench_serve_k$k.txt" 2>&1
     summary+=("bench serve k=$k (rc $?)")
-    curl -s "http://127.0.0.1:$port/metrics" | grep '^ds4_spec_decode' >"$out/metrics_k$k.txt"
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$port/metrics').read().decode())" \
+      | grep '^ds4_spec_decode' >"$out/metrics_k$k.txt"
     kill "$server"
     wait "$server"
   done

@@ -87,8 +87,10 @@ def run(args: argparse.Namespace, levels: list[int]) -> dict:
     base = args.base_url.rstrip("/")
     client = _ChatClient(base + "/v1/chat/completions", args.model, args.api_key, args.output_len, args.timeout)
     rng = random.Random(args.seed)
-    system, tools = agent(rng, 64, min(args.num_tools, 1))
-    client([{"role": "system", "content": system}, {"role": "user", "content": words(rng, 16)}], tools)  # warm-up
+    # Warm-up: one first turn of full size on its own system prompt, so that a server compiling kernels for
+    # shapes it has not seen does so here rather than in the first level's TTFT.
+    system, tools = agent(rng, args.system_prompt_len, args.num_tools)
+    client([{"role": "system", "content": system}, {"role": "user", "content": words(rng, args.user_turn_len)}], tools)
     results = []
     for clients in levels:
         system, tools = agent(rng, args.system_prompt_len, args.num_tools)

@@ -2,9 +2,11 @@
 
 For each of --lengths (e.g. 8k,32k,128k,512k,1m; lengths that do not fit max_model_len are skipped and said
 so) one request of random prompt ids and max_tokens 1 runs alone through the engine (chunked as the engine
-flags say), after a warm-up at the shortest length. TTFT is add_request to the sampled token. The ceiling
-next to each row is linear cost at the shortest length's speed (its prefill tok/s): `scaling` is the share
-of it a longer prompt keeps; attention and indexer work growing with the context shows as scaling < 1.
+flags say), after an untimed request of the same length (kernels compile for the shapes they first see, and a
+longer prompt reaches new ones: longer top-k rows, more compressed entries). TTFT is add_request to the
+sampled token. The ceiling next to each row is linear cost at the shortest length's speed (its prefill
+tok/s): `scaling` is the share of it a longer prompt keeps; attention and indexer work growing with the
+context shows as scaling < 1.
 
 --profile runs each length once more (on a new prompt: the first is in the prefix cache now) under
 torch.profiler and splits its device time (CPU time on CPU) by kernel family (ds4.bench.profile: GEMMs, MoE,
@@ -60,9 +62,8 @@ def run(args: argparse.Namespace, lengths: list[int], model_flags: dict, engine_
     rng = random.Random(args.seed)
     vocab = engine.model.cfg.vocab_size
     rows = []
-    if fit:
-        ttft(engine, [rng.randrange(2, vocab) for _ in range(fit[0])])  # warm-up
     for n in fit:
+        ttft(engine, [rng.randrange(2, vocab) for _ in range(n)])  # warm-up
         prompt = [rng.randrange(2, vocab) for _ in range(n)]
         seconds = ttft(engine, prompt)
         row = {"length": n, "ttft_s": seconds, "prefill_tokens_per_s": n / seconds}

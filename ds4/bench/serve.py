@@ -6,7 +6,9 @@ For each concurrency (--concurrency 1,4,8) and trial (--trials), `concurrency` c
 (`ignore_eos`, understood by ds4 and vLLM-style servers), greedy. Per request: TTFT (send to first streamed
 token), the gaps between streamed chunks (ITL; a chunk may carry several tokens under speculative
 decoding) and decode speed (tokens after the first over the time after the first). Per trial: aggregate
-output tokens/s over the trial's wall time and the failures (non-200, error events, short outputs).
+output tokens/s over the trial's wall time and the failures (non-200, error events, short outputs). Each level
+starts with an untimed round of `concurrency` requests: a server compiling kernels for batch shapes it has not
+seen yet would otherwise put its compile time into the first trial's TTFT.
 
 The ceiling printed next to each row is linear scaling of the same run's concurrency-1 speed
 (concurrency x per-request tok/s at concurrency 1): `scaling` is the aggregate's share of it.
@@ -107,9 +109,11 @@ def run(args: argparse.Namespace, levels: list[int]) -> dict:
     rng = random.Random(args.seed)
     url = args.base_url.rstrip("/") + "/v1/completions"
     send = _Sender(url, args.model, args.api_key, args.output_len, args.timeout)
-    send([rng.randrange(*PROMPT_IDS) for _ in range(args.input_len)])  # warm-up
     trials = []
     for concurrency in levels:
+        warm_up = [[rng.randrange(*PROMPT_IDS) for _ in range(args.input_len)] for _ in range(concurrency)]
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:  # the level's batch shapes compile here
+            list(pool.map(send, warm_up))
         for trial in range(args.trials):
             n = concurrency * args.requests_per_client
             prompts = [[rng.randrange(*PROMPT_IDS) for _ in range(args.input_len)] for _ in range(n)]

@@ -3,6 +3,12 @@
 Decode graphs are checked twice: on a small graph-safe toy model (so the padding, static buffers and
 replay are tested whatever the DSv4 model supports), and on the tiny DSv4 model when its forward is
 graph safe.
+
+On CUDA the kernels multiply in bf16 on the tensor cores and pick their plans (key splits, GEMM tiles, MoE
+tiers) from the batch's shape, so one request's logits move by rounding with what shares its batch. Greedy
+output then equals the request alone up to near ties: the first token where they part must be one the
+reference scores within NEAR_TIE of its own choice (the tiny model's logits: std ~3, top-two gaps 0.36 at the
+median, under 0.045 at one position in ten); from there on the two continuations are different texts.
 """
 
 import random
@@ -22,6 +28,7 @@ from ds4.model.batch import ForwardBatch
 
 pytestmark = pytest.mark.gpu
 PAGE = 16
+NEAR_TIE = 0.1
 
 
 class ToyModel(nn.Module):
@@ -115,7 +122,25 @@ def model():
     return load_tiny_model("cuda")
 
 
-def reference_greedy(model, prompt, max_tokens):
+class Greedy(list):
+    """A reference greedy continuation (its tokens) with the logits each token was chosen from."""
+
+    def __init__(self, tokens, logits):
+        super().__init__(tokens)
+        self.logits = logits
+
+    def disagreement(self, got: list[int]) -> str | None:
+        """Why `got` is not this continuation up to a near tie, or None when it is."""
+        for j, (want, token) in enumerate(zip(self, got)):
+            if want != token:
+                shortfall = float(self.logits[j][want] - self.logits[j][token])
+                if shortfall > NEAR_TIE:
+                    return f"token {j}: {token} scores {shortfall:.4f} below the reference's {want}"
+                return None
+        return None if len(got) == len(self) else f"{len(got)} tokens, expected {len(self)}"
+
+
+def reference_greedy(model, prompt, max_tokens) -> Greedy:
     cache = model.new_cache(1, 8, PAGE)
 
     def batch(ids, start):
@@ -130,12 +155,13 @@ def reference_greedy(model, prompt, max_tokens):
             torch.arange(8, **i32).unsqueeze(0),
         )
 
-    out = [int(model.compute_logits(model.forward(batch(prompt, 0), cache)[-1:]).argmax())]
+    logits = [model.compute_logits(model.forward(batch(prompt, 0), cache)[-1:])[0].float().cpu()]
+    out = [int(logits[-1].argmax())]
     while len(out) < max_tokens:
-        out.append(
-            int(model.compute_logits(model.forward(batch(out[-1:], len(prompt) + len(out) - 1), cache)).argmax())
-        )
-    return out
+        hidden = model.forward(batch(out[-1:], len(prompt) + len(out) - 1), cache)
+        logits.append(model.compute_logits(hidden)[0].float().cpu())
+        out.append(int(logits[-1].argmax()))
+    return Greedy(out, logits)
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
@@ -154,7 +180,7 @@ def test_greedy_under_continuous_batching_equals_each_request_alone(model, graph
     calls = count_replays(eng) if graphs else None
     got = run_all(eng, prompts, lens)
     for i, prompt in enumerate(prompts):
-        assert got[i] == reference_greedy(model, prompt, lens[i]), f"request r{i}"
+        assert reference_greedy(model, prompt, lens[i]).disagreement(got[i]) is None, f"request r{i}"
     if graphs:
         assert calls["replays"] > 5
     assert eng.allocator.num_free_pages == eng.allocator.num_pages

@@ -1,5 +1,6 @@
 """Speculative decoding on CUDA with graphs: replayed verify and MTP steps equal the same padded steps run eagerly
-(which never sync with the host), and greedy output with MTP equals greedy output without it."""
+(which never sync with the host), and greedy output with MTP equals greedy output without it (up to a near tie:
+verify steps run k + 1 tokens a request through batch-shaped kernels, see test_engine_gpu)."""
 
 import random
 
@@ -118,8 +119,8 @@ def test_greedy_with_mtp_and_graphs_equals_greedy_without(model, k):
         continuations[f"r{i}"] = reference_greedy(model, prompt, n)
     # r0 and r1 keep the MTP layer's drafts; the others get their continuation with tokens corrupted.
     tokens, _ = run_with_drafts(eng, arrivals, continuations, k, random.Random(k), real_drafts={"r0", "r1"})
-    for i in range(len(prompts)):
-        assert tokens[f"r{i}"] == continuations[f"r{i}"], f"request r{i}"
+    for i in range(len(prompts)):  # equal up to a near tie (see test_engine_gpu)
+        assert continuations[f"r{i}"].disagreement(tokens[f"r{i}"]) is None, f"request r{i}"
     stats = eng.stats().spec_decode
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert sum(key.tokens_per_request == k + 1 for key in keys) > 5
