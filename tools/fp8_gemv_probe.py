@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.bench.kernels import _graph_ms, copy_bandwidth
+from ds4.bench.ceilings import copy_bandwidth, graph_ms
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def _gemv1(x_ptr, w_ptr, ws_ptr, out_ptr, N, K, ws_stride, per_split, BN: tl.con
 
 def main():
     n = k = 4096
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
     ws = torch.rand(n // 128, k // 128, device="cuda")
     x = torch.randn(k, device="cuda")
@@ -43,7 +43,7 @@ def main():
                     return part.sum(0)
 
                 err = ((run() - want).abs().max() / want.abs().max()).item()
-                rows.append((_graph_ms(run), bn, splits, warps, err))
+                rows.append((graph_ms(run), bn, splits, warps, err))
     rows.sort()
     print(f"roofline {roofline:.4f} ms (copy {bandwidth / 1e12:.2f} TB/s)")
     for ms, bn, splits, warps, err in rows[:6]:

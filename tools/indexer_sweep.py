@@ -20,6 +20,7 @@ import time
 import torch
 import triton
 
+from ds4.bench import ceilings
 from ds4.bench import kernels as bench
 from ds4.kernels import indexer as ix
 
@@ -93,8 +94,8 @@ def main() -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "bandwidth_tbps": bench.copy_bandwidth() / 1e12,
-        "fp8_gemm_tflops": bench.fp8_gemm_rate() / 1e12,
+        "bandwidth_tbps": ceilings.copy_bandwidth(torch.device("cuda")) / 1e12,
+        "fp8_gemm_tflops": ceilings.gemm_rate(torch.device("cuda"), torch.float8_e4m3fn) / 1e12,
         "prefill": [],
         "decode": [],
     }
@@ -119,7 +120,7 @@ def main() -> int:
         try:
             entry["rel_err"] = check(kind, tile, cases)
             compiled = launch(kind, q, w, cache, table, key_end, 8192, max_keys, out, tile)
-            ms = bench._median_ms(lambda: launch(kind, q, w, cache, table, key_end, 8192, max_keys, out, tile))
+            ms = ceilings.kernel_ms(lambda: launch(kind, q, w, cache, table, key_end, 8192, max_keys, out, tile))
             entry.update(
                 ms=ms,
                 tflops=flops / ms / 1e9,
@@ -170,7 +171,7 @@ def main() -> int:
                 if args.asm and kind == "stream" and tile == DECODE_VARIANTS[3][1]:
                     with open(os.path.join(args.asm, f"stream{per_request}.ttgir"), "w") as f:
                         f.write(compiled.asm["ttgir"])
-                ms, graph_ms = bench._median_ms(fn), bench._graph_ms(fn)
+                ms, graph_ms = ceilings.kernel_ms(fn), ceilings.graph_ms(fn)
                 entry.update(
                     ms=ms,
                     graph_ms=graph_ms,

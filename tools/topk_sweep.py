@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from ds4.bench.kernels import ROTATE_BYTES, _graph_ms, vary
+from ds4.bench.ceilings import graph_ms
+from ds4.bench.kernels import ROTATE_BYTES, vary
 from ds4.kernels import topk as tk
 from ds4.kernels import topk_triton
 
@@ -54,7 +55,7 @@ def main(argv):
             for x in inputs:
                 topk_triton.launch(x, lengths, k, settings)
 
-        ms = _graph_ms(ours) / sets
+        ms = graph_ms(ours) / sets
         print(
             f"{rows} x {cols}, {k} [{text}]: {ms:.4f} ms exact={exact} scan regs/spills so far {scan_registers()}",
             flush=True,

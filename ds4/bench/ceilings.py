@@ -3,6 +3,9 @@
 Copy bandwidth counts bytes read + written of a large device-to-device copy (a step's bytes to read over it
 give the memory roofline). GEMM rates: bf16 (torch.matmul) and fp8 e4m3 (torch._scaled_mm, rowwise scales),
 on square problems. Without fp8 tensor cores (a CPU, sm_80) the fp8 rate is None.
+
+And the timers the measurements use: `median_ms` (CUDA events around each call, or the wall clock) for steps,
+`kernel_ms` and `graph_ms` (CUDA) for single kernels, timed from memory as inside a model step.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import triton.testing
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 20, warmup: int = 3) -> float:
@@ -34,6 +38,26 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 20, wa
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def kernel_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of fn by triton.testing.do_bench, which flushes the L2 cache before each call: a
+    kernel's cost when a model step's other layers have evicted its inputs."""
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def graph_ms(fn: Callable[[], object]) -> float:
+    """kernel_ms of fn replayed from a CUDA graph (captured after a warm-up call on a side stream), as in a
+    decode step: the launches' host cost gone, their device cost kept."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return kernel_ms(graph.replay)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:

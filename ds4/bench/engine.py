@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
-import platform
 import pstats
 import random
 import sys
@@ -29,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ds4.bench.throughput import _commit, _device_name
+from ds4.bench.report import environment, int_list, write_json
 
 STUB_VOCAB = 256
 
@@ -39,7 +37,7 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="ds4 bench engine", description=__doc__.splitlines()[0])
     add_model_args(parser)
-    parser.add_argument("--batch-sizes", type=_ints, default=[64], help="running requests per step, e.g. 1,64")
+    parser.add_argument("--batch-sizes", type=int_list, default=[64], help="running requests per step, e.g. 1,64")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size (and mode)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -52,15 +50,8 @@ def main(argv: list[str]) -> int:
         parser.error("--batch-sizes, --input-len and --steps must be positive")
     result = run(args, model_flags_from_args(args), engine_flags_from_args(args))
     print(table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict:
@@ -120,11 +111,8 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
         "detokenizing": engine.tokenizer is not None,
         "engine": engine_flags,
         "model": str(args.model or "tiny (built-in)"),
-        "device": _device_name(engine.device),
         "dtype": str(engine.model.dtype),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": _commit(),
+        **environment(engine.device),
     }
 
 

@@ -16,8 +16,8 @@ import sys
 
 import torch
 import triton
-import triton.testing
 
+from ds4.bench.ceilings import copy_bandwidth, gemm_rate, graph_ms, kernel_ms
 from ds4.kernels import gated_pool, rmsnorm, rope, topk_triton
 from ds4.kernels import hyper_connections as mhc
 from ds4.kernels import indexer as ix
@@ -25,40 +25,6 @@ from ds4.kernels import topk as tk
 
 TOPK_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512), (64, 131072, 1024), (128, 32768, 512)]
 ROTATE_BYTES = 256 << 20  # inputs smaller than this are rotated so timings do not come from L2
-
-
-def _median_ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
-
-
-def _graph_ms(fn) -> float:
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _median_ms(graph.replay)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 1 GiB device-to-device copy."""
-    src = torch.randn(1 << 28, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * 4 / (ms * 1e-3)
-
-
-def fp8_gemm_rate(n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
-    sa = torch.ones(n, 1, device="cuda")
-    sb = torch.ones(1, n, device="cuda")
-    ms = _median_ms(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
-    return 2 * n**3 / (ms * 1e-3)
 
 
 def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
@@ -76,10 +42,10 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
 
     got = tk.topk_indices(inputs[0], lengths, k)
     exact = bool(torch.equal(got, tk.topk_indices_reference(inputs[0], lengths, k)))
-    ds4_ms = _median_ms(ours) / sets
-    graph_ms = _graph_ms(ours) / sets
-    torch_ms = _median_ms(theirs) / sets
-    torch_graph_ms = _graph_ms(theirs) / sets
+    ds4_ms = kernel_ms(ours) / sets
+    ds4_graph_ms = graph_ms(ours) / sets
+    torch_ms = kernel_ms(theirs) / sets
+    torch_graph_ms = graph_ms(theirs) / sets
     roof_ms = rows * cols * 4 / bandwidth * 1e3
     return {
         "rows": rows,
@@ -87,11 +53,11 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
         "k": k,
         "exact": exact,
         "ds4_ms": ds4_ms,
-        "ds4_graph_ms": graph_ms,
+        "ds4_graph_ms": ds4_graph_ms,
         "torch_topk_ms": torch_ms,
         "torch_topk_graph_ms": torch_graph_ms,
         "speedup_vs_torch": torch_ms / ds4_ms,
-        "speedup_vs_torch_graph": torch_graph_ms / graph_ms,
+        "speedup_vs_torch_graph": torch_graph_ms / ds4_graph_ms,
         "roofline_ms": roof_ms,
         "roofline_fraction": roof_ms / ds4_ms,
         "roofline_fraction_graph": roof_ms / graph_ms,
@@ -140,9 +106,7 @@ def sweep_topk(rows: int, cols: int, k: int, variants: dict = TOPK_VARIANTS) -> 
                 topk_triton.launch(x, lengths, k, settings)
 
         exact = bool(torch.equal(topk_triton.launch(inputs[0], lengths, k, settings), want))
-        runs.append(
-            {"variant": name, "exact": exact, "ms": _median_ms(ours) / sets, "graph_ms": _graph_ms(ours) / sets}
-        )
+        runs.append({"variant": name, "exact": exact, "ms": kernel_ms(ours) / sets, "graph_ms": graph_ms(ours) / sets})
     return runs
 
 
@@ -192,7 +156,7 @@ def bench_indexer_prefill(queries: int, n_keys: int, gemm_rate: float, tiles) ->
 
         try:
             compiled = fn()
-            ms = _median_ms(fn)
+            ms = kernel_ms(fn)
         except Exception as err:  # a tile that does not fit (shared memory) is reported, not fatal
             runs.append({"tile": list(tile), "error": str(err)[:200]})
             continue
@@ -211,7 +175,7 @@ def bench_indexer_prefill(queries: int, n_keys: int, gemm_rate: float, tiles) ->
     got = ix.indexer_logits(q[sample], w[sample], cache, table, key_end[sample], 256, max_keys)
     finite = torch.isfinite(ref)
     err = float((got[finite] - ref[finite]).norm() / ref[finite].norm())
-    fused_ms = _median_ms(lambda: ix.indexer_topk(q, w, cache, table, key_end, queries, max_keys, 512))
+    fused_ms = kernel_ms(lambda: ix.indexer_topk(q, w, cache, table, key_end, queries, max_keys, 512))
     return {
         "queries": queries,
         "keys": n_keys,
@@ -229,7 +193,7 @@ def bench_indexer_decode(requests: int, rows_per_request: int, n_keys: int, band
     def fn():
         return ix.indexer_logits(q, w, cache, table, key_end, rows_per_request, max_keys, out=out)
 
-    ms, graph_ms = _median_ms(fn), _graph_ms(fn)
+    ms, replay_ms = kernel_ms(fn), graph_ms(fn)
     rows = requests * rows_per_request
     moved = requests * n_keys * ix.ENTRY_BYTES + rows * max_keys * 4 + q.numel()
     return {
@@ -237,10 +201,10 @@ def bench_indexer_decode(requests: int, rows_per_request: int, n_keys: int, band
         "rows_per_request": rows_per_request,
         "keys": n_keys,
         "ms": ms,
-        "graph_ms": graph_ms,
+        "graph_ms": replay_ms,
         "bytes_moved": moved,
         "bandwidth_fraction": moved / (ms * 1e-3) / bandwidth,
-        "bandwidth_fraction_graph": moved / (graph_ms * 1e-3) / bandwidth,
+        "bandwidth_fraction_graph": moved / (replay_ms * 1e-3) / bandwidth,
     }
 
 
@@ -313,14 +277,14 @@ def bench_mhc(tokens: int, bandwidth: float, device: str = "cuda") -> list[dict]
                 fn()
 
         n, roof_ms = len(calls), moved / bandwidth * 1e3
-        ds4_ms, ds4_graph_ms = _median_ms(ours) / n, _graph_ms(ours) / n
+        ds4_ms, ds4_graph_ms = kernel_ms(ours) / n, graph_ms(ours) / n
         rows.append(
             {
                 "op": name,
                 "tokens": tokens,
                 "bytes": moved,
-                "torch_ms": _median_ms(theirs) / n,
-                "torch_graph_ms": _graph_ms(theirs) / n,
+                "torch_ms": kernel_ms(theirs) / n,
+                "torch_graph_ms": graph_ms(theirs) / n,
                 "ds4_ms": ds4_ms,
                 "ds4_graph_ms": ds4_graph_ms,
                 "roofline_ms": roof_ms,
@@ -437,7 +401,7 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("ds4 bench kernels needs a CUDA device", file=sys.stderr)
         return 2
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -461,7 +425,7 @@ def main(argv: list[str]) -> int:
                 )
             )
     if "indexer" in groups:
-        gemm = fp8_gemm_rate()
+        gemm = gemm_rate(torch.device("cuda"), torch.float8_e4m3fn)
         report["fp8_gemm_tflops"] = gemm / 1e12
         tiles = PREFILL_TILES if args.all_tiles else PREFILL_TILES[:1]
         sections.append(("indexer_prefill", lambda: bench_indexer_prefill(8192, 65536, gemm, tiles)))

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ds4.bench.kernels import _graph_ms, copy_bandwidth, fp8_gemm_rate
+from ds4.bench.ceilings import copy_bandwidth, gemm_rate, graph_ms
 from ds4.checkpoint.quant import fp8_block_quantize
 from ds4.kernels import fp8_linear as fl
 from ds4.kernels._device import num_sms
@@ -49,14 +49,14 @@ def bench_shape(name: str, m: int, bandwidth: float, rate: float) -> dict:
     flops = 2 * m * n * k
     roofline = max(bytes_moved / bandwidth, flops / rate) * 1e3
     row = {"shape": name, "m": m, "n": n, "k": k, "groups": groups, "roofline_ms": roofline}
-    row["auto_ms"] = _graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x))
+    row["auto_ms"] = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x))
     if m <= SPLIT_K_MAX_M:
-        row["split_k_ms"] = _graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="triton"))
+        row["split_k_ms"] = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="triton"))
     if fl.cublas_fits(10**9, n, k, groups, quantize_x):
-        row["cublas_ms"] = _graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="cublas"))
+        row["cublas_ms"] = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="cublas"))
     dense = fl.dequantize_weight(w, s).to(torch.bfloat16)
     if groups == 1:
-        row["bf16_ms"] = _graph_ms(lambda: F.linear(x, dense))
+        row["bf16_ms"] = graph_ms(lambda: F.linear(x, dense))
     row["fraction_of_roofline"] = roofline / row["auto_ms"]
     return row
 
@@ -78,7 +78,7 @@ def sweep_split_k(name: str, m: int) -> list[dict]:
                     base, block_n=block_n, splits=-(-k_blocks // per), k_blocks_per_split=per, num_stages=stages
                 )
                 try:
-                    ms = _graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="triton", plan=plan))
+                    ms = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="triton", plan=plan))
                 except Exception as e:  # a plan the device cannot run (shared memory) is reported, not fatal
                     out.append({"shape": name, "m": m, "plan": dataclasses.asdict(plan), "error": str(e)[:120]})
                     continue
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("ds4 bench linear needs a CUDA device", file=sys.stderr)
         return 2
-    bandwidth, rate = copy_bandwidth(), fp8_gemm_rate()
+    device = torch.device("cuda")
+    bandwidth, rate = copy_bandwidth(device), gemm_rate(device, torch.float8_e4m3fn)
     print(f"copy {bandwidth / 1e12:.2f} TB/s, fp8 GEMM {rate / 1e12:.0f} TFLOP/s", file=sys.stderr)
     rows = []
     for name in args.shapes:

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import platform
 import random
 import sys
 import time
@@ -34,7 +32,7 @@ from tqdm import tqdm
 
 from ds4.bench import ceilings, roofline
 from ds4.bench.profile import FAMILIES, profile_families
-from ds4.bench.throughput import _commit, _device_name
+from ds4.bench.report import environment, int_list, progress, sync, write_json
 
 GB = 1e9
 
@@ -61,8 +59,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ds4 bench model", description=__doc__.splitlines()[0])
     add_model_args(parser)
     parser.add_argument("--context", type=int, default=4096, help="tokens cached per request before decoding")
-    parser.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32, 64], help="decode batches, e.g. 1,8,32,64")
-    parser.add_argument("--prefill-lengths", type=_ints, default=[8192, 65536], help="prompt lengths, e.g. 8192")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32, 64], help="decode batches, e.g. 1,8,32,64")
+    parser.add_argument("--prefill-lengths", type=int_list, default=[8192, 65536], help="prompt lengths, e.g. 8192")
     parser.add_argument("--prefill-chunk", type=int, default=8192, help="prefill tokens per engine step")
     parser.add_argument("--decode-steps", type=int, default=10, help="timed decode steps per batch size")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -91,25 +89,11 @@ def main(argv: list[str]) -> int:
 
 
 def _write(args: argparse.Namespace, result: dict) -> None:
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
     if args.plot is not None:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         args.plot.write_text(plot_svg(result))
         print(f"wrote {args.plot}")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -127,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    _progress("measuring ceilings: copy bandwidth, bf16 and fp8 GEMM rates")
+    progress("measuring ceilings: copy bandwidth, bf16 and fp8 GEMM rates")
     big = device.type == "cuda"
     rates = {
         "copy_bytes_per_s": ceilings.copy_bandwidth(device, (1 << 30) if big else (16 << 20)),
@@ -135,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
         "fp8_flop_per_s": ceilings.gemm_rate(device, torch.float8_e4m3fn, 8192 if big else 256),
     }
 
-    _progress(f"building the model ({args.load_format} weights, {cfg.num_hidden_layers} layers) on {device}")
+    progress(f"building the model ({args.load_format} weights, {cfg.num_hidden_layers} layers) on {device}")
     start = time.perf_counter()
     model = load_model(
         cfg, model_dir, args.load_format, device=device, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed
@@ -161,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
         # Random prompts share no prefix: the cache's page-end snapshots would only cost memory and copies.
         enable_prefix_caching=False,
     )
-    _progress("starting the engine (cache plan, CUDA-graph capture)")
+    progress("starting the engine (cache plan, CUDA-graph capture)")
     engine = LLMEngine(model, engine_config, tokenizer=None, seed=args.seed)
     needed = max_batch * (args.context + max_tokens)
     if engine.allocator.capacity_tokens < needed:
@@ -201,11 +185,8 @@ def run(args: argparse.Namespace) -> dict:
         "peak_memory_gb": peak,
         "extrapolated": _extrapolate(cfg, full_cfg, decode, prefill),
         "published": _published(args, full_cfg),
-        "device": _device_name(device),
         "device_type": device.type,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": _commit(),
+        **environment(device),
     }
     del engine, model, finite
     gc.collect()
@@ -272,11 +253,6 @@ def _step(engine) -> list:
     return outputs
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) -> list[dict]:
     """Prefill max(batch) requests of --context tokens, then time decode steps at each batch size, largest first."""
     batches = sorted(set(args.batch_sizes), reverse=True)
@@ -299,7 +275,7 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
             _step(engine)
         times = []
         for _ in tqdm(range(args.decode_steps), desc=f"decode batch {batch}", file=sys.stderr):
-            _sync(engine.device)
+            sync(engine.device)
             t0 = time.perf_counter()
             _step(engine)  # returns after sampling, which waits for the step's tokens
             times.append((time.perf_counter() - t0) * 1e3)
@@ -321,7 +297,7 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
             "experts_touched_per_layer": roofline.expected_experts_touched(cfg, batch),
         }
         if not args.no_profile and batch in (batches[0], batches[-1]):
-            _progress(f"profiling one decode step at batch {batch} (eager)")
+            progress(f"profiling one decode step at batch {batch} (eager)")
             unclaimed = Counter()
             families = _eager_profile(engine, lambda: _step(engine), unclaimed)
             work = _decode_family_bytes(parts)
@@ -384,7 +360,7 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
 
     def prefill(length: int, name: str) -> float:
         engine.add_request(name, _random_prompt(rng, length, cfg.vocab_size), _greedy(1))
-        _sync(engine.device)
+        sync(engine.device)
         t0 = time.perf_counter()
         with tqdm(total=length, desc=f"prefill {length}", unit="tok", file=sys.stderr) as bar:
             while engine.has_unfinished_requests():
@@ -411,7 +387,7 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
         )
     if not args.no_profile:
         length = min(args.prefill_lengths)
-        _progress(f"profiling the prefill of {length} tokens")
+        progress(f"profiling the prefill of {length} tokens")
         unclaimed = Counter()
         families = profile_families(engine.model, lambda: prefill(length, "prefill-profiled"), engine.device, unclaimed)
         flops = roofline.prefill_flops(cfg, length)
@@ -459,7 +435,7 @@ def _transformers(cfg, args, device: torch.device, rng: random.Random) -> dict:
         free, _ = torch.cuda.mem_get_info(device)
         if 2 * params > 0.8 * free:
             return {"skipped": f"{2 * params / GB:.1f} GB of bf16 weights do not fit {free / GB:.1f} GB free"}
-    _progress("building transformers' DeepseekV4 (bf16, eager)")
+    progress("building transformers' DeepseekV4 (bf16, eager)")
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -479,10 +455,10 @@ def _transformers(cfg, args, device: torch.device, rng: random.Random) -> dict:
                 token = prompt(batch, 1)
                 times = []
                 for _ in tqdm(range(args.decode_steps + 2), desc=f"transformers decode {batch}", file=sys.stderr):
-                    _sync(device)
+                    sync(device)
                     t0 = time.perf_counter()
                     cache = model(token, past_key_values=cache, use_cache=True).past_key_values
-                    _sync(device)
+                    sync(device)
                     times.append((time.perf_counter() - t0) * 1e3)
                 times = sorted(times[2:])
                 out["decode"].append({"batch": batch, "ms_per_step": times[len(times) // 2]})
@@ -497,10 +473,10 @@ def _transformers(cfg, args, device: torch.device, rng: random.Random) -> dict:
         for length in sorted(set(args.prefill_lengths)):
             try:
                 ids = prompt(1, length)
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 model(ids, use_cache=False, logits_to_keep=1)
-                _sync(device)
+                sync(device)
                 out["prefill"].append({"tokens": length, "tokens_per_s": length / (time.perf_counter() - t0)})
             except torch.OutOfMemoryError:
                 out["prefill"].append({"tokens": length, "error": "out of memory"})

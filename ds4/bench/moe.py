@@ -20,6 +20,7 @@ import triton
 import triton.testing
 from torch import nn
 
+from ds4.bench.ceilings import copy_bandwidth, gemm_rate, graph_ms, kernel_ms
 from ds4.config import ModelConfig, load_config
 from ds4.kernels import moe as km
 from ds4.model.moe import Gate, MoE, SharedExpert, expert_weights
@@ -27,35 +28,6 @@ from ds4.model.moe import Gate, MoE, SharedExpert, expert_weights
 FLASH_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "deepseek-v4-flash.json"
 TOKENS = (1, 8, 32, 64, 8192)
 ROTATE_BYTES = 512 << 20  # touched expert bytes per timed call, at least: more than L2 holds
-
-
-def _median_ms(fn) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"))
-
-
-def _graph_ms(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _median_ms(graph.replay)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second of a 1 GiB device-to-device copy."""
-    src = torch.randn(1 << 28, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / (_median_ms(lambda: dst.copy_(src)) * 1e-3)
-
-
-def bf16_gemm_rate(n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n**3 / (_median_ms(lambda: a @ b) * 1e-3)
 
 
 class PackedExperts(nn.Module):
@@ -119,11 +91,11 @@ def bench_moe(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, plans
         for x in xs:
             layer(x, ids)
 
-    routed_graph_ms = _graph_ms(routed) / sets
+    routed_graph_ms = graph_ms(routed) / sets
     if not whole_layer:
         return {"tokens": tokens, "routed_graph_ms": routed_graph_ms}
-    routed_ms = _median_ms(routed) / sets
-    layer_graph_ms = _graph_ms(whole) / sets
+    routed_ms = kernel_ms(routed) / sets
+    layer_graph_ms = graph_ms(whole) / sets
     bytes_roof_ms = touched * per_expert / bandwidth * 1e3
     flops = 6 * slots * d * i
     flops_roof_ms = flops / gemm_rate * 1e3
@@ -133,7 +105,7 @@ def bench_moe(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, plans
         "touched_gb": touched * per_expert / 1e9,
         "routed_ms": routed_ms,
         "routed_graph_ms": routed_graph_ms,
-        "layer_ms": _median_ms(whole) / sets,
+        "layer_ms": kernel_ms(whole) / sets,
         "layer_graph_ms": layer_graph_ms,
         "bytes_roofline_ms": bytes_roof_ms,
         "bytes_ratio_graph": routed_graph_ms / bytes_roof_ms,
@@ -197,7 +169,8 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config)
     torch.set_grad_enabled(False)
     layer = moe_layer(cfg)
-    bandwidth, gemm = copy_bandwidth(), bf16_gemm_rate()
+    device = torch.device("cuda")
+    bandwidth, gemm = copy_bandwidth(device), gemm_rate(device, torch.bfloat16)
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

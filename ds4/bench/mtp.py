@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import platform
 import random
 import sys
 import time
@@ -29,8 +27,8 @@ import torch
 from tqdm import tqdm
 
 from ds4.bench import ceilings, roofline
-from ds4.bench.model import _greedy, _ints, _published, _random_prompt, _rows, _step, _sync
-from ds4.bench.throughput import _commit, _device_name
+from ds4.bench.model import _greedy, _published, _random_prompt, _rows, _step
+from ds4.bench.report import environment, float_list, int_list, progress, sync, write_json
 
 
 def main(argv: list[str]) -> int:
@@ -38,11 +36,11 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="ds4 bench mtp", description=__doc__.splitlines()[0])
     add_model_args(parser)
-    parser.add_argument("--ks", type=_ints, default=[0, 1, 2, 3], help="draft tokens per step, 0: no speculation")
-    parser.add_argument("--batch-sizes", type=_ints, default=[1, 8], help="decode batches, e.g. 1,8")
+    parser.add_argument("--ks", type=int_list, default=[0, 1, 2, 3], help="draft tokens per step, 0: no speculation")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 8], help="decode batches, e.g. 1,8")
     parser.add_argument("--context", type=int, default=1024, help="tokens cached per request before decoding")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per k and batch size")
-    parser.add_argument("--acceptance-lengths", type=_floats, default=[1.5, 2.0, 2.5], help="e.g. 1.5,2,2.5")
+    parser.add_argument("--acceptance-lengths", type=float_list, default=[1.5, 2.0, 2.5], help="e.g. 1.5,2,2.5")
     parser.add_argument("--prefill-chunk", type=int, default=8192, help="prefill tokens per engine step")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="cache bytes (CPU default: 1 GiB)")
@@ -54,22 +52,8 @@ def main(argv: list[str]) -> int:
         parser.error("--ks must be >= 0; --batch-sizes, --context and --steps positive")
     result = run(args)
     print(table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -83,9 +67,9 @@ def run(args: argparse.Namespace) -> dict:
     model_dir = checkpoint_dir(args.model, args.load_format)
     cfg = model_config(model_dir, args.config, args.load_format, args.layers)
     full_cfg = model_config(model_dir, args.config, args.load_format, None)
-    _progress("measuring the ceiling: copy bandwidth")
+    progress("measuring the ceiling: copy bandwidth")
     copy_rate = ceilings.copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (16 << 20))
-    _progress(f"building the model ({args.load_format} weights, {cfg.num_hidden_layers} layers + MTP) on {device}")
+    progress(f"building the model ({args.load_format} weights, {cfg.num_hidden_layers} layers + MTP) on {device}")
     model = load_model(
         cfg,
         model_dir,
@@ -129,10 +113,7 @@ def run(args: argparse.Namespace) -> dict:
         "ceilings": {"copy_bytes_per_s": copy_rate},
         "steps": rows,
         "published": _published(args, full_cfg),
-        "device": _device_name(device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": _commit(),
+        **environment(device),
     }
 
 
@@ -168,7 +149,7 @@ def _steps(model, k: int, args, rng: random.Random) -> list[dict]:
         enable_prefix_caching=False,  # random prompts share no prefix
         speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None,
     )
-    _progress(f"k = {k}: starting the engine (cache plan, CUDA-graph capture)")
+    progress(f"k = {k}: starting the engine (cache plan, CUDA-graph capture)")
     start = time.perf_counter()
     engine = LLMEngine(model, config, tokenizer=None, seed=args.seed)
     startup_s = time.perf_counter() - start
@@ -189,7 +170,7 @@ def _steps(model, k: int, args, rng: random.Random) -> list[dict]:
         before = engine.stats()
         times = []
         for _ in tqdm(range(args.steps), desc=f"k {k}, batch {batch}", file=sys.stderr):
-            _sync(engine.device)
+            sync(engine.device)
             t0 = time.perf_counter()
             _step(engine)  # returns after verification, which waits for the step's tokens
             times.append((time.perf_counter() - t0) * 1e3)

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from ds4.bench.lengths import parse_length
+from ds4.bench.report import write_json
 
 CITIES = ("Lisbon", "Nairobi", "Osaka", "Quito", "Tromso", "Adelaide", "Tbilisi", "Halifax", "Cusco", "Bergen")
 
@@ -56,10 +57,7 @@ def main(argv: list[str]) -> int:
     text = args.haystack.read_text() if args.haystack else default_haystack()
     result = run(args, lengths, depths, text, extra)
     print(table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

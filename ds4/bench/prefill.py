@@ -17,16 +17,13 @@ prefill spend its time" answered without nsys.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 
-import torch
-
 from ds4.bench.lengths import parse_length
 from ds4.bench.profile import FAMILIES, profile_families
-from ds4.bench.throughput import _commit, _device_name, _sync
+from ds4.bench.report import environment, sync, write_json
 
 
 def main(argv: list[str]) -> int:
@@ -46,10 +43,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--lengths: {e}")
     result = run(args, lengths, model_flags_from_args(args), engine_flags_from_args(args))
     print(table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 
@@ -78,23 +72,21 @@ def run(args: argparse.Namespace, lengths: list[int], model_flags: dict, engine_
         "engine": {k: str(v) for k, v in engine_flags.items()},
         "model": str(args.model or args.config or "tiny (built-in)"),
         "layers": engine.model.cfg.num_hidden_layers,
-        "device": _device_name(engine.device),
         "dtype": str(engine.model.dtype),
-        "torch": torch.__version__,
-        "commit": _commit(),
+        **environment(engine.device),
     }
 
 
 def ttft(engine, prompt: list[int]) -> float:
     from ds4.engine.sampling_params import SamplingParams
 
-    _sync(engine.device)
+    sync(engine.device)
     start = time.perf_counter()
     engine.add_request("prefill", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     while engine.has_unfinished_requests():
         if any(out.new_token_ids for out in engine.step()):
             break
-    _sync(engine.device)
+    sync(engine.device)
     elapsed = time.perf_counter() - start
     while engine.has_unfinished_requests():
         engine.step()

@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ds4.bench.report import write_json
+
 PROMPT_IDS = (1000, 20000)
 
 
@@ -95,10 +97,7 @@ def main(argv: list[str]) -> int:
     else:
         result, show, draw = run(args, levels), table, plot
     print(show(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
     if args.plot is not None:
         draw(result, args.plot)
         print(f"wrote {args.plot}")

@@ -9,15 +9,12 @@ first step to the last finished request, after one warm-up request. Prints a tab
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+from ds4.bench.report import environment, sync, write_json
 
 
 def main(argv: list[str]) -> int:
@@ -36,10 +33,7 @@ def main(argv: list[str]) -> int:
         parser.error("--num-prompts, --input-len and --output-len must be positive")
     result = run(args, model_flags_from_args(args), engine_flags_from_args(args))
     print(table(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 
@@ -72,12 +66,12 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
         engine.step()
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(f"bench-{i}", prompt, params(out_len))
-    _sync(engine.device)
+    sync(engine.device)
     start = time.perf_counter()
     output_tokens = 0
     while engine.has_unfinished_requests():
         output_tokens += sum(len(o.new_token_ids) for o in engine.step())
-    _sync(engine.device)
+    sync(engine.device)
     elapsed = time.perf_counter() - start
     input_tokens = sum(len(p) for p, _ in requests)
     stats = engine.stats()
@@ -99,11 +93,8 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
         "max_model_len": engine.max_model_len,
         "engine": engine_flags,
         "model": str(args.model or "tiny (built-in)"),
-        "device": _device_name(engine.device),
         "dtype": str(engine.model.dtype),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "commit": _commit(),
+        **environment(engine.device),
     }
 
 
@@ -120,26 +111,6 @@ def table(result: dict) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def _commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 if __name__ == "__main__":
