@@ -12,6 +12,7 @@ import pytest
 import torch
 import xgrammar as xgr
 from tokenizers import Tokenizer
+from tool_schemas import BOUNDED, PAINT
 
 from ds4.engine.structured_output import (
     GrammarCache,
@@ -27,16 +28,6 @@ VOCAB = 129280
 EOS, THINK_START, THINK_END = 1, 128821, 128822
 USER = 128803
 VECTORS = Path(__file__).resolve().parents[1] / "data" / "encoding"
-BOUNDED_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "ok": {"type": "boolean"},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["color", "ok", "count"],
-}
-BOUNDED_TOOL = {"type": "function", "function": {"name": "paint", "parameters": BOUNDED_SCHEMA}}
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +117,7 @@ def test_required_tool_call_rejects_text_and_control_tokens(cache, tokenizer):
 @pytest.mark.parametrize("seed", range(3))
 def test_random_walk_under_required_tools_parses_and_validates(cache, tokenizer, seed):
     tools = [
-        BOUNDED_TOOL,
+        PAINT,
         {
             "type": "function",
             "function": {
@@ -157,8 +148,8 @@ def test_parallel_tool_calls_false_allows_one_call(cache, tokenizer):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_random_walk_under_json_schema_validates(cache, tokenizer, seed):
-    state = new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA))
-    jsonschema.validate(json.loads(decode(tokenizer, random_walk(state, random.Random(seed)))), BOUNDED_SCHEMA)
+    state = new_state(cache, GrammarSpec.json_schema(BOUNDED))
+    jsonschema.validate(json.loads(decode(tokenizer, random_walk(state, random.Random(seed)))), BOUNDED)
 
 
 def test_json_object_accepts_any_object_and_nothing_else(cache, tokenizer):
@@ -172,7 +163,7 @@ def test_json_object_accepts_any_object_and_nothing_else(cache, tokenizer):
 
 def test_whitespace_is_bounded(cache, tokenizer):
     space = tokenizer.token_to_id("Ġ")
-    state = new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA))
+    state = new_state(cache, GrammarSpec.json_schema(BOUNDED))
     assert state.accept(tokenizer.token_to_id("{"))
     taken = 0
     while space in allowed(state):
@@ -183,7 +174,7 @@ def test_whitespace_is_bounded(cache, tokenizer):
 
 
 def test_inactive_until_reasoning_ends(cache, tokenizer):
-    state = new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA), reasoning=True)
+    state = new_state(cache, GrammarSpec.json_schema(BOUNDED), reasoning=True)
     for token_id in tokenizer.encode("Let me think. [not json] ", add_special_tokens=False).ids:
         assert allowed(state) is None and not state.active
         assert state.accept(token_id)
@@ -196,7 +187,7 @@ def test_inactive_until_reasoning_ends(cache, tokenizer):
 
 
 def test_stray_think_end_in_chat_mode_is_tolerated_once_at_the_start(cache, tokenizer):
-    state = new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA))
+    state = new_state(cache, GrammarSpec.json_schema(BOUNDED))
     assert state.active and THINK_END in allowed(state)
     assert state.accept(THINK_END)  # skipped, not fed to the grammar
     assert THINK_END not in allowed(state)
@@ -207,14 +198,14 @@ def test_stray_think_end_in_chat_mode_is_tolerated_once_at_the_start(cache, toke
 
 
 def test_thinking_mode_allows_no_second_think_end(cache, tokenizer):
-    state = new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA), reasoning=True)
+    state = new_state(cache, GrammarSpec.json_schema(BOUNDED), reasoning=True)
     assert state.accept(THINK_END)
     assert THINK_END not in allowed(state)
     assert not state.accept(THINK_END)
 
 
 def test_rollback_over_think_end_in_one_speculative_window(cache, tokenizer):
-    state = new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA), reasoning=True)
+    state = new_state(cache, GrammarSpec.json_schema(BOUNDED), reasoning=True)
     thought = tokenizer.encode("ok", add_special_tokens=False).ids
     brace = tokenizer.token_to_id("{")
     draft = thought + [THINK_END, brace]
@@ -228,9 +219,9 @@ def test_rollback_over_think_end_in_one_speculative_window(cache, tokenizer):
 
 def test_apply_structured_output_masks_only_grammar_rows(cache, tokenizer):
     states = [
-        new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA)),
+        new_state(cache, GrammarSpec.json_schema(BOUNDED)),
         None,
-        new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA), reasoning=True),
+        new_state(cache, GrammarSpec.json_schema(BOUNDED), reasoning=True),
     ]
     brace = tokenizer.token_to_id("{")
     kept = [[brace], [5, 6], [7]]  # row 0 already kept "{": the hook must catch its state up

@@ -10,6 +10,7 @@ import openai
 import pytest
 from live_server import LiveServer
 from scripted_engine import ScriptedEngine
+from tool_schemas import BOUNDED, NOOP, PAINT
 
 from ds4.engine.async_engine import AsyncEngine
 from ds4.serve.app import create_app
@@ -18,23 +19,6 @@ from ds4.tokenizer import load_tokenizer
 
 VECTORS = Path(__file__).resolve().parents[1] / "data" / "encoding"
 THINK_END = "</think>"
-BOUNDED = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "ok": {"type": "boolean"},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["color", "ok", "count"],
-}
-PAINT = {"type": "function", "function": {"name": "paint", "parameters": BOUNDED}}
-NOOP = {
-    "type": "function",
-    "function": {
-        "name": "noop",
-        "parameters": {"type": "object", "properties": {"flag": {"type": "boolean"}}, "required": ["flag"]},
-    },
-}
 CHAT = {"chat_template_kwargs": {"thinking": False}}
 USER = [{"role": "user", "content": "hi"}]
 

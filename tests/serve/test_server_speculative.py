@@ -17,6 +17,7 @@ import pytest
 import torch
 from live_server import LiveServer
 from scripted_engine import _SCRIPT_BONUS, EOS, VOCAB, ScriptedEngine
+from tool_schemas import BOUNDED, NOOP, PAINT
 
 from ds4.engine.async_engine import AsyncEngine
 from ds4.engine.sampler import Sampler
@@ -26,23 +27,6 @@ from ds4.tokenizer import load_tokenizer
 
 K = 3
 THINK_END_ID = 128822
-BOUNDED = {
-    "type": "object",
-    "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "ok": {"type": "boolean"},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["color", "ok", "count"],
-}
-PAINT = {"type": "function", "function": {"name": "paint", "parameters": BOUNDED}}
-NOOP = {
-    "type": "function",
-    "function": {
-        "name": "noop",
-        "parameters": {"type": "object", "properties": {"flag": {"type": "boolean"}}, "required": ["flag"]},
-    },
-}
 CALL = (
     "</think>\n\n<｜DSML｜tool_calls>\n"
     '<｜DSML｜invoke name="paint">\n'
