@@ -62,8 +62,9 @@ def engine(model, **flags):
     return LLMEngine(model, EngineConfig(**flags), seed=0)
 
 
-def run(eng, arrivals):
-    """arrivals: {step: [(request_id, prompt, params)]}; returns {request_id: token ids} and the finish reasons."""
+def run(eng, arrivals, after_step=None):
+    """arrivals: {step: [(request_id, prompt, params)]}; returns {request_id: token ids} and the finish reasons.
+    after_step(tokens so far), if given, runs after every step."""
     tokens, reasons, step = {}, {}, 0
     while step <= max(arrivals) or eng.has_unfinished_requests():
         for rid, prompt, params in arrivals.get(step, []):
@@ -73,6 +74,8 @@ def run(eng, arrivals):
             tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
+        if after_step is not None:
+            after_step(tokens)
         step += 1
     return tokens, reasons
 

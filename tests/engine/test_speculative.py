@@ -8,7 +8,7 @@ accepted in full, cut at every position and rejected at once. The oracle is test
 import random
 
 import pytest
-from test_engine import PAGE, greedy, random_prompts, reference_greedy
+from test_engine import PAGE, greedy, random_prompts, reference_greedy, run
 from tiny_model import load_tiny_model
 
 from ds4.engine.config import EngineConfig, EngineConfigError
@@ -33,24 +33,17 @@ def spec_engine(model, k, **flags):
 
 
 def run_with_drafts(eng, arrivals, continuations, k, rng, real_drafts=()):
-    """Like test_engine.run; after every step each running request's drafts become its oracle continuation
+    """test_engine.run, where after every step each running request's drafts become its oracle continuation
     with each token wrong with probability 0.4 (requests in real_drafts keep the MTP layer's)."""
-    tokens, reasons, step = {}, {}, 0
-    while step <= max(arrivals) or eng.has_unfinished_requests():
-        for rid, prompt, params in arrivals.get(step, []):
-            eng.add_request(rid, prompt, params)
-            tokens[rid] = []
-        for out in eng.step():
-            tokens[out.request_id] += out.new_token_ids
-            if out.finished:
-                reasons[out.request_id] = out.finish_reason
+
+    def replace_drafts(tokens):
         for rid, seq in eng.requests.items():
             if rid in real_drafts or not seq.draft_token_ids:
                 continue
             truth = continuations[rid][len(tokens[rid]) : len(tokens[rid]) + k]
             seq.draft_token_ids = [t if rng.random() > 0.4 else (t + 1) % 129280 for t in truth]
-        step += 1
-    return tokens, reasons
+
+    return run(eng, arrivals, replace_drafts)
 
 
 def cache_memory(model, k, num_seqs, num_pages, num_snapshots):
