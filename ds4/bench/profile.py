@@ -108,21 +108,29 @@ def _in_range(fn: Callable, family: str) -> Callable:
 
 
 def profile_families(
-    model: torch.nn.Module, run: Callable[[], object], device: torch.device, unclaimed: Counter | None = None
+    model: torch.nn.Module,
+    run: Callable[[], object],
+    device: torch.device,
+    unclaimed: Counter | None = None,
+    launches: Counter | None = None,
 ) -> dict[str, float]:
     """Milliseconds per family of one call of run (device time on CUDA, CPU time otherwise), plus "total".
-    unclaimed, if given, receives the milliseconds of "other" by kernel (CPU: op) name."""
+    unclaimed, if given, receives the milliseconds of "other" by kernel (CPU: op) name; launches, the number of
+    kernels (CPU: ops) per family: a family of many small kernels is launch-bound at decode sizes."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with family_ranges(model), profile(activities=activities) as prof:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return summarise(prof.events(), device.type == "cuda", unclaimed)
+    return summarise(prof.events(), device.type == "cuda", unclaimed, launches)
 
 
-def summarise(events, on_device: bool, unclaimed: Counter | None = None) -> dict[str, float]:
+def summarise(
+    events, on_device: bool, unclaimed: Counter | None = None, launches: Counter | None = None
+) -> dict[str, float]:
     times = dict.fromkeys(FAMILIES, 0.0)
     unclaimed = Counter() if unclaimed is None else unclaimed
+    launches = Counter() if launches is None else launches
     claimed = Counter()  # kernel name -> microseconds some op's launch accounts for
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU:
@@ -134,6 +142,7 @@ def summarise(events, on_device: bool, unclaimed: Counter | None = None) -> dict
         if us:
             family = _family(event)
             times[family] += us / 1e3
+            launches[family] += len(kernels) if on_device else 1
             if family == "other":
                 for kernel in kernels if on_device else (event,):
                     unclaimed[kernel.name] += (kernel.duration if on_device else us) / 1e3
@@ -151,6 +160,7 @@ def summarise(events, on_device: bool, unclaimed: Counter | None = None) -> dict
             if us > taken:
                 family = families.get(event.name, "other")
                 times[family] += (us - taken) / 1e3
+                launches[family] += 1
                 if family == "other":
                     unclaimed[event.name] += (us - taken) / 1e3
     times["total"] = sum(times.values())

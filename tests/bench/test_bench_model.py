@@ -70,9 +70,10 @@ def test_device_profile_counts_each_kernel_once_and_unclaimed_triton_kernels_by_
         device("_act_quant_kernel", 20.0),
         device("some_library_kernel", 7.0),
     ]
-    unclaimed = Counter()
-    times = summarise(events, on_device=True, unclaimed=unclaimed)
+    unclaimed, launches = Counter(), Counter()
+    times = summarise(events, on_device=True, unclaimed=unclaimed, launches=launches)
     assert unclaimed == {"some_library_kernel": pytest.approx(0.007)}
+    assert launches == {"attention": 1, "MoE": 1, "GEMMs": 1, "other": 1}
     assert times["attention"] == pytest.approx(0.030)
     assert times["MoE"] == pytest.approx(0.500)
     assert times["GEMMs"] == pytest.approx(0.020)
