@@ -1,6 +1,4 @@
-"""The ranks as real processes: a rank that dies turns `ds4 serve`'s /health to 503 and the server exits with
-nothing left behind; a rank that hangs fails the engine after the collective timeout; two "hosts" on localhost
-joined by the rendezvous (--nnodes 2) answer as one rank does."""
+"""`ds4 serve` as a process: a rank that dies turns /health to 503 and the server exits with nothing left behind."""
 
 import os
 import signal
@@ -12,12 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import LiveServer
 
 from ds4.checkpoint.tiny import make_tiny
-from ds4.engine.async_engine import AsyncEngine
-from ds4.engine.engine import LLMEngine
-from ds4.serve.app import create_app
 
 SPLITTABLE = {"o_groups": 4}
 FLAGS = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", str(64 << 20), "--max-model-len", "512"]
@@ -89,69 +83,11 @@ def test_a_killed_rank_turns_health_to_503_and_the_server_exits(model_dir):
         assert statuses[-1] == 503, statuses
         assert proc.wait(timeout=30) == 1
         assert "tensor-parallel rank 1" in proc.stderr.read().decode()
-        time.sleep(1)
+        deadline = time.monotonic() + 10
+        while [c for c in children if _alive(c)] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not [c for c in children if _alive(c)]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def test_two_hosts_on_localhost_equal_one_rank(model_dir):
-    reference_engine = LLMEngine.from_pretrained(
-        model_dir, device="cpu", dtype="float32", seed=0, kv_cache_memory=64 << 20, max_model_len=512
-    )
-    live = LiveServer(create_app(AsyncEngine(reference_engine), served_model_names="tiny"))
-    try:
-        expected = httpx.post(live.url + "/v1/completions", json=COMPLETION, timeout=60).json()["choices"][0]
-    finally:
-        live.stop()
-    port, rendezvous = _free_port(), _free_port()
-    url = f"http://127.0.0.1:{port}"
-    hosts = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port"]
-    hosts.append(str(rendezvous))
-    nodes = [_serve(model_dir, port, *hosts, "--node-rank", str(rank)) for rank in (0, 1)]
-    try:
-        _wait_healthy(nodes[0], url)
-        got = httpx.post(url + "/v1/completions", json=COMPLETION, timeout=60).json()["choices"][0]
-        assert got["text"] == expected["text"]
-        assert got["logprobs"]["tokens"] == expected["logprobs"]["tokens"]
-        pairs = zip(got["logprobs"]["token_logprobs"], expected["logprobs"]["token_logprobs"], strict=True)
-        assert all((a is None and b is None) or abs(a - b) < 1e-5 for a, b in pairs)
-        # Host 0 stops on SIGTERM and tells host 1's rank to stop: both exit cleanly.
-        nodes[0].send_signal(signal.SIGTERM)
-        assert nodes[0].wait(timeout=30) in (0, -signal.SIGTERM)
-        assert nodes[1].wait(timeout=30) == 0
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait()
-
-
-def test_a_hung_rank_fails_the_engine_after_the_collective_timeout(model_dir):
-    from ds4 import LLM, SamplingParams
-    from ds4.engine.engine import RanksOutOfStep
-
-    llm = LLM(
-        model_dir,
-        device="cpu",
-        dtype="float32",
-        kv_cache_memory=64 << 20,
-        max_model_len=512,
-        tensor_parallel_size=2,
-        distributed_timeout_s=5,
-    )
-    (rank1,) = llm.engine.workers.processes.values()
-    try:
-        os.kill(rank1.pid, signal.SIGSTOP)
-        start = time.monotonic()
-        with pytest.raises(RanksOutOfStep):
-            llm.generate([[0, 1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
-        assert time.monotonic() - start < 5 + 20
-        rank1.join(10)
-        assert not rank1.is_alive()  # killed with the engine's failure, stopped as it was
-    finally:
-        llm.close()
-        if rank1.is_alive():
-            rank1.kill()
