@@ -18,12 +18,12 @@ engine rank 0 sends those to the other ranks first (ds4.engine.step_channel), wh
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from ds4.engine.cache_plan import CachePlan, plan_cache
-from ds4.engine.config import EngineConfig
+from ds4.engine.config import EngineConfig, EngineConfigError
 from ds4.engine.cuda_graphs import DecodeGraphs, GraphKey
 from ds4.engine.prefix_cache import StepSnapshots
 from ds4.engine.sampler import Sampler, TokenLogprobs, compute_logprobs
@@ -304,7 +304,9 @@ def build_runner(
     # With graphs, one extra slot is the scratch slot that padding rows write to.
     plan = plan_cache(model, config, device, config.max_num_seqs + use_graphs)
     if channel is not None:
-        plan = min(channel.all_gather(plan), key=lambda p: (p.num_pages, p.num_snapshots))
+        gathered = channel.all_gather((rank_setup(model, config), plan))
+        check_same_setup([setup for setup, _ in gathered])
+        plan = min((p for _, p in gathered), key=lambda p: (p.num_pages, p.num_snapshots))
     cache = model.new_cache(plan.num_slots, plan.num_pages, plan.page_size, plan.num_snapshots, spare=k)
     drafter = MTPDrafter(model, cache, k) if k else None
     graphs = None
@@ -319,6 +321,22 @@ def build_runner(
             drafter=drafter,
         )
     return plan, ModelRunner(model, cache, sampler, device, graphs, drafter, channel)
+
+
+def rank_setup(model, config: EngineConfig) -> dict:
+    """What the ranks of a tensor-parallel engine must agree on: the engine flags and the model built (each host
+    builds its ranks from its own command line)."""
+    setup = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
+    return setup | {"model config": model.cfg, "dtype": model.dtype, "kv_cache_dtype": model.kv_cache_dtype}
+
+
+def check_same_setup(setups: list[dict]) -> None:
+    """Refuse ranks whose setups (rank_setup, in rank order) differ: their steps would not pair up."""
+    differing = [name for name in setups[0] if any(setup[name] != setups[0][name] for setup in setups[1:])]
+    if differing:
+        raise EngineConfigError(
+            f"the ranks were started with different settings ({', '.join(differing)}): give every host the same flags"
+        )
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -13,15 +13,18 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 from live_server import LiveServer
 
 from ds4 import LLM, SamplingParams
-from ds4.checkpoint.tiny import make_tiny
+from ds4.checkpoint.tiny import make_tiny, tiny_config
 from ds4.engine.async_engine import AsyncEngine
-from ds4.engine.config import EngineConfigError, Launch
+from ds4.engine.config import EngineConfig, EngineConfigError, Launch
+from ds4.engine.model_runner import check_same_setup, rank_setup
 from ds4.engine.structured_output import GrammarCache, grammar_tokenizer_info
 from ds4.serve.app import create_app
 
@@ -148,13 +151,14 @@ def test_expert_parallel_2_equals_one_rank_and_a_hung_rank_fails_the_server(mode
 def test_two_hosts_on_localhost_equal_one_rank(model_dir, reference, tmp_path):
     port = _free_port()
     hosts = Launch(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
-    command = [sys.executable, "-m", "ds4.cli", "serve", "--model", str(model_dir), *_flags(ENGINE)]
+    engine = ENGINE | {"distributed_timeout_s": 120.0}  # host 0 waits for host 1's start at the rendezvous
+    command = [sys.executable, "-m", "ds4.cli", "serve", "--model", str(model_dir), *_flags(engine)]
     command += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)]
     log = tmp_path / "host1.log"
     with open(log, "wb") as stderr:
         host1 = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        with LLM(model_dir, **ENGINE, tensor_parallel_size=2, launch=hosts, distributed_timeout_s=120) as llm:
+        with LLM(model_dir, **engine, tensor_parallel_size=2, launch=hosts) as llm:
             assert llm.engine.workers.processes == {}  # rank 1 is host 1's
             _assert_equal(_offline(llm), reference.offline)
             assert _served(llm) == reference.served
@@ -173,6 +177,18 @@ def test_layout_that_does_not_split_is_refused_before_reading(tmp_path):
         shard.unlink()
     with pytest.raises(EngineConfigError, match="num_attention_heads"):
         LLM(model, device="cpu", tensor_parallel_size=3)
+
+
+def test_ranks_with_different_settings_are_refused():
+    # Each host builds its ranks from its own flags: they must agree before the first step.
+    model = SimpleNamespace(cfg=tiny_config(), dtype=torch.float32, kv_cache_dtype="bf16")
+    rank0 = rank_setup(model, EngineConfig(page_size=16))
+    check_same_setup([rank0, rank_setup(model, EngineConfig(page_size=16))])
+    with pytest.raises(EngineConfigError, match=r"\(max_num_seqs, page_size\)"):
+        check_same_setup([rank0, rank0, rank_setup(model, EngineConfig(page_size=32, max_num_seqs=2))])
+    fp8 = SimpleNamespace(cfg=model.cfg, dtype=model.dtype, kv_cache_dtype="fp8")
+    with pytest.raises(EngineConfigError, match=r"\(kv_cache_dtype\)"):
+        check_same_setup([rank0, rank_setup(fp8, EngineConfig(page_size=16))])
 
 
 def _flags(engine: dict) -> list[str]:
