@@ -249,7 +249,7 @@ class Step:
             loc,
             lens,
             slot,
-            table.view(len(self.slots), -1),
+            table.view(len(self.slots), len(self.block_tables) // len(self.slots)),
             decode_only=key is not None,
             tokens_per_request=key.tokens_per_request if key is not None else 1,
         )
