@@ -13,6 +13,10 @@ Hopper has no FP4 tensor cores). The ratio is measured / roofline. Decode steps 
 batch (run eagerly) and one prefill (the shortest) are profiled and summarised by kernel family, each family next
 to its own roofline where one is counted. The time per layer is extrapolated to the full model and printed next to
 published figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager) on the same shape.
+`--tensor-parallel-size N [--enable-expert-parallel]` runs the engine on N ranks (one GPU each; CPU: processes);
+every decode and prefill row then also gives the bytes rank 0's collectives moved per step, by kind (counted; for
+decode steps replayed from CUDA graphs, which run no Python to count, from ds4.distributed.traffic), and the bytes
+of the step messages rank 0 sent (weights and memory are rank 0's; no profile: it would run one rank).
 Progress goes to stderr, the tables to stdout.
 """
 
@@ -66,6 +70,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="cache bytes (CPU default: 1 GiB)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split across")
+    parser.add_argument(
+        "--enable-expert-parallel", action="store_true", help="whole routed experts per rank (with N > 1)"
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler summaries")
     parser.add_argument("--compare-transformers", action="store_true", help="also time transformers' DeepseekV4")
     parser.add_argument("--seed", type=int, default=0)
@@ -99,7 +107,8 @@ def _write(args: argparse.Namespace, result: dict) -> None:
 def run(args: argparse.Namespace) -> dict:
     from ds4.engine.config import EngineConfig
     from ds4.engine.engine import LLMEngine, _resolve_dtype
-    from ds4.engine.loader import checkpoint_dir, load_model, model_config
+    from ds4.engine.loader import ModelSource, checkpoint_dir, model_config
+    from ds4.engine.workers import start_ranks
     from ds4.kernels.indexer import ENTRY_BYTES
     from ds4.model.cache import kv_entry_size, packed_index_keys
 
@@ -119,14 +128,6 @@ def run(args: argparse.Namespace) -> dict:
         "fp8_flop_per_s": ceilings.gemm_rate(device, torch.float8_e4m3fn, 8192 if big else 256),
     }
 
-    progress(f"building the model ({args.load_format} weights, {cfg.num_hidden_layers} layers) on {device}")
-    start = time.perf_counter()
-    model = load_model(
-        cfg, model_dir, args.load_format, device=device, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed
-    )
-    load_s = time.perf_counter() - start
-    finite = _FiniteLogits(model)
-
     max_batch = max(args.batch_sizes)
     # Every request decodes during the prefill steps of the others, then through each batch size's steps.
     prefill_steps = math.ceil(max_batch * args.context / args.prefill_chunk) + 1
@@ -144,9 +145,21 @@ def run(args: argparse.Namespace) -> dict:
         max_cuda_graph_batch_size=max_batch,
         # Random prompts share no prefix: the cache's page-end snapshots would only cost memory and copies.
         enable_prefix_caching=False,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
+    source = ModelSource(cfg, model_dir, args.load_format, dtype, args.kv_cache_dtype, seed=args.seed)
+    ranks = start_ranks(cfg, engine_config, source, device, None)
+    if ranks is not None:
+        device = ranks.placement.device(device.type)
+        args.no_profile = True
+    progress(f"building the model ({args.load_format} weights, {cfg.num_hidden_layers} layers) on {device}")
+    start = time.perf_counter()
+    model = source.load(device, ranks.parallel if ranks is not None else None)
+    load_s = time.perf_counter() - start
+    finite = _FiniteLogits(model)
     progress("starting the engine (cache plan, CUDA-graph capture)")
-    engine = LLMEngine(model, engine_config, tokenizer=None, seed=args.seed)
+    engine = LLMEngine(model, engine_config, tokenizer=None, seed=args.seed, workers=ranks)
     needed = max_batch * (args.context + max_tokens)
     if engine.allocator.capacity_tokens < needed:
         raise SystemExit(
@@ -160,6 +173,7 @@ def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     decode = _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens)
     prefill = _prefill(engine, args, cfg, rates, rng)
+    engine.close()
     if not finite.ok():
         raise SystemExit("non-finite logits: the dummy weights' scaling (or the model) is broken")
 
@@ -172,6 +186,8 @@ def run(args: argparse.Namespace) -> dict:
         "layers": cfg.num_hidden_layers,
         "full_layers": full_cfg.num_hidden_layers,
         "layer_kinds": list(cfg.layer_kinds[: cfg.num_hidden_layers]),
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "expert_parallel": args.enable_expert_parallel,
         "context": args.context,
         "dtype": str(dtype),
         "kv_cache_dtype": model.kv_cache_dtype,
@@ -211,6 +227,39 @@ class _FiniteLogits:
 
     def ok(self) -> bool:
         return bool(self.flag)
+
+
+class _Traffic:
+    """What rank 0's collectives and step messages moved since it was made (nothing with one rank)."""
+
+    def __init__(self, engine):
+        self.ranks = engine.workers
+        if self.ranks is not None:
+            self.ranks.parallel.reset_counters()
+            self.sent = self.ranks.channel.bytes_sent
+
+    def per_step(self, steps: int, replayed=None) -> dict:
+        """`replayed`: the Traffic of a step that replays a CUDA graph (no Python runs to count it), from the
+        config; it then stands for the counters."""
+        if self.ranks is None:
+            return {}
+        moved = {kind: n / steps for kind, n in self.ranks.parallel.bytes_moved.items()}
+        return {
+            "collective_bytes_per_step": dict(replayed.payload) if replayed is not None else moved,
+            "collective_bytes_from": "ds4.distributed.traffic" if replayed is not None else "counters",
+            "step_message_bytes_per_step": (self.ranks.channel.bytes_sent - self.sent) / steps,
+        }
+
+
+def _replayed_traffic(engine, args, cfg, batch: int):
+    """The decode step's traffic from the config when its steps replay CUDA graphs, else None."""
+    if engine.workers is None or engine.runner.graphs is None:
+        return None
+    from ds4.distributed.parallel import ParallelConfig
+    from ds4.distributed.traffic import decode_step_traffic
+
+    layout = ParallelConfig(args.tensor_parallel_size, args.enable_expert_parallel)
+    return decode_step_traffic(cfg, layout, batch, act_bytes=engine.model.dtype.itemsize)
 
 
 def _weights(model, cfg) -> dict:
@@ -274,6 +323,7 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         for _ in range(3):  # warm-up (and the aborted requests leave)
             _step(engine)
         times = []
+        traffic = _Traffic(engine)
         for _ in tqdm(range(args.decode_steps), desc=f"decode batch {batch}", file=sys.stderr):
             sync(engine.device)
             t0 = time.perf_counter()
@@ -295,6 +345,7 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
             "roofline_ms": roof_ms,
             "ratio": ms / roof_ms,
             "experts_touched_per_layer": roofline.expected_experts_touched(cfg, batch),
+            **traffic.per_step(args.decode_steps, _replayed_traffic(engine, args, cfg, batch)),
         }
         if not args.no_profile and batch in (batches[0], batches[-1]):
             progress(f"profiling one decode step at batch {batch} (eager)")
@@ -358,21 +409,25 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
     """Time the prefill of one prompt of each length (after a warm-up prompt); profile the shortest."""
     per_kind = _prefill_rates(rates)
 
-    def prefill(length: int, name: str) -> float:
+    def prefill(length: int, name: str) -> tuple[float, dict]:
+        """Seconds, and the collectives' bytes per step of the prompt's steps."""
         engine.add_request(name, _random_prompt(rng, length, cfg.vocab_size), _greedy(1))
         sync(engine.device)
+        traffic = _Traffic(engine)
+        steps = 0
         t0 = time.perf_counter()
         with tqdm(total=length, desc=f"prefill {length}", unit="tok", file=sys.stderr) as bar:
             while engine.has_unfinished_requests():
                 before = engine.stats().prompt_tokens
                 _step(engine)
+                steps += 1
                 bar.update(engine.stats().prompt_tokens - before)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, {"steps": steps, **traffic.per_step(steps)}
 
     prefill(min(min(args.prefill_lengths), args.prefill_chunk), "prefill-warm-up")
     rows = []
     for length in sorted(set(args.prefill_lengths)):
-        seconds = prefill(length, f"prefill-{length}")
+        seconds, traffic = prefill(length, f"prefill-{length}")
         flops = roofline.prefill_flops(cfg, length)
         roof_s = sum(flops[k] / per_kind[k] for k in flops)
         rows.append(
@@ -383,6 +438,7 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
                 "flops": flops,
                 "roofline_s": roof_s,
                 "ratio": seconds / roof_s,
+                **traffic,
             }
         )
     if not args.no_profile:
@@ -496,6 +552,7 @@ def table(result: dict) -> str:
         f"weights: resident {w['resident_gb']:.2f} GB, checkpoint {w['checkpoint_gb']:.2f} GB "
         f"({w['ratio']:.2f}x); per layer resident / checkpoint GB: "
         + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(w["resident_per_layer_gb"], w["checkpoint_per_layer_gb"])),
+        _parallel_line(result),
         "",
         _rows(
             ("batch", "context", "ms/step", "tok/s", "roofline ms", "x roofline", "experts/layer"),
@@ -515,6 +572,8 @@ def table(result: dict) -> str:
             ],
         ),
     ]
+    if result["tensor_parallel_size"] > 1:
+        lines += ["", _traffic_rows(result)]
     if result["peak_memory_gb"] is not None:
         lines.append(f"peak memory {result['peak_memory_gb']:.2f} GB")
     profiled = [("decode step", row) for row in sorted(result["decode"], key=lambda r: r["batch"])]
@@ -527,6 +586,31 @@ def table(result: dict) -> str:
                 lines.append("largest in other: " + "; ".join(f"{n} {ms:.3f} ms" for n, ms in top))
     lines += ["", _extrapolation_lines(result)]
     return "\n".join(lines)
+
+
+def _parallel_line(result: dict) -> str:
+    n = result["tensor_parallel_size"]
+    if n == 1:
+        return "one rank"
+    return f"{n} ranks, {'expert' if result['expert_parallel'] else 'tensor'} parallel (weights and memory: rank 0's)"
+
+
+def _traffic_rows(result: dict) -> str:
+    """Bytes per step moved by rank 0's collectives (by kind) and its step messages."""
+    kinds = sorted(result["decode"][0]["collective_bytes_per_step"])
+    rows = []
+    for r in result["decode"]:
+        rows.append(
+            (f"decode batch {r['batch']}", *(f"{r['collective_bytes_per_step'][k] / 1e3:.1f}" for k in kinds))
+            + (f"{r['step_message_bytes_per_step'] / 1e3:.2f}",)
+        )
+    for r in result["prefill"]:
+        rows.append(
+            (f"prefill {r['tokens']} ({r['steps']} steps)",)
+            + tuple(f"{r['collective_bytes_per_step'][k] / 1e3:.1f}" for k in kinds)
+            + (f"{r['step_message_bytes_per_step'] / 1e3:.2f}",)
+        )
+    return _rows(("KB per step", *kinds, "step message"), rows)
 
 
 def _ceilings_line(c: dict) -> str:

@@ -4,6 +4,10 @@ The engine steps in its own thread; the event loop only queues commands (add, ab
 each step's outputs through `call_soon_threadsafe`, so it never waits on the model. Each request's
 outputs arrive on its own async iterator, which ends with the finished output; leaving the iteration
 early (a client that disconnects) aborts the request.
+
+The engine dies when its thread stops on an error or, with tensor parallelism, when a rank fails (its monitor
+reports at once, even while the thread is blocked in a collective): every waiting request gets the error, later
+ones are refused, and the `on_dead` listeners (the server: 503 on /health, then exit) are called once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import AsyncIterator
 
 from ds4.engine.engine import EngineStats, LLMEngine, RequestOutput
 from ds4.engine.sampling_params import SamplingParams
+from ds4.engine.step_channel import RanksOutOfStep
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
         self.error: BaseException | None = None
+        self._dead_listeners: list = []
+        self._death = threading.Lock()
+        if engine.workers is not None:
+            engine.workers.on_fault(lambda reason: self._die(RanksOutOfStep(reason)))
 
     @property
     def is_running(self) -> bool:
@@ -65,11 +74,17 @@ class AsyncEngine:
         if request_id in self._streams:
             self._commands.put((_ABORT, request_id))
 
+    def on_dead(self, listener) -> None:
+        """Call listener(error) once, from whichever thread finds out, when the engine dies."""
+        self._dead_listeners.append(listener)
+
     async def shutdown(self) -> None:
+        """Stop the engine thread, then the engine's other ranks."""
         if self._thread is not None:
             self._commands.put((_STOP,))
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        await asyncio.to_thread(self.engine.close)
 
     async def _iterate(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -105,8 +120,17 @@ class AsyncEngine:
                         return
         except BaseException as e:  # noqa: BLE001 - every waiting request must learn that the engine died
             logger.exception("the engine thread stopped")
-            self.error = e
-            self._loop.call_soon_threadsafe(self._fail_all, e)
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        with self._death:
+            if self.error is not None:
+                return
+            self.error = error
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+        for listener in self._dead_listeners:
+            listener(error)
 
     def _drain(self) -> bool:
         """Apply every queued command; False once asked to stop."""

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field, fields
 
 GiB = 1 << 30
+DEFAULT_MASTER_PORT = 29500
 SPECULATIVE_METHODS = ("mtp",)
 
 
@@ -94,6 +95,15 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = _flag(
         None, 'speculative decoding, JSON: {"method": "mtp", "num_speculative_tokens": k} (default: off)'
     )
+    tensor_parallel_size: int = _flag(
+        1, "ranks the model is split across, one per GPU (on CPU: processes over gloo); rank 0 runs the engine"
+    )
+    enable_expert_parallel: bool = _flag(
+        False, "with tensor_parallel_size > 1: whole routed experts per rank instead of every expert split"
+    )
+    distributed_timeout_s: float = _flag(
+        300.0, "with tensor_parallel_size > 1: seconds a collective may wait for a rank before the engine fails"
+    )
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -112,6 +122,7 @@ class EngineConfig:
             "max_long_partial_prefills",
             "page_size",
             "max_cuda_graph_batch_size",
+            "tensor_parallel_size",
         )
         for name in positive:
             value = getattr(self, name)
@@ -143,6 +154,8 @@ class EngineConfig:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory < 1):
             raise EngineConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if not self.distributed_timeout_s > 0:
+            raise EngineConfigError(f"distributed_timeout_s must be > 0 seconds, got {self.distributed_timeout_s!r}")
 
     @property
     def prefill_chunk_limit(self) -> int:
@@ -157,6 +170,36 @@ class EngineConfig:
         if unknown:
             raise EngineConfigError(f"unknown engine flag(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where the ranks of a tensor-parallel engine run (torchrun's flags): nnodes hosts, this one's node_rank, and
+    the address and port of node 0 where the ranks meet (default: a free port on one host, 29500 across hosts)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.master_port is None and self.nnodes > 1:
+            object.__setattr__(self, "master_port", DEFAULT_MASTER_PORT)
+
+
+def add_launch_args(parser) -> None:
+    """torchrun's flags, for a tensor-parallel engine over several hosts (ds4.engine.workers)."""
+    group = parser.add_argument_group("hosts (with --tensor-parallel-size; torchrun's names)")
+    group.add_argument("--nnodes", type=int, default=1, help="hosts the ranks run on, N / nnodes each")
+    group.add_argument("--node-rank", type=int, default=0, help="this host's index; host 0 runs the engine and the API")
+    group.add_argument("--master-addr", default="127.0.0.1", help="address of host 0, where the ranks meet")
+    group.add_argument(
+        "--master-port", type=int, default=None, help=f"port on host 0 (default: {DEFAULT_MASTER_PORT} across hosts)"
+    )
+
+
+def launch_from_args(args) -> Launch:
+    return Launch(args.nnodes, args.node_rank, args.master_addr, args.master_port)
 
 
 def add_model_args(parser) -> None:
@@ -199,7 +242,7 @@ def add_engine_args(parser) -> None:
             action = argparse.BooleanOptionalAction if f.default else "store_true"
             group.add_argument(flag, action=action, default=f.default, help=help)
         else:
-            kinds = {"gpu_memory_utilization": float, "speculative_config": str}
+            kinds = {"gpu_memory_utilization": float, "speculative_config": str, "distributed_timeout_s": float}
             group.add_argument(flag, type=kinds.get(f.name, int), default=f.default, help=help)
 
 

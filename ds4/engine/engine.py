@@ -16,25 +16,25 @@ from pathlib import Path
 
 import torch
 
-from ds4.engine.cache_plan import plan_cache
 from ds4.engine.config import EngineConfig, EngineConfigError
-from ds4.engine.cuda_graphs import DecodeGraphs
 from ds4.engine.detokenizer import IncrementalDetokenizer, TokenBytes
-from ds4.engine.model_runner import ChunkResult, ModelRunner
+from ds4.engine.model_runner import ChunkResult, build_runner
 from ds4.engine.page_allocator import PageAllocator
 from ds4.engine.prefix_cache import PrefixCache
 from ds4.engine.sampler import Sampler, TokenLogprobs
 from ds4.engine.sampling_params import SamplingParams
 from ds4.engine.scheduler import RequestRejected, Scheduler
 from ds4.engine.sequence import Sequence
-from ds4.engine.speculative import MTPDrafter, SpecDecodeStats
+from ds4.engine.speculative import SpecDecodeStats
+from ds4.engine.step_channel import RanksOutOfStep
 from ds4.engine.stop import LENGTH, STOP, StopChecker, token_finish_reason
+from ds4.engine.workers import Launch, Ranks, follow, start_ranks
 
 logger = logging.getLogger(__name__)
 
 SPEC_LOG_INTERVAL_S = 10.0
 
-__all__ = ["LLMEngine", "RequestOutput", "EngineStats", "RequestRejected"]
+__all__ = ["LLMEngine", "RequestOutput", "EngineStats", "RequestRejected", "RanksOutOfStep"]
 
 
 @dataclass
@@ -89,8 +89,17 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, seed: int | None = None):
-        """`model` a loaded DeepseekV4Model; `tokenizer` (DSV4Tokenizer or tokenizers.Tokenizer) for text and stops."""
+    def __init__(
+        self,
+        model,
+        config: EngineConfig | None = None,
+        tokenizer=None,
+        seed: int | None = None,
+        workers: Ranks | None = None,
+    ):
+        """`model` a loaded DeepseekV4Model (rank 0's shard with tensor parallelism); `tokenizer` (DSV4Tokenizer or
+        tokenizers.Tokenizer) for text and stops; `workers` the ranks of a tensor-parallel engine (from_pretrained
+        starts them), which run every step's model calls with rank 0."""
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -99,32 +108,15 @@ class LLMEngine:
         k = self.config.num_speculative_tokens
         if k:
             _check_mtp(model)
-        use_graphs = self.device.type == "cuda" and not self.config.enforce_eager
-        if use_graphs and not getattr(model, "cuda_graph_safe", False):
-            logger.warning("the model's forward is not CUDA-graph safe; decode steps run eagerly")
-            use_graphs = False
-        # With graphs, one extra slot is the scratch slot that padding rows write to.
-        self.plan = plan_cache(model, self.config, self.device, self.config.max_num_seqs + use_graphs)
+        self.workers = workers
+        self.sampler = Sampler(eos_token_ids=(model.cfg.eos_token_id,), seed=seed)
+        channel = workers.channel if workers is not None else None
+        self.plan, self.runner = build_runner(model, self.config, self.device, self.sampler, channel)
+        self.cache = self.runner.cache
         plan = self.plan
-        self.cache = model.new_cache(plan.num_slots, plan.num_pages, plan.page_size, plan.num_snapshots, spare=k)
         self.prefix_cache = PrefixCache(plan.page_size, plan.num_snapshots) if plan.num_snapshots else None
         self.allocator = PageAllocator(plan.num_pages, self.config.max_num_seqs, plan.page_size, self.prefix_cache)
         self.scheduler = Scheduler(self.config, self.allocator, self.plan.max_model_len)
-        self.sampler = Sampler(eos_token_ids=(model.cfg.eos_token_id,), seed=seed)
-        drafter = MTPDrafter(model, self.cache, k) if k else None
-        graphs = None
-        if use_graphs:
-            batch_size = min(self.config.max_cuda_graph_batch_size, self.config.max_num_seqs)
-            graphs = DecodeGraphs(
-                model,
-                self.cache,
-                batch_size,
-                self.allocator.pages_for(self.plan.max_model_len),
-                padding_slot=self.config.max_num_seqs,
-                device=self.device,
-                drafter=drafter,
-            )
-        self.runner = ModelRunner(model, self.cache, self.sampler, self.device, graphs, drafter)
         self.spec_decode = SpecDecodeStats(k) if k else None
         self._spec_logged_at, self._spec_logged_drafts = time.monotonic(), 0
         self.requests: dict[str, Sequence] = {}
@@ -144,14 +136,20 @@ class LLMEngine:
         load_format: str = "auto",
         config: str | Path | None = None,
         num_layers: int | None = None,
+        launch: Launch | None = None,
         **engine_flags,
-    ) -> LLMEngine:
+    ) -> LLMEngine | None:
         """Load a checkpoint (default: the built-in tiny model) and its tokenizer; engine_flags: EngineConfig fields.
 
         load_format "dummy" builds the model from a config alone (see ds4.engine.loader): `config` "flash", "pro"
         or a directory, else model_dir's config.json, else the tiny model's; num_layers keeps the first layers.
-        weight_format: see DeepseekV4Model ("auto": checkpoint precision on CUDA, dequantised elsewhere)."""
-        from ds4.engine.loader import checkpoint_dir, load_model, model_config
+        weight_format: see DeepseekV4Model ("auto": checkpoint precision on CUDA, dequantised elsewhere).
+
+        tensor_parallel_size N > 1: the layout is checked against the config before any weight is read, then this
+        host's ranks start (ds4.engine.workers; `launch`: the hosts and the rendezvous, or torchrun's environment).
+        The engine is rank 0's; in a process whose rank is not 0 (another host's, or under torchrun) this runs
+        rank 0's steps until rank 0 stops, then returns None."""
+        from ds4.engine.loader import ModelSource, checkpoint_dir, model_config
         from ds4.tokenizer import load_tokenizer
 
         engine_config = EngineConfig.from_kwargs(**engine_flags)
@@ -160,20 +158,33 @@ class LLMEngine:
         torch_dtype = _resolve_dtype(dtype, device)
         cfg = model_config(model_dir, config, load_format, num_layers)
         with_mtp = engine_config.speculative_config is not None
-        model = load_model(
-            cfg,
-            model_dir,
-            load_format,
-            device=device,
-            dtype=torch_dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            weight_format=weight_format,
-            seed=seed or 0,
-            with_mtp=with_mtp,
+        source = ModelSource(
+            cfg, model_dir, load_format, torch_dtype, kv_cache_dtype, weight_format, seed or 0, with_mtp
         )
-        tokenizer_file = model_dir / "tokenizer.json" if model_dir is not None else None
-        tokenizer = load_tokenizer(tokenizer_file if tokenizer_file is not None and tokenizer_file.exists() else None)
-        return cls(model, engine_config, tokenizer, seed)
+        ranks = start_ranks(cfg, engine_config, source, device, launch)
+        if ranks is not None:
+            if ranks.placement.rank != 0:
+                follow(ranks, source, engine_config, device.type)
+                ranks.stop()
+                return None
+            device = ranks.placement.device(device.type)
+        try:
+            model = source.load(device, ranks.parallel if ranks is not None else None)
+            tokenizer_file = model_dir / "tokenizer.json" if model_dir is not None else None
+            tokenizer = load_tokenizer(
+                tokenizer_file if tokenizer_file is not None and tokenizer_file.exists() else None
+            )
+            return cls(model, engine_config, tokenizer, seed, ranks)
+        except BaseException:
+            if ranks is not None:
+                ranks.stop()
+            raise
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do with one rank)."""
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
 
     @property
     def max_model_len(self) -> int:
@@ -226,6 +237,9 @@ class LLMEngine:
         return bool(self.requests) or bool(self._aborted)
 
     def step(self) -> list[RequestOutput]:
+        """Raises RanksOutOfStep when a rank of a tensor-parallel engine failed: no step can run any more."""
+        if self.workers is not None and self.workers.fault is not None:
+            raise RanksOutOfStep(self.workers.fault)
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
@@ -233,6 +247,9 @@ class LLMEngine:
         snapshots = self.prefix_cache.plan_step(scheduled.chunks) if self.prefix_cache is not None else None
         try:
             results = self.runner.run(scheduled.chunks, snapshots)
+        except RanksOutOfStep as e:
+            self.workers.fail(str(e))
+            raise
         except Exception as e:  # a failed step fails its requests, not the engine
             logger.exception("engine step failed")
             for chunk in scheduled.chunks:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from ds4.engine.engine import LLMEngine
 from ds4.engine.sampler import TokenLogprobs
 from ds4.engine.sampling_params import SamplingParams
+from ds4.engine.workers import Launch
 
 
 @dataclass
@@ -36,7 +37,10 @@ class LLM:
 
     Engine flags (max_num_batched_tokens=, max_num_seqs=, kv_cache_memory=, ...) are keyword arguments.
     load_format="dummy" builds the model from a config alone (config="flash", "pro" or a directory) with
-    random weights made on the device; num_layers keeps its first layers.
+    random weights made on the device; num_layers keeps its first layers. tensor_parallel_size=N splits the model
+    over N ranks (one GPU each; CPU: processes over gloo) that this process starts; `launch` places them on several
+    hosts (ds4.engine.workers), where the processes whose first rank is not 0 follow rank 0 until it closes and get
+    `engine` None. `close()` stops the ranks (they also stop when this process exits).
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class LLM:
         load_format: str = "auto",
         config: str | Path | None = None,
         num_layers: int | None = None,
+        launch: Launch | None = None,
         **engine_flags,
     ):
         self.engine = LLMEngine.from_pretrained(
@@ -61,10 +66,21 @@ class LLM:
             load_format=load_format,
             config=config,
             num_layers=num_layers,
+            launch=launch,
             **engine_flags,
         )
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.tokenizer if self.engine is not None else None
         self._next_id = 0
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

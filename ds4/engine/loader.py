@@ -5,6 +5,7 @@ only a config.json; with neither, the built-in tiny model's config).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,6 +45,36 @@ def model_config(
     source = config if config is not None else model_dir
     raw = dict(TINY_CONFIG) if source is None else config_dict(source)
     return load_config(raw if num_layers is None else with_layers(raw, num_layers))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What builds the served model: pickled to the other ranks of a tensor-parallel engine, which each build
+    their own shard from it."""
+
+    cfg: ModelConfig
+    model_dir: Path | None
+    load_format: str
+    dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+    weight_format: str = "auto"
+    seed: int = 0
+    with_mtp: bool = False
+
+    def load(self, device: torch.device, parallel: Parallel | None = None):
+        """The model on `device`; with `parallel` this rank's shard of it."""
+        return load_model(
+            self.cfg,
+            self.model_dir,
+            self.load_format,
+            device=device,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            weight_format=self.weight_format,
+            seed=self.seed,
+            with_mtp=self.with_mtp,
+            parallel=parallel,
+        )
 
 
 def load_model(

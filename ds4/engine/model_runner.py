@@ -9,21 +9,31 @@ drafts run eagerly.
 
 With speculative decoding (ds4.engine.speculative), chunks with drafts are verified instead of sampled,
 and the MTP layer then follows every chunk over the positions it kept and drafts for the next step.
+
+The model calls of a step go through `execute` (snapshot restores, the forward or its graph, the logits) and
+`draft` (the MTP layer, then snapshot saves), from host data alone (`Step`, `DraftInputs`): on a tensor-parallel
+engine rank 0 sends those to the other ranks first (ds4.engine.step_channel), which make the same calls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, fields
 
 import torch
 
+from ds4.engine.cache_plan import CachePlan, plan_cache
+from ds4.engine.config import EngineConfig, EngineConfigError
 from ds4.engine.cuda_graphs import DecodeGraphs, GraphKey
 from ds4.engine.prefix_cache import StepSnapshots
 from ds4.engine.sampler import Sampler, TokenLogprobs, compute_logprobs
 from ds4.engine.scheduler import ScheduledChunk
 from ds4.engine.speculative import MTPDrafter, may_speculate, verify
+from ds4.engine.step_channel import RanksOutOfStep, StepChannel
 from ds4.engine.uploads import upload
 from ds4.model.batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,37 +55,33 @@ class ModelRunner:
         self,
         model,
         cache,
-        sampler: Sampler,
+        sampler: Sampler | None,
         device: torch.device,
         graphs: DecodeGraphs | None = None,
         drafter: MTPDrafter | None = None,
+        channel: StepChannel | None = None,
     ):
+        """`channel`: rank 0 of a tensor-parallel engine sends each step's model calls through it (None: one rank).
+        `sampler` may be None on the other ranks, which never sample."""
         self.model = model
         self.cache = cache
         self.sampler = sampler
         self.device = torch.device(device)
         self.graphs = graphs
         self.drafter = drafter
+        self.channel = channel
 
     def run(self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None = None) -> list[ChunkResult]:
         key = self._graph_key(chunks, snapshots)
-        tokens_per_request = key.tokens_per_request if key is not None else None
-        batch = build_batch(chunks, self.device, tokens_per_request)
-        first_rows = chunk_rows(chunks, tokens_per_request)
-        if snapshots is not None:  # prefix caching: resume admitted requests, keep page-end states
-            self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots, snapshots.restore_ends)
-            batch.snapshots = tuple(snapshots.inner)
-        if key is not None:
-            hidden = self.graphs.run(batch, key)
-        else:
-            hidden = self.model.forward(batch, self.cache)
+        step = build_step(chunks, snapshots, key)
+        first_rows = chunk_rows(chunks, key.tokens_per_request if key is not None else None)
         sample_rows, prompt_rows = logit_rows(chunks, first_rows)
         rows = [r for first, i in sample_rows for r in range(first, first + _num_sample_rows(chunks[i]))]
         num_sample_rows = len(rows)
-        rows += [r for r, _, _ in prompt_rows]
+        step.logit_rows = rows + [r for r, _, _ in prompt_rows]
+        batch, hidden, logits = self._mirrored(self.execute, step)
         results = [ChunkResult() for _ in chunks]
-        if rows:
-            logits = self.model.compute_logits(_select_rows(hidden, rows))
+        if logits is not None:
             self._sample(chunks, sample_rows, logits[:num_sample_rows], results)
             if prompt_rows:
                 (targets,) = upload(logits.device, ([t for _, _, t in prompt_rows], torch.long))
@@ -84,16 +90,71 @@ class ModelRunner:
                 for (_, i, _), entry in zip(prompt_rows, entries):
                     results[i].prompt_logprobs.append(entry)
         if self.drafter is not None:
-            self._draft(chunks, batch, hidden, results, first_rows, key)
-        if snapshots is not None:  # after the MTP layer's step too: its window is part of the state kept
-            self.cache.save_snapshots(snapshots.save_slots, snapshots.save_snapshots, snapshots.save_ends)
+            self._draft(chunks, step, batch, hidden, results, first_rows)
         return results
+
+    def execute(self, step: Step) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor | None]:
+        """The step's snapshot restores, forward (or graph replay) and the logits of its logit rows (None when it
+        asks for none); without an MTP layer also its snapshot saves (else `draft` makes them)."""
+        batch = step.to_batch(self.device)
+        snapshots = step.snapshots
+        if snapshots is not None:  # prefix caching: resume admitted requests, keep page-end states
+            self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots, snapshots.restore_ends)
+            batch.snapshots = tuple(snapshots.inner)
+        if step.graph_key is not None:
+            hidden = self.graphs.run(batch, step.graph_key)
+        else:
+            hidden = self.model.forward(batch, self.cache)
+        if self.drafter is None:
+            self._save_snapshots(snapshots)
+        logits = None
+        if step.logit_rows:
+            logits = self.model.compute_logits(_select_rows(hidden, step.logit_rows))
+        return batch, hidden, logits
+
+    def draft(self, step: Step, batch: ForwardBatch, hidden: torch.Tensor, inputs: DraftInputs) -> torch.Tensor:
+        """The MTP layer over the step's rows, then the step's snapshot saves (the MTP window is part of the
+        state kept). Returns the drafts: of every request after a graph step, else of inputs.drafting's."""
+        ids = _to_device(inputs.next_ids, torch.long, self.device)
+        if step.graph_key is not None:
+            drafts = self.graphs.draft(ids, _to_device(inputs.last_rows, torch.long, self.device), step.graph_key)
+        else:
+            rows = _to_device([inputs.last_rows[i] for i in inputs.drafting], torch.long, self.device)
+            requests = _to_device(inputs.drafting, torch.long, self.device)
+            drafts = self.drafter.run(batch, hidden, ids, rows, requests)
+        self._save_snapshots(step.snapshots)
+        return drafts
+
+    def follow(self, channel: StepChannel) -> None:
+        """A rank other than 0: make the model calls rank 0 makes, as it sends them, until it sends None."""
+        step = batch = hidden = None
+        while (message := channel.recv()) is not None:
+            if isinstance(message, Step):
+                step = message
+                batch, hidden, _ = self.execute(step)
+            else:  # the MTP inputs of the step just run (none come when rank 0's sampling failed)
+                self.draft(step, batch, hidden, message)
 
     def _graph_key(self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None) -> GraphKey | None:
         """The CUDA graph this step replays, if any (never for a step that keeps snapshots inside a chunk)."""
         if self.graphs is None or (snapshots is not None and snapshots.inner):
             return None
         return self.graphs.key([c.num_tokens for c in chunks], max(len(c.seq.page_table) for c in chunks))
+
+    def _save_snapshots(self, snapshots: StepSnapshots | None) -> None:
+        if snapshots is not None:
+            self.cache.save_snapshots(snapshots.save_slots, snapshots.save_snapshots, snapshots.save_ends)
+
+    def _mirrored(self, call, message):
+        """call(message) on this rank, after sending the message to the other ranks, which make the same call.
+        There, a failure leaves the ranks out of step (their collectives no longer pair up): it is fatal."""
+        if self.channel is None:
+            return call(message)
+        try:
+            self.channel.send(message)
+            return call(message)
+        except Exception as e:
+            raise RanksOutOfStep(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
 
     def _sample(self, chunks, sample_rows, logits: torch.Tensor, results: list[ChunkResult]) -> None:
         """Plain chunks sample one token from their row; chunks with drafts verify them on theirs."""
@@ -123,27 +184,22 @@ class ModelRunner:
                     )
                 row += _num_sample_rows(chunks[i])
 
-    def _draft(self, chunks, batch, hidden, results, first_rows: list[int], key: GraphKey | None) -> None:
+    def _draft(self, chunks, step: Step, batch, hidden, results, first_rows: list[int]) -> None:
         """The MTP layer over every chunk's rows, each fed the token after it (the known ones, then the chunk's
         new tokens or, mid-prompt, the next prompt token; 0 past them); drafts where a chunk sampled."""
-        next_ids, last_rows, drafting = [0] * batch.num_tokens, [], []
+        inputs = DraftInputs([0] * len(step.input_ids), [], [])
         for i, (c, result, first) in enumerate(zip(chunks, results, first_rows)):
             end = c.start + c.num_known_tokens
             after = result.token_ids if c.samples else c.seq.token_ids(end, end + 1)
             ids = c.seq.token_ids(c.start + 1, end) + after
-            next_ids[first : first + len(ids)] = ids
-            last_rows.append(first + len(ids) - 1)
+            inputs.next_ids[first : first + len(ids)] = ids
+            inputs.last_rows.append(first + len(ids) - 1)
             if c.samples and may_speculate(c.seq.params):
-                drafting.append(i)
-        ids = _to_device(next_ids, torch.long, self.device)
-        if key is not None:
-            drafts = self.graphs.draft(ids, _to_device(last_rows, torch.long, self.device), key).tolist()
-            drafts = [drafts[i] for i in drafting]
-        else:
-            rows = _to_device([last_rows[i] for i in drafting], torch.long, self.device)
-            requests = _to_device(drafting, torch.long, self.device)
-            drafts = self.drafter.run(batch, hidden, ids, rows, requests).tolist()
-        for i, draft in zip(drafting, drafts):
+                inputs.drafting.append(i)
+        drafts = self._mirrored(lambda message: self.draft(step, batch, hidden, message), inputs).tolist()
+        if step.graph_key is not None:
+            drafts = [drafts[i] for i in inputs.drafting]
+        for i, draft in zip(inputs.drafting, drafts):
             results[i].draft_token_ids = draft
 
 
@@ -159,17 +215,68 @@ def chunk_rows(chunks: list[ScheduledChunk], tokens_per_request: int | None = No
     return rows
 
 
-def build_batch(
-    chunks: list[ScheduledChunk], device: torch.device, tokens_per_request: int | None = None
-) -> ForwardBatch:
-    """The flat batch of one step, built on the host and moved to the device in one transfer.
+@dataclass
+class Step:
+    """One step's model calls as host data: what rank 0 runs, and sends to the other ranks of a tensor-parallel
+    engine so that they run the same."""
 
-    tokens_per_request (a CUDA-graph step): a decode_only batch, each chunk followed by padding tokens (id 0) at
-    the positions after its own, up to that many tokens."""
+    input_ids: list[int]
+    positions: list[int]
+    query_start_loc: list[int]
+    context_lens: list[int]
+    slots: list[int]
+    block_tables: list[int]  # every request's page table padded with -1 to the widest, end to end
+    snapshots: StepSnapshots | None = None
+    graph_key: GraphKey | None = None  # the CUDA graph the step replays
+    logit_rows: list[int] = field(default_factory=list)  # hidden rows projected to logits (none: no projection)
+
+    def to_batch(self, device: torch.device) -> ForwardBatch:
+        """The flat batch on the device, in one transfer."""
+        int32, long = torch.int32, torch.long
+        ids, pos, loc, lens, slot, table = upload(
+            device,
+            (self.input_ids, long),
+            (self.positions, long),
+            (self.query_start_loc, int32),
+            (self.context_lens, int32),
+            (self.slots, int32),
+            (self.block_tables, int32),
+        )
+        key = self.graph_key
+        return ForwardBatch(
+            ids,
+            pos,
+            loc,
+            lens,
+            slot,
+            table.view(len(self.slots), len(self.block_tables) // len(self.slots)),
+            decode_only=key is not None,
+            tokens_per_request=key.tokens_per_request if key is not None else 1,
+        )
+
+
+@dataclass
+class DraftInputs:
+    """The MTP step's host data: the token after each row of the step, each request's last kept row, and the
+    requests that draft."""
+
+    next_ids: list[int]
+    last_rows: list[int]
+    drafting: list[int]
+
+
+def build_step(
+    chunks: list[ScheduledChunk], snapshots: StepSnapshots | None = None, graph_key: GraphKey | None = None
+) -> Step:
+    """The flat batch of one step (tokens of every chunk end to end) and its snapshot copies, on the host.
+
+    With a graph key (a CUDA-graph step): a decode_only batch, each chunk followed by padding tokens (id 0) at
+    the positions after its own, up to key.tokens_per_request tokens."""
     input_ids, positions, starts, context_lens, slots, tables = [], [], [0], [], [], []
     width = max(len(c.seq.page_table) for c in chunks)
     for c in chunks:
-        seq, start, n = c.seq, c.start, tokens_per_request or c.num_tokens
+        seq, start = c.seq, c.start
+        n = graph_key.tokens_per_request if graph_key is not None else c.num_tokens
         input_ids += seq.token_ids(start, start + c.num_known_tokens)
         input_ids += c.draft_token_ids
         if n > c.num_tokens:
@@ -180,26 +287,56 @@ def build_batch(
         slots.append(seq.slot)
         tables += seq.page_table
         tables += [-1] * (width - len(seq.page_table))
-    int32, long = torch.int32, torch.long
-    ids, pos, loc, lens, slot, table = upload(
-        device,
-        (input_ids, long),
-        (positions, long),
-        (starts, int32),
-        (context_lens, int32),
-        (slots, int32),
-        (tables, int32),
-    )
-    return ForwardBatch(
-        ids,
-        pos,
-        loc,
-        lens,
-        slot,
-        table.view(len(chunks), width),
-        decode_only=tokens_per_request is not None,
-        tokens_per_request=tokens_per_request or 1,
-    )
+    return Step(input_ids, positions, starts, context_lens, slots, tables, snapshots, graph_key)
+
+
+def build_runner(
+    model, config: EngineConfig, device: torch.device, sampler: Sampler | None, channel: StepChannel | None = None
+) -> tuple[CachePlan, ModelRunner]:
+    """The cache plan and runner of an engine, with its cache (`runner.cache`), decode graphs and MTP drafter.
+    Every rank of a tensor-parallel engine builds its own the same way (the cache plan's activation measurement
+    and the graph captures run the model, collectives included); they agree on the smallest plan."""
+    k = config.num_speculative_tokens
+    use_graphs = device.type == "cuda" and not config.enforce_eager
+    if use_graphs and not getattr(model, "cuda_graph_safe", False):
+        logger.warning("the model's forward is not CUDA-graph safe; decode steps run eagerly")
+        use_graphs = False
+    # With graphs, one extra slot is the scratch slot that padding rows write to.
+    plan = plan_cache(model, config, device, config.max_num_seqs + use_graphs)
+    if channel is not None:
+        gathered = channel.all_gather((rank_setup(model, config), plan))
+        check_same_setup([setup for setup, _ in gathered])
+        plan = min((p for _, p in gathered), key=lambda p: (p.num_pages, p.num_snapshots))
+    cache = model.new_cache(plan.num_slots, plan.num_pages, plan.page_size, plan.num_snapshots, spare=k)
+    drafter = MTPDrafter(model, cache, k) if k else None
+    graphs = None
+    if use_graphs:
+        graphs = DecodeGraphs(
+            model,
+            cache,
+            min(config.max_cuda_graph_batch_size, config.max_num_seqs),
+            -(-plan.max_model_len // plan.page_size),
+            padding_slot=config.max_num_seqs,
+            device=device,
+            drafter=drafter,
+        )
+    return plan, ModelRunner(model, cache, sampler, device, graphs, drafter, channel)
+
+
+def rank_setup(model, config: EngineConfig) -> dict:
+    """What the ranks of a tensor-parallel engine must agree on: the engine flags and the model built (each host
+    builds its ranks from its own command line)."""
+    setup = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
+    return setup | {"model config": model.cfg, "dtype": model.dtype, "kv_cache_dtype": model.kv_cache_dtype}
+
+
+def check_same_setup(setups: list[dict]) -> None:
+    """Refuse ranks whose setups (rank_setup, in rank order) differ: their steps would not pair up."""
+    differing = [name for name in setups[0] if any(setup[name] != setups[0][name] for setup in setups[1:])]
+    if differing:
+        raise EngineConfigError(
+            f"the ranks were started with different settings ({', '.join(differing)}): give every host the same flags"
+        )
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

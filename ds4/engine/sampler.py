@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from ds4.engine.sampling_params import SamplingParams
-from ds4.engine.structured_output import apply_structured_output
 from ds4.engine.uploads import upload
 
 _SEED_RANGE = 2**62
@@ -138,6 +137,10 @@ class Sampler:
         argmax of and random rows warp. A new tensor when anything applies: raw logprobs read the input."""
         if all(_nothing_to_process(request) for request in requests):
             return logits
+        # Imported here: xgrammar takes ~1 s to import, which the ranks of a tensor-parallel engine other than
+        # rank 0 (they never sample) and the processes that serve no grammar need not pay.
+        from ds4.engine.structured_output import apply_structured_output
+
         processed = apply_structured_output(logits, requests)
         return apply_penalties(self._mask_early_stops(apply_logit_bias(processed, requests), requests), requests)
 

@@ -121,6 +121,8 @@ def create_app(
 
     @app.get("/health")
     async def health():
+        if engine.error is not None:
+            raise APIError(503, f"the engine stopped: {engine.error}")
         if state.shutting_down:
             raise APIError(503, "the server is shutting down")
         return {"status": "ok"}

@@ -1,19 +1,38 @@
-"""`ds4 serve`: load a model, start the engine, serve the OpenAI API with uvicorn until SIGINT/SIGTERM."""
+"""`ds4 serve`: load a model, start the engine, serve the OpenAI API with uvicorn until SIGINT/SIGTERM.
+
+With --tensor-parallel-size N the process of host 0 (rank 0) serves; on other hosts (--node-rank > 0) the process
+runs its ranks only and exits when rank 0 stops. When the engine dies (a rank failed, or the engine thread
+stopped on an error) /health answers 503 at once, the server shuts down FAULT_LINGER_S later (health checks see
+why) and the process exits with status 1; if the shutdown itself hangs (a thread stuck in a collective), the
+process is ended FAULT_EXIT_S after the fault.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 
 import uvicorn
 
-from ds4.engine.config import add_engine_args, add_model_args, engine_flags_from_args, model_flags_from_args
+from ds4.engine.config import (
+    add_engine_args,
+    add_launch_args,
+    add_model_args,
+    engine_flags_from_args,
+    launch_from_args,
+    model_flags_from_args,
+)
 from ds4.engine.structured_output import DEFAULT_MAX_WHITESPACE, GrammarCache, grammar_tokenizer_info
 from ds4.serve.state import _backend
 
 logger = logging.getLogger("ds4.serve")
+
+FAULT_LINGER_S = 1.0
+FAULT_EXIT_S = 15.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_args(parser)
+    add_launch_args(parser)
     return parser
 
 
@@ -58,6 +78,18 @@ class _Server(uvicorn.Server):
         self._state.shutting_down = True
         super().handle_exit(sig, frame)
 
+    def engine_died(self, error: BaseException) -> None:
+        """From any thread: shut down soon, and end the process if the shutdown does not finish in time."""
+        logger.error("the engine stopped (%s); the server exits", error)
+        threading.Thread(target=self._exit_after_fault, name="ds4-fault-exit", daemon=True).start()
+
+    def _exit_after_fault(self) -> None:
+        time.sleep(FAULT_LINGER_S)
+        self.should_exit = True
+        time.sleep(FAULT_EXIT_S - FAULT_LINGER_S)
+        logger.error("the shutdown did not finish within %.0f s of the fault; exiting now", FAULT_EXIT_S)
+        os._exit(1)
+
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
@@ -67,16 +99,24 @@ def main(argv: list[str]) -> int:
     from ds4.serve.app import create_app
 
     engine = LLMEngine.from_pretrained(
-        args.model, seed=args.seed, **model_flags_from_args(args), **engine_flags_from_args(args)
+        args.model,
+        seed=args.seed,
+        launch=launch_from_args(args),
+        **model_flags_from_args(args),
+        **engine_flags_from_args(args),
     )
+    if engine is None:  # this host's ranks ran rank 0's steps until it stopped
+        logger.info("rank 0 stopped; this host's ranks are done")
+        return 0
     tokenizer = engine.tokenizer
     grammars = GrammarCache(
         grammar_tokenizer_info(_backend(tokenizer), engine.model.cfg.vocab_size, tokenizer.special.eos),
         max_whitespace=args.max_grammar_whitespace,
     )
     names = args.served_model_name or [Path(args.model).name if args.model else "ds4-tiny"]
+    async_engine = AsyncEngine(engine)
     app = create_app(
-        AsyncEngine(engine),
+        async_engine,
         served_model_names=names,
         api_key=args.api_key,
         grammar_cache=grammars,
@@ -94,8 +134,11 @@ def main(argv: list[str]) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=int(args.drain_timeout)
     )
+    server = _Server(config, app.state.ds4)
+    async_engine.on_dead(server.engine_died)
     try:
-        _Server(config, app.state.ds4).run()
+        server.run()
     finally:
         grammars.close()
-    return 0
+        engine.close()
+    return 1 if async_engine.error is not None else 0

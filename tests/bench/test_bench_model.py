@@ -79,3 +79,31 @@ def test_device_profile_counts_each_kernel_once_and_unclaimed_triton_kernels_by_
     assert times["GEMMs"] == pytest.approx(0.020)
     assert times["other"] == pytest.approx(0.007)
     assert times["total"] == pytest.approx(0.557)
+
+
+def test_bench_model_on_two_ranks_reports_collective_bytes_per_step(tmp_path, capsys):
+    from ds4.checkpoint.tiny import make_tiny
+    from ds4.config import load_config
+    from ds4.distributed.parallel import ParallelConfig
+    from ds4.distributed.traffic import decode_step_traffic, forward_traffic
+
+    config = make_tiny(tmp_path / "tiny", config_overrides={"o_groups": 4})
+    out = tmp_path / "bench.json"
+    argv = ["bench", "model", "--load-format", "dummy", "--config", str(config), "--device", "cpu", "--context", "24"]
+    argv += ["--batch-sizes", "2", "--prefill-lengths", "20", "--prefill-chunk", "16", "--decode-steps", "2"]
+    argv += ["--tensor-parallel-size", "2", "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["tensor_parallel_size"] == 2
+    decode, prefill = result["decode"][0], result["prefill"][0]
+    assert prefill["steps"] == 2  # 20 tokens in chunks of 16
+    for row in (decode, prefill):
+        assert set(row["collective_bytes_per_step"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+        assert row["step_message_bytes_per_step"] > 0
+    # Against the byte count from the config (ds4.distributed.traffic; fp32 activations on the CPU): a decode step
+    # of 2 tokens with 2 logit rows; the prefill's chunks of 16 tokens (no logits: mid-prompt) and 4 (1 row).
+    cfg, two = load_config(config), ParallelConfig(2)
+    assert decode["collective_bytes_per_step"] == decode_step_traffic(cfg, two, 2, act_bytes=4).payload
+    prefill_total = forward_traffic(cfg, two, 16, 0, act_bytes=4) + forward_traffic(cfg, two, 4, 1, act_bytes=4)
+    assert prefill["collective_bytes_per_step"] == {k: n / 2 for k, n in prefill_total.payload.items()}
+    assert "KB per step" in capsys.readouterr().out

@@ -38,6 +38,11 @@ class _Request:
 class ScriptedEngine:
     """`script` (list of token ids, or None for pure noise) applies to every request added after it is set."""
 
+    workers = None  # one rank
+
+    def close(self) -> None:
+        pass
+
     def __init__(self, tokenizer, max_model_len: int = 2048, num_pages: int = 64, step_delay_s: float = 0.0005):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
