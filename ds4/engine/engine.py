@@ -374,6 +374,14 @@ class LLMEngine:
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        grammar = getattr(seq.params, "structured_output", None)
+        if grammar is not None and grammar.failed:
+            logger.warning(
+                "request %s: its grammar rejected token %d after %d tokens; ended at EOS",
+                seq.request_id,
+                grammar.rejected_token,
+                grammar.num_tokens,
+            )
         self.scheduler.finish(seq, reason)
         self.requests.pop(seq.request_id, None)
         self._finished += 1

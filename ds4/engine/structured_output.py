@@ -19,7 +19,6 @@ matcher up with the tokens its request kept (`request.output_token_ids`) and mas
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,8 +31,6 @@ import xgrammar as xgr
 from tokenizers import Tokenizer
 
 from ds4.engine.detokenizer import TokenBytes
-
-logger = logging.getLogger(__name__)
 
 THINK_END_TEXT = "</think>"
 DSML_TEXT = "｜DSML｜"
@@ -220,8 +217,7 @@ class StructuredOutput:
             self._history.append(_STRAY)
             return True
         if not self._matcher.accept_token(token_id):
-            self.rejected_token = token_id
-            logger.warning("grammar rejected token %d after %d tokens; ending the request", token_id, self.num_tokens)
+            self.rejected_token = token_id  # not logged: drafts pass here too; the engine logs a request ended so
             return False
         self._history.append(_GRAMMAR)
         self._grammar_tokens += 1
