@@ -10,8 +10,9 @@ On any config (`--config flash|pro|DIR` with `--load-format dummy`, or a checkpo
 Rooflines (ds4.bench.roofline): decode = the bytes a step must read over the copy bandwidth; prefill = the
 FLOPs by kind over the GEMM rate of that kind (dense GEMMs and the indexer fp8, experts and attention bf16:
 Hopper has no FP4 tensor cores). The ratio is measured / roofline. Decode steps at the smallest and the largest
-batch (run eagerly) and one prefill (the shortest) are profiled and summarised by kernel family, each family next
-to its own roofline where one is counted. The time per layer is extrapolated to the full model and printed next to
+batch (run eagerly) and one prefill (the shortest) are profiled and summarised by kernel family: its time, the
+kernels it launched (CPU: ops; many small kernels make a family launch-bound at decode) and its own roofline
+where one is counted. The time per layer is extrapolated to the full model and printed next to
 published figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager) on the same shape.
 `--tensor-parallel-size N [--enable-expert-parallel]` runs the engine on N ranks (one GPU each; CPU: processes);
 every decode and prefill row then also gives the bytes rank 0's collectives moved per step, by kind (counted; for
@@ -349,10 +350,11 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         }
         if not args.no_profile and batch in (batches[0], batches[-1]):
             progress(f"profiling one decode step at batch {batch} (eager)")
-            unclaimed = Counter()
-            families = _eager_profile(engine, lambda: _step(engine), unclaimed)
+            unclaimed, launches = Counter(), Counter()
+            families = _eager_profile(engine, lambda: _step(engine), unclaimed, launches)
             work = _decode_family_bytes(parts)
-            row["profile"] = _with_rooflines(families, work, dict.fromkeys(work, rates["copy_bytes_per_s"]))
+            rates_by_family = dict.fromkeys(work, rates["copy_bytes_per_s"])
+            row["profile"] = _with_rooflines(families, launches, work, rates_by_family)
             row["profile_other"] = _top(unclaimed)
         rows.append(row)
     for request_id in ids:
@@ -361,13 +363,13 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
     return sorted(rows, key=lambda r: r["batch"])
 
 
-def _eager_profile(engine, step, unclaimed: Counter) -> dict:
+def _eager_profile(engine, step, unclaimed: Counter, launches: Counter) -> dict:
     """Profile one engine step with the decode graph's batch run eagerly (the same padded decode_only batch)."""
     graphs = engine.runner.graphs
     if graphs is not None:
         graphs.eager = True
     try:
-        return profile_families(engine.model, step, engine.device, unclaimed)
+        return profile_families(engine.model, step, engine.device, unclaimed, launches)
     finally:
         if graphs is not None:
             graphs.eager = False
@@ -387,12 +389,14 @@ def _decode_family_bytes(parts: dict) -> dict:
     }
 
 
-def _with_rooflines(families: dict, work: dict, rates: dict) -> dict:
-    """Per family: ms, share of the profiled time and, where counted, roofline ms (work / rate) and the ratio."""
+def _with_rooflines(families: dict, launches: Counter, work: dict, rates: dict) -> dict:
+    """Per family: ms, share of the profiled time, kernels launched and, where counted, roofline ms (work / rate)
+    and the ratio."""
     total = families["total"] or 1.0
     out = {}
     for name in (*FAMILIES, "total"):
-        entry = {"ms": families[name], "share": families[name] / total}
+        kernels = sum(launches.values()) if name == "total" else launches[name]
+        entry = {"ms": families[name], "share": families[name] / total, "kernels": kernels}
         if work.get(name) and rates.get(name):
             entry["roofline_ms"] = work[name] / rates[name] * 1e3
             entry["ratio"] = families[name] / entry["roofline_ms"]
@@ -444,12 +448,15 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
     if not args.no_profile:
         length = min(args.prefill_lengths)
         progress(f"profiling the prefill of {length} tokens")
-        unclaimed = Counter()
-        families = profile_families(engine.model, lambda: prefill(length, "prefill-profiled"), engine.device, unclaimed)
+        unclaimed, launches = Counter(), Counter()
+        families = profile_families(
+            engine.model, lambda: prefill(length, "prefill-profiled"), engine.device, unclaimed, launches
+        )
         flops = roofline.prefill_flops(cfg, length)
         family_of = {"dense": "GEMMs", "experts": "MoE", "attention": "attention", "indexer": "indexer"}
         work = {family_of[kind]: f for kind, f in flops.items()}
-        rows[0]["profile"] = _with_rooflines(families, work, {family_of[k]: r for k, r in per_kind.items()})
+        rates_by_family = {family_of[k]: r for k, r in per_kind.items()}
+        rows[0]["profile"] = _with_rooflines(families, launches, work, rates_by_family)
         rows[0]["profile_other"] = _top(unclaimed)
     return rows
 
@@ -626,8 +633,8 @@ def _profile_rows(profile: dict) -> str:
     for name, e in profile.items():
         roof = f"{e['roofline_ms']:.3f}" if "roofline_ms" in e else ""
         ratio = f"{e['ratio']:.1f}" if e.get("ratio") else ""
-        rows.append((name, f"{e['ms']:.3f}", f"{100 * e['share']:.1f}%", roof, ratio))
-    return _rows(("family", "ms", "share", "roofline ms", "x roofline"), rows)
+        rows.append((name, f"{e['ms']:.3f}", f"{100 * e['share']:.1f}%", str(e.get("kernels", "")), roof, ratio))
+    return _rows(("family", "ms", "share", "kernels", "roofline ms", "x roofline"), rows)
 
 
 def _extrapolation_lines(result: dict) -> str:
