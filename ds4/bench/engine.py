@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ds4.bench.driver import shrink, step
 from ds4.bench.report import environment, int_list, write_json
 
 STUB_VOCAB = 256
@@ -77,29 +78,33 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
     for request_id in ids:
         engine.add_request(request_id, [rng.randrange(2, vocab) for _ in range(args.input_len)], params)
     while any(not engine.requests[i].output_token_ids for i in ids):
-        _step(engine)
+        step(engine)
     timer = _ModelTimer(engine)
     rows = []
     for batch in batches:
-        for request_id in ids[batch:]:
-            engine.abort(request_id)
-        ids = ids[:batch]
-        for _ in range(3):  # warm-up (and the aborted requests leave)
-            _step(engine)
+        ids = shrink(engine, ids, batch)
         timer.elapsed_ms()
         step_ms, model_ms = [], []
         for _ in range(args.steps):
             step_ms.append(_timed_step(engine))
             model_ms.append(timer.elapsed_ms())
         with _stubbed(engine):
-            _step(engine)
+            step(engine)
             host_ms = [_timed_step(engine) for _ in range(args.steps)]
             if args.cprofile and batch == batches[0]:
                 _print_profile(engine, args.steps, args.cprofile)
         if any(i not in engine.requests for i in ids):
             raise SystemExit(f"batch {batch}: a request finished early (max_tokens {max_tokens} too small)")
-        step, model, host = _median(step_ms), _median(model_ms), _median(host_ms)
-        rows.append({"batch": batch, "step_ms": step, "model_ms": model, "host_ms": host, "exposed_ms": step - model})
+        step_med, model_med, host_med = _median(step_ms), _median(model_ms), _median(host_ms)
+        rows.append(
+            {
+                "batch": batch,
+                "step_ms": step_med,
+                "model_ms": model_med,
+                "host_ms": host_med,
+                "exposed_ms": step_med - model_med,
+            }
+        )
     return {
         "benchmark": "engine",
         "rows": sorted(rows, key=lambda r: r["batch"]),
@@ -132,19 +137,11 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _step(engine) -> list:
-    outputs = engine.step()
-    for out in outputs:
-        if out.error is not None:
-            raise SystemExit(f"engine step failed for {out.request_id}: {out.error}")
-    return outputs
-
-
 def _timed_step(engine) -> float:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     start = time.perf_counter()
-    _step(engine)
+    step(engine)
     return (time.perf_counter() - start) * 1e3
 
 
@@ -235,7 +232,7 @@ def _print_profile(engine, steps: int, top: int) -> None:
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(steps):
-        _step(engine)
+        step(engine)
     profile.disable()
     print(f"host-only steps under cProfile ({steps} steps), by own time:", file=sys.stderr)
     pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(top)

@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from ds4.bench import ceilings, roofline
+from ds4.bench.driver import choose_model, shrink, step
 from ds4.bench.profile import FAMILIES, profile_families
 from ds4.bench.report import environment, int_list, progress, sync, write_json
 
@@ -87,10 +88,7 @@ def main(argv: list[str]) -> int:
     print(table(result))
     _write(args, result)
     if args.compare_transformers:
-        from ds4.engine.loader import checkpoint_dir, model_config
-
-        model_dir = checkpoint_dir(args.model, args.load_format)
-        cfg = model_config(model_dir, args.config, args.load_format, args.layers)
+        cfg = choose_model(args).cfg
         result["transformers"] = _transformers(cfg, args, torch.device(result["device_type"]), random.Random(args.seed))
         print(_transformers_lines(result["transformers"]))
         _write(args, result)
@@ -107,17 +105,14 @@ def _write(args: argparse.Namespace, result: dict) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from ds4.engine.config import EngineConfig
-    from ds4.engine.engine import LLMEngine, _resolve_dtype
-    from ds4.engine.loader import ModelSource, checkpoint_dir, model_config
+    from ds4.engine.engine import LLMEngine
+    from ds4.engine.loader import ModelSource
     from ds4.engine.workers import start_ranks
     from ds4.kernels.indexer import ENTRY_BYTES
     from ds4.model.cache import kv_entry_size, packed_index_keys
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _resolve_dtype(args.dtype, device)
-    model_dir = checkpoint_dir(args.model, args.load_format)
-    cfg = model_config(model_dir, args.config, args.load_format, args.layers)
-    full_cfg = model_config(model_dir, args.config, args.load_format, None)
+    choice = choose_model(args)
+    device, dtype, model_dir, cfg, full_cfg = choice.device, choice.dtype, choice.model_dir, choice.cfg, choice.full_cfg
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -294,15 +289,6 @@ def _greedy(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _step(engine) -> list:
-    """One engine step; a failed step fails the benchmark (the engine itself would only fail its requests)."""
-    outputs = engine.step()
-    for out in outputs:
-        if out.error is not None:
-            raise SystemExit(f"engine step failed for {out.request_id}: {out.error}")
-    return outputs
-
-
 def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) -> list[dict]:
     """Prefill max(batch) requests of --context tokens, then time decode steps at each batch size, largest first."""
     batches = sorted(set(args.batch_sizes), reverse=True)
@@ -313,22 +299,18 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         started = set()
         while len(started) < len(ids):
             before = engine.stats().prompt_tokens
-            for out in _step(engine):
+            for out in step(engine):
                 started.add(out.request_id)
             bar.update(engine.stats().prompt_tokens - before)
     rows = []
     for batch in batches:
-        for request_id in ids[batch:]:
-            engine.abort(request_id)
-        ids = ids[:batch]
-        for _ in range(3):  # warm-up (and the aborted requests leave)
-            _step(engine)
+        ids = shrink(engine, ids, batch)
         times = []
         traffic = _Traffic(engine)
         for _ in tqdm(range(args.decode_steps), desc=f"decode batch {batch}", file=sys.stderr):
             sync(engine.device)
             t0 = time.perf_counter()
-            _step(engine)  # returns after sampling, which waits for the step's tokens
+            step(engine)  # returns after sampling, which waits for the step's tokens
             times.append((time.perf_counter() - t0) * 1e3)
         times.sort()
         ms = times[len(times) // 2]
@@ -351,7 +333,7 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         if not args.no_profile and batch in (batches[0], batches[-1]):
             progress(f"profiling one decode step at batch {batch} (eager)")
             unclaimed, launches = Counter(), Counter()
-            families = _eager_profile(engine, lambda: _step(engine), unclaimed, launches)
+            families = _eager_profile(engine, lambda: step(engine), unclaimed, launches)
             work = _decode_family_bytes(parts)
             rates_by_family = dict.fromkeys(work, rates["copy_bytes_per_s"])
             row["profile"] = _with_rooflines(families, launches, work, rates_by_family)
@@ -359,7 +341,7 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         rows.append(row)
     for request_id in ids:
         engine.abort(request_id)
-    _step(engine)
+    step(engine)
     return sorted(rows, key=lambda r: r["batch"])
 
 
@@ -423,7 +405,7 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
         with tqdm(total=length, desc=f"prefill {length}", unit="tok", file=sys.stderr) as bar:
             while engine.has_unfinished_requests():
                 before = engine.stats().prompt_tokens
-                _step(engine)
+                step(engine)
                 steps += 1
                 bar.update(engine.stats().prompt_tokens - before)
         return time.perf_counter() - t0, {"steps": steps, **traffic.per_step(steps)}

@@ -27,7 +27,8 @@ import torch
 from tqdm import tqdm
 
 from ds4.bench import ceilings, roofline
-from ds4.bench.model import _greedy, _published, _random_prompt, _rows, _step
+from ds4.bench.driver import choose_model, shrink, step
+from ds4.bench.model import _greedy, _published, _random_prompt, _rows
 from ds4.bench.report import environment, float_list, int_list, progress, sync, write_json
 
 
@@ -57,16 +58,12 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ds4.engine.engine import _resolve_dtype
-    from ds4.engine.loader import checkpoint_dir, load_model, model_config
+    from ds4.engine.loader import load_model
     from ds4.kernels.indexer import ENTRY_BYTES
-    from ds4.model.cache import packed_index_keys
+    from ds4.model.cache import kv_entry_size, packed_index_keys
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _resolve_dtype(args.dtype, device)
-    model_dir = checkpoint_dir(args.model, args.load_format)
-    cfg = model_config(model_dir, args.config, args.load_format, args.layers)
-    full_cfg = model_config(model_dir, args.config, args.load_format, None)
+    choice = choose_model(args)
+    device, dtype, model_dir, cfg, full_cfg = choice.device, choice.dtype, choice.model_dir, choice.cfg, choice.full_cfg
     progress("measuring the ceiling: copy bandwidth")
     copy_rate = ceilings.copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (16 << 20))
     progress(f"building the model ({args.load_format} weights, {cfg.num_hidden_layers} layers + MTP) on {device}")
@@ -80,8 +77,9 @@ def run(args: argparse.Namespace) -> dict:
         seed=args.seed,
         with_mtp=True,
     )
-    kv_entry = cfg.head_dim * dtype.itemsize
-    index_entry = ENTRY_BYTES if packed_index_keys(cfg, args.kv_cache_dtype) else cfg.index_head_dim * dtype.itemsize
+    kv_cache_dtype = model.kv_cache_dtype  # what "auto" resolved to
+    kv_entry = kv_entry_size(cfg, kv_cache_dtype, dtype)
+    index_entry = ENTRY_BYTES if packed_index_keys(cfg, kv_cache_dtype) else cfg.index_head_dim * dtype.itemsize
     rows = []
     for k in args.ks:
         for row in _steps(model, k, args, random.Random(args.seed)):
@@ -107,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
         "full_layers": full_cfg.num_hidden_layers,
         "context": args.context,
         "dtype": str(dtype),
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": kv_cache_dtype,
         "cuda_graphs": device.type == "cuda" and not args.enforce_eager,
         "acceptance_lengths": args.acceptance_lengths,
         "ceilings": {"copy_bytes_per_s": copy_rate},
@@ -159,20 +157,16 @@ def _steps(model, k: int, args, rng: random.Random) -> list[dict]:
         engine.add_request(request_id, _random_prompt(rng, args.context, vocab), _greedy(max_tokens))
     started: set[str] = set()
     while len(started) < len(ids):
-        started |= {out.request_id for out in _step(engine)}
+        started |= {out.request_id for out in step(engine)}
     rows = []
     for batch in batches:
-        for request_id in ids[batch:]:
-            engine.abort(request_id)
-        ids = ids[:batch]
-        for _ in range(3):  # warm-up (and the aborted requests leave)
-            _step(engine)
+        ids = shrink(engine, ids, batch)
         before = engine.stats()
         times = []
         for _ in tqdm(range(args.steps), desc=f"k {k}, batch {batch}", file=sys.stderr):
             sync(engine.device)
             t0 = time.perf_counter()
-            _step(engine)  # returns after verification, which waits for the step's tokens
+            step(engine)  # returns after verification, which waits for the step's tokens
             times.append((time.perf_counter() - t0) * 1e3)
         after = engine.stats()
         if any(i not in engine.requests for i in ids):
