@@ -14,6 +14,7 @@ from ds4.distributed.parallel import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Par
 from ds4.distributed.traffic import forward_traffic
 from ds4.model.batch import ForwardBatch
 from ds4.model.deepseek_v4 import DeepseekV4Model
+from ds4.model.moe import Gate
 
 PAGE, PAGES_PER_REQUEST = 32, 3
 PROMPTS = (41, 23)  # past the 16-token window and several ratio-4 / ratio-16 compressed entries
@@ -36,13 +37,17 @@ def _batch(requests, decode_only=False) -> ForwardBatch:
     )
 
 
-def run_model(parallel: Parallel) -> dict:
-    """Logits of every step and the collectives' counters per phase, for this rank."""
+def run_model(parallel: Parallel, crowded_half: int | None = None) -> dict:
+    """Logits of every step and the collectives' counters per phase, for this rank. crowded_half (0 or 1): every
+    router, hash and score layers alike, sends every token to experts of that half only (as if one EP=2 rank got
+    all the tokens)."""
     model_dir = default_model_dir()
     cfg = load_config(model_dir)
     stats = ReadStats()
     model = DeepseekV4Model(cfg, torch.float32, "cpu", with_mtp=True, parallel=parallel)
     model.load_weights(load_checkpoint(model_dir, cfg, with_mtp=True, progress=False, lazy=True, stats=stats))
+    if crowded_half is not None:
+        _crowd(model, cfg.n_routed_experts // 2, crowded_half)
     cache = model.new_cache(num_slots=3, num_pages=2 * PAGES_PER_REQUEST, page_size=PAGE)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen) for n in PROMPTS]
@@ -69,6 +74,14 @@ def run_model(parallel: Parallel) -> dict:
         )
         phase(model.compute_logits(model(decode, cache)))
     return {"logits": logits, "counters": counters, "read": stats.bytes_read}
+
+
+def _crowd(model, half: int, which: int) -> None:
+    for gate in (m for m in model.modules() if isinstance(m, Gate)):
+        if gate.tid2eid is not None:
+            gate.tid2eid.copy_(which * half + gate.tid2eid % half)
+        else:  # the bias only chooses experts: their weights still come from the scores
+            gate.bias[which * half : (which + 1) * half] += 1e3
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +128,15 @@ def test_sharded_model_equals_one_rank(one_rank, world, expert_parallel):
         assert {k: both.payload[k] - main.payload[k] for k in main.payload} == hand[1][1]
         step = forward_traffic(cfg, pc, b, b, 4)
         assert (step.calls, step.payload) == hand[2]
+
+
+@pytest.mark.parametrize("crowded_half", [0, 1])
+def test_expert_parallel_with_every_token_on_one_rank_equals_one_rank(one_rank, crowded_half):
+    """Uneven loads: every token's experts are on one EP rank, the other computes none of its own."""
+    want = run_model(Parallel.single(), crowded_half)["logits"]
+    assert not torch.allclose(want[0], one_rank["logits"][0])  # the routing did change
+    for rank, out in enumerate(run_ranks(run_model, 2, crowded_half, expert_parallel=True)):
+        for phase, (got, ref) in enumerate(zip(out["logits"], want, strict=True)):
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            assert err <= 1e-5, f"rank {rank}, phase {phase}: logits differ by {err} (relative)"
+            assert torch.equal(got.argmax(-1), ref.argmax(-1)), f"rank {rank}, phase {phase}: greedy tokens differ"
