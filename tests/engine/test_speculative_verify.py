@@ -4,7 +4,8 @@ and a grammar sees a draft window position by position, `</think>` inside it inc
 
 import pytest
 import torch
-from test_structured_output import BOUNDED_SCHEMA, EOS, THINK_END, USER, allowed, new_state
+from test_structured_output import EOS, THINK_END, USER, allowed, new_state
+from tool_schemas import BOUNDED
 
 from ds4.engine.sampler import Sampler
 from ds4.engine.sampling_params import SamplingParams
@@ -100,7 +101,7 @@ def test_think_end_inside_a_draft_window(grammars):
     the positions after </think>; the forbidden draft is cut and the target's best allowed token replaces it;
     afterwards the grammar holds exactly the kept tokens."""
     cache, tokenizer = grammars
-    spec = GrammarSpec.json_schema(BOUNDED_SCHEMA)
+    spec = GrammarSpec.json_schema(BOUNDED)
     state = new_state(cache, spec, reasoning=True)
     sampler = Sampler(eos_token_ids=(EOS,))
     request = sampler.new_request(SamplingParams(temperature=0, structured_output=state, max_tokens=50), [1])
@@ -126,7 +127,7 @@ def test_think_end_inside_a_draft_window(grammars):
 
 def test_think_end_draft_rejected_keeps_the_reasoning_open(grammars):
     cache, tokenizer = grammars
-    state = new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA), reasoning=True)
+    state = new_state(cache, GrammarSpec.json_schema(BOUNDED), reasoning=True)
     sampler = Sampler(eos_token_ids=(EOS,))
     request = sampler.new_request(SamplingParams(temperature=0, structured_output=state, max_tokens=50), [1])
     word = tokenizer.encode(" so", add_special_tokens=False).ids[0]
@@ -145,7 +146,7 @@ def test_think_end_draft_rejected_keeps_the_reasoning_open(grammars):
 def test_grammar_rejected_draft_leaves_no_failure(grammars):
     """A draft the grammar rejects fails the matcher while the window is checked; that must not survive."""
     cache, tokenizer = grammars
-    state = new_state(cache, GrammarSpec.json_schema(BOUNDED_SCHEMA))
+    state = new_state(cache, GrammarSpec.json_schema(BOUNDED))
     sampler = Sampler(eos_token_ids=(EOS,))
     request = sampler.new_request(SamplingParams(temperature=0, structured_output=state, max_tokens=50), [1])
     brace, quote = tokenizer.token_to_id("{"), tokenizer.token_to_id('"')
