@@ -109,7 +109,7 @@ def test_loading_streams_each_tensor_once_without_holding_copies(tiny):
         for name, tensor in state.items():
             if name.startswith("mtp."):
                 continue
-            gc.collect()
+            gc.collect(0)
             most = max(most, sum(ref() is not None for ref in alive))
             fresh = tensor.clone()
             alive.append(weakref.ref(fresh))
