@@ -25,7 +25,9 @@ from ds4.kernels.sparse_attention import AttentionPlan, attention_plan, sparse_a
 
 DECODE = [(b, c) for b in (1, 64) for c in (4096, 16384, 65536)]
 PREFILL = [8192]
-PLANS = [AttentionPlan(64, n, w, 2) for n in (16, 32, 64) for w in (4, 8)]
+PLANS = [AttentionPlan(h, n, w) for h, n, w in ((64, 16, 8), (64, 32, 8), (64, 64, 8), (32, 16, 4), (16, 32, 4))]
+# Key splits tried in the sweep for decode at batch 1 and 64 (None: the kernel's own choice).
+SPLITS = {1: (None, 1, 5, 10, 20, 40), 64: (None, 1, 2, 4)}
 
 
 def _inputs(cfg, kind: str, positions: torch.Tensor, decode: bool, fp8: bool, device, gen: torch.Generator):
@@ -105,7 +107,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="instead of the table: candidate launch plans on CSA decode and prefill, batch-1 key splits",
+        help="instead of the table: key splits of CSA decode at batch 1 and 64, candidate launch plans",
     )
     parser.add_argument("--json", metavar="PATH", help="write the report here")
     args = parser.parse_args(argv)
@@ -149,23 +151,29 @@ def main(argv: list[str]) -> int:
         )
     if args.sweep:
         report["sweep"] = []
-        for splits in (1, None):  # batch-1 decode with and without splitting each token's keys over programs
-            positions = torch.full((1,), 65535, device=device)
-            row = bench_case(cfg, "csa", positions, True, fp8, bandwidth, rate, plan, device, splits)
-            row.update(mode="decode batch 1", splits=splits or "auto")
-            report["sweep"].append(row)
-            print(f"sweep decode batch 1 ctx 65536, splits {splits or 'auto'}: {row['ms']:.4f} ms")
-        shapes = {"decode": torch.full((64,), 65535, device=device), "prefill": torch.arange(8192, device=device)}
+        for batch, choices in SPLITS.items():  # decode at 64K with each token's keys split over programs or not
+            positions = torch.full((batch,), 65535, device=device)
+            for splits in choices:
+                row = bench_case(cfg, "csa", positions, True, fp8, bandwidth, rate, plan, device, splits)
+                row.update(mode=f"decode batch {batch}", splits=splits or "auto")
+                report["sweep"].append(row)
+                print(f"sweep decode batch {batch} ctx 65536, splits {splits or 'auto'}: {row['ms']:.4f} ms")
+        shapes = {
+            "decode b1": torch.full((1,), 65535, device=device),
+            "decode b64": torch.full((64,), 65535, device=device),
+            "prefill": torch.arange(8192, device=device),
+        }
         for candidate in PLANS:
             for mode, positions in shapes.items():
+                decode = mode != "prefill"
                 try:
-                    row = bench_case(cfg, "csa", positions, mode == "decode", fp8, bandwidth, rate, candidate, device)
+                    row = bench_case(cfg, "csa", positions, decode, fp8, bandwidth, rate, candidate, device)
                 except Exception as e:  # a plan that does not compile or fit is reported, not fatal
                     row = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
                 row.update(plan=candidate.__dict__, mode=mode)
                 report["sweep"].append(row)
                 result = f"{row['ms']:.4f} ms, {row['of_roofline']:.1%} of roofline" if "ms" in row else row["error"]
-                print(f"sweep {mode:7} {candidate}: {result}")
+                print(f"sweep {mode:10} {candidate}: {result}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

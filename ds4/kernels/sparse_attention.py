@@ -34,7 +34,12 @@ _PIECE_BYTES = 1 << 28
 # Key sets one kernel launch takes (the model passes a window ring, the step's keys, compressed entries).
 MAX_KEY_SETS = 3
 _LOG2E = 1.4426950408889634
-_MIN_SPLIT_TILES = 4
+# Registers a thread the fp32 accumulator may take (of 255), the rest for the key tile and the softmax.
+_ACC_REGISTERS = 128
+_MIN_SPLIT_KEYS = 64
+# Dims a key tile is viewed in: the FP8 entry's scale block, the RoPE dims fill the one after the e4m3 blocks.
+_BLOCK = 64
+_COMBINE_BLOCK_H = 16
 _COMBINE_BLOCK_D = 64
 
 
@@ -46,6 +51,8 @@ def _check(q: torch.Tensor, key_sets, rope_dim: int | None) -> bool:
     fp8 = packed == {True}
     if fp8 and rope_dim is None:
         raise ValueError("sparse_attention: FP8 entries need rope_dim")
+    if len({kv.dtype for kv, _ in key_sets}) > 1:
+        raise ValueError("sparse_attention: key pools of different dtypes")
     width = kv_entry_bytes(q.shape[2], rope_dim) if fp8 else q.shape[2]
     for kv, idx in key_sets:
         width_ok = kv.shape[-1] == width
@@ -100,110 +107,103 @@ def _attend(q, key_sets, sink, scale, rope_dim):
 
 
 @triton.jit
-def _key_tile(
-    pool,
-    stride_pool,
-    rows,
-    valid,
+def _fetch_keys(
+    t,
+    tile,
+    end,
+    tiles0,
+    tiles1,
+    pool0,
+    stride_p0,
+    idx0,
+    stride_i0,
+    width0,
+    pool1,
+    stride_p1,
+    idx1,
+    stride_i1,
+    width1,
+    pool2,
+    stride_p2,
+    idx2,
+    stride_i2,
+    width2,
     D: tl.constexpr,
     DP: tl.constexpr,
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_CVT: tl.constexpr,
-    DOT: tl.constexpr,
-):
-    """Keys [BLOCK_N, DP] in the dot dtype from pool rows (invalid rows and dims past D read as zero). FP8
-    entries: e4m3 values times their block's 2^(byte - 127) (exact in bf16), then the bf16 RoPE channels."""
-    dims = tl.arange(0, DP)
-    base = rows.to(tl.int64) * stride_pool
-    if FP8:
-        nope = dims < NOPE
-        live = valid[:, None] & nope[None, :]
-        if FP8_CVT:
-            values = tl.load(
-                pool.to(tl.pointer_type(tl.float8e4nv)) + base[:, None] + dims[None, :], mask=live, other=0.0
-            ).to(tl.float32)
-        else:  # no e4m3 conversion on this device (sm_80): from the bits (exponent bias 7, 3 mantissa bits)
-            bits = tl.load(pool + base[:, None] + dims[None, :], mask=live, other=0).to(tl.int32)
-            magnitude = bits & 0x7F
-            normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-            values = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
-            values = tl.where((bits & 0x80) != 0, -values, values)
-        exponents = tl.load(pool + base[:, None] + (NOPE + 2 * ROPE) + dims[None, :] // 64, mask=live, other=0)
-        scales = (exponents.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        rope = tl.load(
-            pool.to(tl.pointer_type(tl.bfloat16)) + (base // 2)[:, None] + (NOPE // 2) + (dims - NOPE)[None, :],
-            mask=valid[:, None] & ((dims >= NOPE) & (dims < D))[None, :],
-            other=0.0,
-        )
-        k = tl.where(nope[None, :], values * scales, rope.to(tl.float32))
-    else:
-        k = tl.load(pool + base[:, None] + dims[None, :], mask=valid[:, None] & (dims < D)[None, :], other=0.0)
-    return k.to(DOT)
-
-
-@triton.jit
-def _attend_set(
-    q,
-    m,
-    denom,
-    acc,
-    pool,
-    stride_pool,
-    idx_row,
-    width,
-    first_tile,
-    last_tile,
-    scale_log2,
-    D: tl.constexpr,
-    DP: tl.constexpr,
-    NOPE: tl.constexpr,
-    ROPE: tl.constexpr,
-    FP8: tl.constexpr,
-    FP8_CVT: tl.constexpr,
-    DOT: tl.constexpr,
-    IEEE: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Online softmax over tiles first_tile .. last_tile - 1 of one key list (log2 domain): running max m,
-    denominator denom, numerator acc."""
-    for tile in range(first_tile, last_tile):
-        offsets = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.load(idx_row + offsets, mask=offsets < width, other=-1)
-        valid = rows >= 0
-        if tl.max(valid.to(tl.int32), axis=0) > 0:  # a tile of padding (-1) costs no dot product
-            k = _key_tile(pool, stride_pool, rows, valid, D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p.to(DOT), k, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(DOT), k)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
-    return m, denom, acc
+    """Starts the loads of global tile `tile` (the three lists' tiles counted end to end; none at or past `end`):
+    the key rows' validity and their raw bytes, viewed as [BLOCK_N, DP / 64, 64] blocks of 64 dims. FP8 entries:
+    the e4m3 blocks, their scale exponents [BLOCK_N, DP / 64] and the bf16 RoPE dims [BLOCK_N, 64] (the block at
+    NOPE); plain rows: the values (then the last two are placeholders)."""
+    if tile < tiles0:
+        pool, stride_p, idx, width, first = pool0, stride_p0, idx0 + t * stride_i0, width0, 0
+    elif tile < tiles0 + tiles1:
+        pool, stride_p, idx, width, first = pool1, stride_p1, idx1 + t * stride_i1, width1, tiles0
+    else:
+        pool, stride_p, idx, width, first = pool2, stride_p2, idx2 + t * stride_i2, width2, tiles0 + tiles1
+    offsets = (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.load(idx + offsets, mask=(offsets < width) & (tile < end), other=-1)
+    valid = rows >= 0
+    base = rows.to(tl.int64) * stride_p
+    blocks = tl.arange(0, DP // 64)
+    dims = blocks[None, :, None] * 64 + tl.arange(0, 64)[None, None, :]
+    # Rows start on ROW_ALIGN bytes (checked by the launcher), which the compiler cannot see through the choice of
+    # pool: the hints let it read 8 or 16 bytes at a time.
+    at = tl.multiple_of(pool + base[:, None, None] + dims, [1, 1, ROW_ALIGN])
+    if FP8:
+        in_nope = valid[:, None] & (blocks < NOPE // 64)[None, :]
+        values = tl.load(at, mask=in_nope[:, :, None], other=0)
+        exponents = tl.load(pool + base[:, None] + (NOPE + 2 * ROPE) + blocks[None, :], mask=in_nope, other=0)
+        rope_dims = tl.arange(0, 64)
+        at = pool.to(tl.pointer_type(tl.bfloat16)) + (base // 2)[:, None] + NOPE // 2 + rope_dims[None, :]
+        rope = tl.load(tl.multiple_of(at, [1, ROW_ALIGN]), mask=valid[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
+    else:
+        values = tl.load(at, mask=valid[:, None, None] & (dims < D), other=0.0)
+        exponents = tl.zeros([1], tl.uint8)
+        rope = tl.zeros([1], tl.bfloat16)
+    return valid, values, exponents, rope
 
 
 @triton.jit
-def _tile_range(begin, end, offset, tiles):
-    """The part of global tiles [begin, end) that falls in a list whose tiles are offset .. offset + tiles - 1."""
-    return tl.minimum(tl.maximum(begin - offset, 0), tiles), tl.minimum(tl.maximum(end - offset, 0), tiles)
+def _dequantize(
+    values,
+    exponents,
+    rope,
+    DP: tl.constexpr,
+    NOPE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_CVT: tl.constexpr,
+    DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Keys [BLOCK_N, DP] in the dot dtype from _fetch_keys's bytes. FP8 entries: e4m3 values times their block's
+    2^(byte - 127) (exact in bf16), the RoPE block after them."""
+    if FP8:
+        if FP8_CVT:
+            nope = values.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:  # no e4m3 conversion on this device (sm_80): from the bits (exponent bias 7, 3 mantissa bits)
+            bits = values.to(tl.int32)
+            magnitude = bits & 0x7F
+            normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+            nope = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
+            nope = tl.where((bits & 0x80) != 0, -nope, nope)
+        scales = (exponents.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        blocks = tl.arange(0, DP // 64)[None, :, None]
+        k = tl.where(blocks == NOPE // 64, rope.to(tl.float32)[:, None, :], nope * scales[:, :, None])
+    else:
+        k = values
+    return tl.reshape(k, (BLOCK_N, DP)).to(DOT)
 
 
 @triton.jit(
     do_not_specialize=[
         "stride_qt",
-        "stride_qh",
         "stride_ot",
-        "stride_oh",
         "n_heads",
         "stride_i0",
         "width0",
@@ -247,6 +247,7 @@ def _sparse_attention_kernel(
     ROPE: tl.constexpr,
     FP8: tl.constexpr,
     FP8_CVT: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     DOT: tl.constexpr,
     IEEE: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -254,8 +255,9 @@ def _sparse_attention_kernel(
     BLOCK_N: tl.constexpr,
 ):
     # One program: one token, BLOCK_H of its heads (the MMA's M) and one split of its key tiles (the three lists'
-    # tiles counted end to end). The sink starts the running max of the first split; SPLIT: the program's
-    # running max, denominator and numerator go to part_ptr for _combine_splits, else the output is written.
+    # tiles counted end to end), with an online softmax in the log2 domain whose running max starts at the sink
+    # in the first split. The next tile's bytes are in flight while a tile is dequantised and multiplied.
+    # SPLIT: the running max, denominator and numerator go to part_ptr for _combine_splits, else the output.
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -267,24 +269,38 @@ def _sparse_attention_kernel(
     m = tl.where(split == 0, sink, float("-inf"))
     denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, DP], tl.float32)
+    tiles0, tiles1 = tl.cdiv(width0, BLOCK_N), tl.cdiv(width1, BLOCK_N)
     begin = split * tiles_per_split
-    end = begin + tiles_per_split
-    tiles0, tiles1, tiles2 = tl.cdiv(width0, BLOCK_N), tl.cdiv(width1, BLOCK_N), tl.cdiv(width2, BLOCK_N)
-    lo, hi = _tile_range(begin, end, 0, tiles0)
-    m, denom, acc = _attend_set(
-        q, m, denom, acc, pool0, stride_p0, idx0 + t * stride_i0, width0, lo, hi, scale_log2,
-        D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
+    end = tl.minimum(begin + tiles_per_split, tiles0 + tiles1 + tl.cdiv(width2, BLOCK_N))
+    valid, values, exponents, rope = _fetch_keys(
+        t, begin, end, tiles0, tiles1,
+        pool0, stride_p0, idx0, stride_i0, width0, pool1, stride_p1, idx1, stride_i1, width1,
+        pool2, stride_p2, idx2, stride_i2, width2, D, DP, NOPE, ROPE, FP8, ROW_ALIGN, BLOCK_N,
     )  # fmt: skip
-    lo, hi = _tile_range(begin, end, tiles0, tiles1)
-    m, denom, acc = _attend_set(
-        q, m, denom, acc, pool1, stride_p1, idx1 + t * stride_i1, width1, lo, hi, scale_log2,
-        D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
-    )  # fmt: skip
-    lo, hi = _tile_range(begin, end, tiles0 + tiles1, tiles2)
-    m, denom, acc = _attend_set(
-        q, m, denom, acc, pool2, stride_p2, idx2 + t * stride_i2, width2, lo, hi, scale_log2,
-        D, DP, NOPE, ROPE, FP8, FP8_CVT, DOT, IEEE, BLOCK_N,
-    )  # fmt: skip
+    for tile in range(begin, end):
+        tile_valid, tile_values, tile_exponents, tile_rope = valid, values, exponents, rope
+        valid, values, exponents, rope = _fetch_keys(
+            t, tile + 1, end, tiles0, tiles1,
+            pool0, stride_p0, idx0, stride_i0, width0, pool1, stride_p1, idx1, stride_i1, width1,
+            pool2, stride_p2, idx2, stride_i2, width2, D, DP, NOPE, ROPE, FP8, ROW_ALIGN, BLOCK_N,
+        )  # fmt: skip
+        if tl.max(tile_valid.to(tl.int32), axis=0) > 0:  # a tile of padding (-1) costs no dot product
+            k = _dequantize(tile_values, tile_exponents, tile_rope, DP, NOPE, FP8, FP8_CVT, DOT, BLOCK_N)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(tile_valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p.to(DOT), k, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(DOT), k)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
     if SPLIT:
         # part: [T, splits, n_heads, D + 2] fp32, the numerator then the running max and the denominator
         row = ((t * tl.num_programs(2) + split) * n_heads + heads) * (D + 2)
@@ -339,32 +355,31 @@ def _combine_splits(
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Launch settings: query heads per program (the MMA's M), keys per tile, warps, pipeline stages."""
+    """Launch settings: query heads per program (the MMA's M), keys per tile, warps."""
 
     block_h: int
     block_n: int
     num_warps: int
-    num_stages: int
 
 
 def attention_plan(device: torch.device, heads: int, head_dim: int) -> AttentionPlan:
-    """Settings: up to 64 heads a program (Flash's all, Pro's half), 16 keys a tile and 4 warps (measured on the
-    H200, BENCHMARKS.md: 1.6x faster than 32 keys and 8 warps at decode and prefill), two pipeline stages where
-    the query tile and two key tiles in bf16 fit the device's shared memory per block, else one."""
-    block_h = min(64, max(16, triton.next_power_of_2(heads)))
-    if interpreting() or device.type != "cuda":
-        return AttentionPlan(block_h, 16, 4, 1)
-    block_n, tile = 16, triton.next_power_of_2(head_dim) * 2
-    stages = 2 if (block_h + 2 * block_n) * tile <= shared_memory_per_block(device) else 1
-    return AttentionPlan(block_h, block_n, 4, stages)
+    """Settings: up to 64 heads a program (Flash's all, Pro's half), so that one key tile read from the cache
+    serves them all; 16 keys a tile; warps enough that the fp32 accumulator [heads, head_dim] takes at most 128
+    registers a thread (8 warps at 64 x 512: a warpgroup per half of the dims); fewer heads where the query tile
+    and a key tile in bf16 do not fit the device's shared memory per block."""
+    padded = triton.next_power_of_2(head_dim)
+    block_h, block_n = min(64, max(16, triton.next_power_of_2(heads))), 16
+    while block_h > 16 and (block_h + block_n) * padded * 2 > shared_memory_per_block(device):
+        block_h //= 2
+    return AttentionPlan(block_h, block_n, min(8, max(4, block_h * padded // (32 * _ACC_REGISTERS))))
 
 
 def _smaller(plan: AttentionPlan) -> AttentionPlan | None:
-    """The next plan to try when a compiled kernel does not fit the device: fewer keys a tile, then one stage."""
+    """The next plan to try when a compiled kernel does not fit the device: fewer keys a tile, then fewer heads."""
     if plan.block_n > 16:
         return dataclasses.replace(plan, block_n=plan.block_n // 2)
-    if plan.num_stages > 1:
-        return dataclasses.replace(plan, num_stages=1)
+    if plan.block_h > 16:
+        return dataclasses.replace(plan, block_h=plan.block_h // 2)
     return None
 
 
@@ -372,18 +387,24 @@ def _smaller(plan: AttentionPlan) -> AttentionPlan | None:
 _FITTING_PLANS: dict[tuple, AttentionPlan] = {}
 
 
-def key_splits(programs: int, tiles: int, sms: int) -> int:
-    """Programs a token's key tiles are split over: only when the grid would leave most SMs idle (a small decode
-    batch), each split at least _MIN_SPLIT_TILES tiles (its partial result costs H x D fp32 to write and read)."""
-    if programs * 4 > sms:
+def key_splits(programs: int, keys: int, sms: int) -> int:
+    """Programs a token's keys are split over: only while the grid would not give every SM a program (a small
+    decode batch), up to that, each split at least _MIN_SPLIT_KEYS keys (its partial result costs H x D fp32 to
+    write and read back)."""
+    if programs >= sms:
         return 1
-    return max(1, min(-(-sms // programs), tiles // _MIN_SPLIT_TILES))
+    return max(1, min(sms // programs, keys // _MIN_SPLIT_KEYS))
 
 
 @functools.cache
 def converts_fp8(device: torch.device) -> bool:
     """Whether the kernel reads e4m3 through the device's conversion (sm_89+; the interpreter), else from bits."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _row_align(fp8: bool) -> int:
+    """Bytes every pool row starts on: FP8 entries are whole multiples of 8 bytes (fp8_kv), plain rows 16."""
+    return 8 if fp8 else 16
 
 
 _DOT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -422,9 +443,16 @@ def sparse_attention(
     key = (q.device, heads, head_dim, fp8, q.dtype)
     chosen = plan or _FITTING_PLANS.get(key) or attention_plan(q.device, heads, head_dim)
     sets = []
+    if fp8 and rope_dim > _BLOCK:
+        raise ValueError(f"sparse_attention: the kernel holds the RoPE dims in one block of {_BLOCK}, got {rope_dim}")
     for kv, idx in key_sets:
         if kv.stride(1) != 1 or idx.stride(1) != 1:
             raise ValueError("sparse_attention: pools and indices must be contiguous in their last dim")
+        align = _row_align(fp8)
+        if kv.data_ptr() % align or kv.stride(0) * kv.element_size() % align:
+            raise ValueError(
+                f"sparse_attention: pool rows must start on {align} bytes (the kernel reads {align} at a time)"
+            )
         sets += [kv, kv.stride(0), idx, idx.stride(0), idx.shape[1]]
     for _ in range(MAX_KEY_SETS - len(key_sets)):
         sets += sets[:4] + [0]  # an empty list (the first set's tensors, width 0): its loop never runs
@@ -445,7 +473,7 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) ->
     dot_f32 = interpreting() or q.dtype == torch.float32
     head_blocks = triton.cdiv(heads, plan.block_h)
     tiles = sum(triton.cdiv(idx.shape[1], plan.block_n) for _, idx in key_sets)
-    splits = splits or key_splits(t * head_blocks, tiles, num_sms(q.device))
+    splits = splits or key_splits(t * head_blocks, tiles * plan.block_n, num_sms(q.device))
     per_split = max(1, triton.cdiv(tiles, splits))
     splits = max(1, triton.cdiv(tiles, per_split))
     part = torch.empty(t * splits * heads * (head_dim + 2) if splits > 1 else 0, dtype=torch.float32, device=q.device)
@@ -468,16 +496,25 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) ->
         ROPE=rope_dim or 0,
         FP8=fp8,
         FP8_CVT=converts_fp8(q.device),
+        ROW_ALIGN=_row_align(fp8),
         DOT=tl.float32 if dot_f32 else _DOT_TYPES[q.dtype],
         IEEE=dot_f32,
         SPLIT=splits > 1,
         BLOCK_H=plan.block_h,
         BLOCK_N=plan.block_n,
         num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
     )
     if splits > 1:
         block_d = min(_COMBINE_BLOCK_D, triton.next_power_of_2(head_dim))
-        _combine_splits[(t, head_blocks, triton.cdiv(head_dim, block_d))](
-            part, out, out.stride(0), out.stride(1), heads, splits, D=head_dim, BLOCK_H=plan.block_h, BLOCK_D=block_d
+        grid = (t, triton.cdiv(heads, _COMBINE_BLOCK_H), triton.cdiv(head_dim, block_d))
+        _combine_splits[grid](
+            part,
+            out,
+            out.stride(0),
+            out.stride(1),
+            heads,
+            splits,
+            D=head_dim,
+            BLOCK_H=_COMBINE_BLOCK_H,
+            BLOCK_D=block_d,
         )

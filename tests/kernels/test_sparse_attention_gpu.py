@@ -46,6 +46,18 @@ def test_pro_heads_in_two_programs():
     _check(case)
 
 
+@pytest.mark.parametrize("smem", [101376, 49152], ids=["99KB-sm120", "48KB"])
+def test_plan_for_a_smaller_shared_memory_runs_here(smem, monkeypatch):
+    """The plan a device with less shared memory per block gets (sm_120 / GB10: 99 KB), run on this one."""
+    monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: smem)
+    plan = sa.attention_plan(torch.device("cuda"), 64, 512)
+    assert (plan.block_h + plan.block_n) * 512 * 2 <= smem
+    case = build_case([(3000, 1), (70, 3), (0, 40)], kind="csa", ratio=4, per_page=64, fp8=True, seed=11, **FLASH)
+    want = sa.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.05, case.rope_dim)
+    got = sa.sparse_attention(case.q, case.key_sets, case.sink, 0.05, case.rope_dim, plan=plan)
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_cuda_graph_replay_follows_new_indices():
     case = build_case([(900, 1)] * 8, kind="hca", ratio=128, per_page=2, fp8=True, seed=1, **FLASH)
     (ring, ring_idx), (fresh, fresh_idx), (pool, entry_idx) = case.key_sets
