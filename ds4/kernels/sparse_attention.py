@@ -107,10 +107,9 @@ def _attend(q, key_sets, sink, scale, rope_dim):
 
 
 @triton.jit
-def _fetch_keys(
+def _key_tile(
     t,
     tile,
-    end,
     tiles0,
     tiles1,
     pool0,
@@ -133,13 +132,15 @@ def _fetch_keys(
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_CVT: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    DOT: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Starts the loads of global tile `tile` (the three lists' tiles counted end to end; none at or past `end`):
-    the key rows' validity and their raw bytes, viewed as [BLOCK_N, DP / 64, 64] blocks of 64 dims. FP8 entries:
-    the e4m3 blocks, their scale exponents [BLOCK_N, DP / 64] and the bf16 RoPE dims [BLOCK_N, 64] (the block at
-    NOPE); plain rows: the values (then the last two are placeholders)."""
+    """Global tile `tile` of token t's keys (the three lists' tiles counted end to end): which rows are keys
+    (-1 = none), and the keys [BLOCK_N, DP] in the dot dtype (zero where none and past D). The rows' bytes are read
+    as [BLOCK_N, DP / 64, 64] blocks of 64 dims. FP8 entries: each e4m3 block times its 2^(byte - 127) (exact in
+    bf16), then the bf16 RoPE dims as the block at NOPE."""
     if tile < tiles0:
         pool, stride_p, idx, width, first = pool0, stride_p0, idx0 + t * stride_i0, width0, 0
     elif tile < tiles0 + tiles1:
@@ -147,7 +148,7 @@ def _fetch_keys(
     else:
         pool, stride_p, idx, width, first = pool2, stride_p2, idx2 + t * stride_i2, width2, tiles0 + tiles1
     offsets = (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.load(idx + offsets, mask=(offsets < width) & (tile < end), other=-1)
+    rows = tl.load(idx + offsets, mask=offsets < width, other=-1)
     valid = rows >= 0
     base = rows.to(tl.int64) * stride_p
     blocks = tl.arange(0, DP // 64)
@@ -158,32 +159,6 @@ def _fetch_keys(
     if FP8:
         in_nope = valid[:, None] & (blocks < NOPE // 64)[None, :]
         values = tl.load(at, mask=in_nope[:, :, None], other=0)
-        exponents = tl.load(pool + base[:, None] + (NOPE + 2 * ROPE) + blocks[None, :], mask=in_nope, other=0)
-        rope_dims = tl.arange(0, 64)
-        at = pool.to(tl.pointer_type(tl.bfloat16)) + (base // 2)[:, None] + NOPE // 2 + rope_dims[None, :]
-        rope = tl.load(tl.multiple_of(at, [1, ROW_ALIGN]), mask=valid[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
-    else:
-        values = tl.load(at, mask=valid[:, None, None] & (dims < D), other=0.0)
-        exponents = tl.zeros([1], tl.uint8)
-        rope = tl.zeros([1], tl.bfloat16)
-    return valid, values, exponents, rope
-
-
-@triton.jit
-def _dequantize(
-    values,
-    exponents,
-    rope,
-    DP: tl.constexpr,
-    NOPE: tl.constexpr,
-    FP8: tl.constexpr,
-    FP8_CVT: tl.constexpr,
-    DOT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Keys [BLOCK_N, DP] in the dot dtype from _fetch_keys's bytes. FP8 entries: e4m3 values times their block's
-    2^(byte - 127) (exact in bf16), the RoPE block after them."""
-    if FP8:
         if FP8_CVT:
             nope = values.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:  # no e4m3 conversion on this device (sm_80): from the bits (exponent bias 7, 3 mantissa bits)
@@ -192,12 +167,15 @@ def _dequantize(
             normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
             nope = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
             nope = tl.where((bits & 0x80) != 0, -nope, nope)
+        exponents = tl.load(pool + base[:, None] + (NOPE + 2 * ROPE) + blocks[None, :], mask=in_nope, other=0)
         scales = (exponents.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        blocks = tl.arange(0, DP // 64)[None, :, None]
-        k = tl.where(blocks == NOPE // 64, rope.to(tl.float32)[:, None, :], nope * scales[:, :, None])
+        rope_dims = tl.arange(0, 64)
+        at = pool.to(tl.pointer_type(tl.bfloat16)) + (base // 2)[:, None] + NOPE // 2 + rope_dims[None, :]
+        rope = tl.load(tl.multiple_of(at, [1, ROW_ALIGN]), mask=valid[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
+        k = tl.where(blocks[None, :, None] == NOPE // 64, rope.to(tl.float32)[:, None, :], nope * scales[:, :, None])
     else:
-        k = values
-    return tl.reshape(k, (BLOCK_N, DP)).to(DOT)
+        k = tl.load(at, mask=valid[:, None, None] & (dims < D), other=0.0)
+    return valid, tl.reshape(k, (BLOCK_N, DP)).to(DOT)
 
 
 @triton.jit(
@@ -256,7 +234,7 @@ def _sparse_attention_kernel(
 ):
     # One program: one token, BLOCK_H of its heads (the MMA's M) and one split of its key tiles (the three lists'
     # tiles counted end to end), with an online softmax in the log2 domain whose running max starts at the sink
-    # in the first split. The next tile's bytes are in flight while a tile is dequantised and multiplied.
+    # in the first split.
     # SPLIT: the running max, denominator and numerator go to part_ptr for _combine_splits, else the output.
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -272,35 +250,30 @@ def _sparse_attention_kernel(
     tiles0, tiles1 = tl.cdiv(width0, BLOCK_N), tl.cdiv(width1, BLOCK_N)
     begin = split * tiles_per_split
     end = tl.minimum(begin + tiles_per_split, tiles0 + tiles1 + tl.cdiv(width2, BLOCK_N))
-    valid, values, exponents, rope = _fetch_keys(
-        t, begin, end, tiles0, tiles1,
-        pool0, stride_p0, idx0, stride_i0, width0, pool1, stride_p1, idx1, stride_i1, width1,
-        pool2, stride_p2, idx2, stride_i2, width2, D, DP, NOPE, ROPE, FP8, ROW_ALIGN, BLOCK_N,
-    )  # fmt: skip
     for tile in range(begin, end):
-        tile_valid, tile_values, tile_exponents, tile_rope = valid, values, exponents, rope
-        valid, values, exponents, rope = _fetch_keys(
-            t, tile + 1, end, tiles0, tiles1,
+        # No test for a tile of padding (-1) alone: its masked scores cost less than the block-wide vote would.
+        valid, k = _key_tile(
+            t, tile, tiles0, tiles1,
             pool0, stride_p0, idx0, stride_i0, width0, pool1, stride_p1, idx1, stride_i1, width1,
-            pool2, stride_p2, idx2, stride_i2, width2, D, DP, NOPE, ROPE, FP8, ROW_ALIGN, BLOCK_N,
+            pool2, stride_p2, idx2, stride_i2, width2, D, DP, NOPE, ROPE, FP8, FP8_CVT, ROW_ALIGN, DOT, BLOCK_N,
         )  # fmt: skip
-        if tl.max(tile_valid.to(tl.int32), axis=0) > 0:  # a tile of padding (-1) costs no dot product
-            k = _dequantize(tile_values, tile_exponents, tile_rope, DP, NOPE, FP8, FP8_CVT, DOT, BLOCK_N)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(tile_valid[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                pv = tl.dot(p.to(DOT), k, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(DOT), k)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # A split's first tiles may hold no key (m_new = -inf): shift by 0 there, so that nothing becomes NaN.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        p = tl.exp2(s - shift[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(DOT), k, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(DOT), k)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
     if SPLIT:
         # part: [T, splits, n_heads, D + 2] fp32, the numerator then the running max and the denominator
         row = ((t * tl.num_programs(2) + split) * n_heads + heads) * (D + 2)
@@ -364,14 +337,20 @@ class AttentionPlan:
 
 def attention_plan(device: torch.device, heads: int, head_dim: int) -> AttentionPlan:
     """Settings: up to 64 heads a program (Flash's all, Pro's half), so that one key tile read from the cache
-    serves them all; 16 keys a tile; warps enough that the fp32 accumulator [heads, head_dim] takes at most 128
-    registers a thread (8 warps at 64 x 512: a warpgroup per half of the dims); fewer heads where the query tile
-    and a key tile in bf16 do not fit the device's shared memory per block."""
+    serves them all; 32 keys a tile (the QK product's N; measured on the H200 at 64 x 512, BENCHMARKS.md: 1.4x
+    faster than 16, while 64 spill registers); warps enough that the fp32 accumulator [heads, head_dim] takes at
+    most 128 registers a thread (8 warps at 64 x 512: a warpgroup per half of the dims); fewer heads where the
+    device's shared memory per block holds neither the query tile and a key tile in bf16 nor the fp32 partial
+    result that a split writes through it."""
     padded = triton.next_power_of_2(head_dim)
-    block_h, block_n = min(64, max(16, triton.next_power_of_2(heads))), 16
-    while block_h > 16 and (block_h + block_n) * padded * 2 > shared_memory_per_block(device):
+    block_h, block_n = min(64, max(16, triton.next_power_of_2(heads))), 32
+    while block_h > 16 and _shared_bytes(block_h, block_n, padded) > shared_memory_per_block(device):
         block_h //= 2
     return AttentionPlan(block_h, block_n, min(8, max(4, block_h * padded // (32 * _ACC_REGISTERS))))
+
+
+def _shared_bytes(block_h: int, block_n: int, padded_dim: int) -> int:
+    return max((block_h + block_n) * padded_dim * 2, block_h * padded_dim * 4)
 
 
 def _smaller(plan: AttentionPlan) -> AttentionPlan | None:

@@ -47,15 +47,18 @@ def test_kernel_matches_reference(name, fp8):
     assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
-def test_kernel_with_heads_over_several_programs_and_a_token_seeing_nothing():
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_with_heads_over_several_programs_and_a_token_seeing_nothing(splits):
     """20 heads in programs of 16 (as Pro's 128 in two of 64); a token whose lists are all -1 gets 0 (the sink
-    alone), like the reference."""
+    alone), like the reference, also when its keys are split (programs that see no key at all)."""
     mod = _kernel()
     case = build_case([(0, 3), (12, 2)], heads=20, head_dim=128, kind="hca", fp8=True, seed=3)
     case.key_sets = [(kv, torch.where(torch.arange(len(idx))[:, None] == 0, -1, idx)) for kv, idx in case.key_sets]
     plan = mod.AttentionPlan(block_h=16, block_n=16, num_warps=4)
     want = mod.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.09, case.rope_dim)
-    got = mod.sparse_attention(case.q, case.key_sets, case.sink, 0.09, case.rope_dim, impl="triton", plan=plan)
+    got = mod.sparse_attention(
+        case.q, case.key_sets, case.sink, 0.09, case.rope_dim, impl="triton", plan=plan, splits=splits
+    )
     assert torch.equal(got[0], torch.zeros_like(got[0]))
     assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
 
@@ -105,11 +108,11 @@ def test_bad_inputs_are_refused():
 
 @pytest.mark.parametrize("smem", [232448, 101376, 49152])
 def test_plan_fits_the_shared_memory_and_the_accumulator_the_registers(smem, monkeypatch):
-    """Query tile and key tile (bf16) within the device's shared memory per block; warps enough that the fp32
-    accumulator [heads, dims] takes at most 128 registers a thread (a thread has 255)."""
+    """Query tile and key tile (bf16), and a split's fp32 partial result, within the device's shared memory per
+    block; warps enough that the fp32 accumulator [heads, dims] takes at most 128 registers a thread (of 255)."""
     monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: smem)
     for heads, head_dim in ((64, 512), (128, 512), (4, 128)):
         plan = sa.attention_plan(torch.device("cuda"), heads, head_dim)
-        assert (plan.block_h + plan.block_n) * head_dim * 2 <= smem
+        assert (plan.block_h + plan.block_n) * head_dim * 2 <= smem and plan.block_h * head_dim * 4 <= smem
         assert plan.block_h * head_dim // (plan.num_warps * 32) <= 128
         assert plan.num_warps in (4, 8) and plan.block_h >= 16
