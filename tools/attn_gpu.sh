@@ -2,12 +2,11 @@
 # GPU check of the sparse attention kernel in one device call: its gpu-marked tests, `ds4 bench attention`
 # (Flash shapes, FP8 cache, against the measured roofline), then (SWEEP=1, the default) `... --sweep`: key
 # splits of small decode batches and candidate launch plans. BEFORE=DIR: also the table of the code in DIR (a
-# copy of another tree's ds4/ package folder's parent), same machine. Run from the repo root; logs and JSON go
-# to $OUT (default .out/). Needs no wheels.
+# folder holding another tree's ds4/ package, e.g. from `git archive`), same machine. Run from the repo root;
+# logs and JSON go to $OUT (default .out/). Needs no wheels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-.out}
-mkdir -p "$OUT"
+OUT=$(mkdir -p "${OUT:-.out}" && cd "${OUT:-.out}" && pwd)
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
@@ -20,8 +19,8 @@ if [ "${SWEEP:-1}" = 1 ]; then
   timeout "${SWEEP_S:-70}" python3 -m ds4.cli bench attention --sweep --json "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1
 fi
 if [ -n "${BEFORE:-}" ]; then
-  PYTHONPATH="$BEFORE" timeout "${BEFORE_S:-50}" python3 -m ds4.cli bench attention --json "$OUT/before.json" \
-    > "$OUT/before.log" 2>&1
+  (cd "$BEFORE" && PYTHONPATH="$PWD" timeout "${BEFORE_S:-50}" python3 -m ds4.cli bench attention \
+    --json "$OUT/before.json" > "$OUT/before.log" 2>&1)
 fi
 echo "== kernel tests"; tail -n 8 "$OUT/kernel_tests.log"
 [ -f "$OUT/sweep.log" ] && { echo "== sweep"; grep "^sweep" "$OUT/sweep.log"; }
