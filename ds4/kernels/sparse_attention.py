@@ -107,7 +107,7 @@ def _attend(q, key_sets, sink, scale, rope_dim):
 
 
 @triton.jit
-def _key_tile(
+def _fetch_keys(
     t,
     tile,
     tiles0,
@@ -132,15 +132,13 @@ def _key_tile(
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     FP8: tl.constexpr,
-    FP8_CVT: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
-    DOT: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Global tile `tile` of token t's keys (the three lists' tiles counted end to end): which rows are keys
-    (-1 = none), and the keys [BLOCK_N, DP] in the dot dtype (zero where none and past D). The rows' bytes are read
-    as [BLOCK_N, DP / 64, 64] blocks of 64 dims. FP8 entries: each e4m3 block times its 2^(byte - 127) (exact in
-    bf16), then the bf16 RoPE dims as the block at NOPE."""
+    """Global tile `tile` of token t's keys (the three lists' tiles counted end to end): the key rows' validity
+    (-1 = none) and their raw bytes, viewed as [BLOCK_N, DP / 64, 64] blocks of 64 dims. FP8 entries:
+    the e4m3 blocks, their scale exponents [BLOCK_N, DP / 64] and the bf16 RoPE dims [BLOCK_N, 64] (the block at
+    NOPE); plain rows: the values (then the last two are placeholders)."""
     if tile < tiles0:
         pool, stride_p, idx, width, first = pool0, stride_p0, idx0 + t * stride_i0, width0, 0
     elif tile < tiles0 + tiles1:
@@ -159,6 +157,32 @@ def _key_tile(
     if FP8:
         in_nope = valid[:, None] & (blocks < NOPE // 64)[None, :]
         values = tl.load(at, mask=in_nope[:, :, None], other=0)
+        exponents = tl.load(pool + base[:, None] + (NOPE + 2 * ROPE) + blocks[None, :], mask=in_nope, other=0)
+        rope_dims = tl.arange(0, 64)
+        at = pool.to(tl.pointer_type(tl.bfloat16)) + (base // 2)[:, None] + NOPE // 2 + rope_dims[None, :]
+        rope = tl.load(tl.multiple_of(at, [1, ROW_ALIGN]), mask=valid[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
+    else:
+        values = tl.load(at, mask=valid[:, None, None] & (dims < D), other=0.0)
+        exponents = tl.zeros([1], tl.uint8)
+        rope = tl.zeros([1], tl.bfloat16)
+    return valid, values, exponents, rope
+
+
+@triton.jit
+def _dequantize(
+    values,
+    exponents,
+    rope,
+    DP: tl.constexpr,
+    NOPE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_CVT: tl.constexpr,
+    DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Keys [BLOCK_N, DP] in the dot dtype from _fetch_keys's bytes. FP8 entries: e4m3 values times their block's
+    2^(byte - 127) (exact in bf16), the RoPE block after them."""
+    if FP8:
         if FP8_CVT:
             nope = values.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:  # no e4m3 conversion on this device (sm_80): from the bits (exponent bias 7, 3 mantissa bits)
@@ -167,15 +191,12 @@ def _key_tile(
             normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
             nope = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
             nope = tl.where((bits & 0x80) != 0, -nope, nope)
-        exponents = tl.load(pool + base[:, None] + (NOPE + 2 * ROPE) + blocks[None, :], mask=in_nope, other=0)
         scales = (exponents.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        rope_dims = tl.arange(0, 64)
-        at = pool.to(tl.pointer_type(tl.bfloat16)) + (base // 2)[:, None] + NOPE // 2 + rope_dims[None, :]
-        rope = tl.load(tl.multiple_of(at, [1, ROW_ALIGN]), mask=valid[:, None] & (rope_dims < ROPE)[None, :], other=0.0)
-        k = tl.where(blocks[None, :, None] == NOPE // 64, rope.to(tl.float32)[:, None, :], nope * scales[:, :, None])
+        blocks = tl.arange(0, DP // 64)[None, :, None]
+        k = tl.where(blocks == NOPE // 64, rope.to(tl.float32)[:, None, :], nope * scales[:, :, None])
     else:
-        k = tl.load(at, mask=valid[:, None, None] & (dims < D), other=0.0)
-    return valid, tl.reshape(k, (BLOCK_N, DP)).to(DOT)
+        k = values
+    return tl.reshape(k, (BLOCK_N, DP)).to(DOT)
 
 
 @triton.jit(
@@ -251,29 +272,28 @@ def _sparse_attention_kernel(
     begin = split * tiles_per_split
     end = tl.minimum(begin + tiles_per_split, tiles0 + tiles1 + tl.cdiv(width2, BLOCK_N))
     for tile in range(begin, end):
-        # No test for a tile of padding (-1) alone: its masked scores cost less than the block-wide vote would.
-        valid, k = _key_tile(
+        valid, values, exponents, rope = _fetch_keys(
             t, tile, tiles0, tiles1,
             pool0, stride_p0, idx0, stride_i0, width0, pool1, stride_p1, idx1, stride_i1, width1,
-            pool2, stride_p2, idx2, stride_i2, width2, D, DP, NOPE, ROPE, FP8, FP8_CVT, ROW_ALIGN, DOT, BLOCK_N,
+            pool2, stride_p2, idx2, stride_i2, width2, D, DP, NOPE, ROPE, FP8, ROW_ALIGN, BLOCK_N,
         )  # fmt: skip
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # A split's first tiles may hold no key (m_new = -inf): shift by 0 there, so that nothing becomes NaN.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - shift)
-        p = tl.exp2(s - shift[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p.to(DOT), k, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(DOT), k)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        if tl.max(valid.to(tl.int32), axis=0) > 0:  # a tile of padding (-1) costs no dot product
+            k = _dequantize(values, exponents, rope, DP, NOPE, FP8, FP8_CVT, DOT, BLOCK_N)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p.to(DOT), k, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(DOT), k)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
     if SPLIT:
         # part: [T, splits, n_heads, D + 2] fp32, the numerator then the running max and the denominator
         row = ((t * tl.num_programs(2) + split) * n_heads + heads) * (D + 2)
