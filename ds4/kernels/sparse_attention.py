@@ -10,9 +10,10 @@ A pool is either rows of head_dim values ([N, D], any float dtype) or the FP8 ca
 `sparse_attention_reference` is the spec and the CPU path: it gathers and dequantises every attended key
 into fp32. The Triton kernel (CUDA, or the interpreter) runs one program per token and block of query heads:
 the heads are the MMA's M dimension, so one key tile read from the cache serves all of them; it walks the
-token's key lists tile by tile with an online softmax whose running maximum starts at the sink. Prefill
-chunks and decode steps (one or a few tokens a request) are the same launch; no host sync, every length and
-stride a runtime argument. The output [T, H, D] is what inverse RoPE and the grouped wo_a read.
+token's key lists tile by tile with an online softmax whose running maximum starts at the sink. A small decode
+batch splits each token's tiles over several programs (up to one per SM) and a second launch combines them.
+Prefill chunks and decode steps (one or a few tokens a request) are the same launch; no host sync, every length
+and stride a runtime argument. The output [T, H, D] is what inverse RoPE and the grouped wo_a read.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ds4.kernels._device import interpreting, num_sms, shared_memory_per_block
-from ds4.kernels.fp8_kv import dequantize_kv, kv_entry_bytes
+from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, dequantize_kv, kv_entry_bytes
 
 # The torch reference gathers keys for a piece of tokens at a time, at most this many bytes of fp32 keys.
 _PIECE_BYTES = 1 << 28
@@ -37,8 +38,6 @@ _LOG2E = 1.4426950408889634
 # Registers a thread the fp32 accumulator may take (of 255), the rest for the key tile and the softmax.
 _ACC_REGISTERS = 128
 _MIN_SPLIT_KEYS = 64
-# Dims a key tile is viewed in: the FP8 entry's scale block, the RoPE dims fill the one after the e4m3 blocks.
-_BLOCK = 64
 _COMBINE_BLOCK_H = 16
 _COMBINE_BLOCK_D = 64
 
@@ -136,7 +135,8 @@ def _fetch_keys(
     BLOCK_N: tl.constexpr,
 ):
     """Global tile `tile` of token t's keys (the three lists' tiles counted end to end): the key rows' validity
-    (-1 = none) and their raw bytes, viewed as [BLOCK_N, DP / 64, 64] blocks of 64 dims. FP8 entries:
+    (-1 = none) and their raw bytes, viewed as [BLOCK_N, DP / 64, 64] blocks of 64 dims (fp8_kv's scale block,
+    KV_QUANT_BLOCK). FP8 entries:
     the e4m3 blocks, their scale exponents [BLOCK_N, DP / 64] and the bf16 RoPE dims [BLOCK_N, 64] (the block at
     NOPE); plain rows: the values (then the last two are placeholders)."""
     if tile < tiles0:
@@ -442,8 +442,8 @@ def sparse_attention(
     key = (q.device, heads, head_dim, fp8, q.dtype)
     chosen = plan or _FITTING_PLANS.get(key) or attention_plan(q.device, heads, head_dim)
     sets = []
-    if fp8 and rope_dim > _BLOCK:
-        raise ValueError(f"sparse_attention: the kernel holds the RoPE dims in one block of {_BLOCK}, got {rope_dim}")
+    if fp8 and rope_dim > KV_QUANT_BLOCK:
+        raise ValueError(f"sparse_attention: the kernel holds the RoPE dims in one block of 64, got {rope_dim}")
     for kv, idx in key_sets:
         if kv.stride(1) != 1 or idx.stride(1) != 1:
             raise ValueError("sparse_attention: pools and indices must be contiguous in their last dim")

@@ -104,6 +104,13 @@ def test_bad_inputs_are_refused():
     mixed = [case.key_sets[0], (torch.zeros(4, 128), case.key_sets[1][1])]
     with pytest.raises(ValueError, match="mix"):
         sa.sparse_attention(case.q, mixed, case.sink, 0.1, 64)
+    pool, idx = case.key_sets[0]
+    shifted = torch.empty(pool.numel() + 1, dtype=torch.uint8)[1:].view(pool.shape)
+    with pytest.raises(ValueError, match="8 bytes"):
+        sa.sparse_attention(case.q, [(shifted, idx)], case.sink, 0.1, 64, impl="triton")
+    wide = build_case([(4, 2)], heads=2, head_dim=256, rope_dim=128, kind="hca", fp8=True)
+    with pytest.raises(ValueError, match="RoPE dims in one block"):
+        sa.sparse_attention(wide.q, wide.key_sets, wide.sink, 0.1, 128, impl="triton")
 
 
 @pytest.mark.parametrize("smem", [232448, 101376, 49152])
