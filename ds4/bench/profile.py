@@ -5,8 +5,9 @@ While profiling, every module and model function of a family runs inside a `ds4:
 CUDA the kernels it launched, on a CPU its self time) goes to the innermost family range around it, so a
 Linear inside the MoE's shared expert counts as GEMMs and the rest of the MoE as MoE. The profiler ties no op
 to kernels launched through the driver API (Triton's launches): those go to the family of the ds4.kernels
-module that defines a Triton kernel of that name. Time nothing claims (embedding, sampling, host work) is
-"other". Run eagerly: kernels replayed from a CUDA graph have no ranges.
+module that defines a Triton kernel of that name. The collectives of ds4.distributed (all-reduce, all-gather,
+reduce-scatter) are "communication", wherever they are called. Time nothing claims (embedding, sampling, host
+work) is "other". Run eagerly: kernels replayed from a CUDA graph have no ranges.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
-FAMILIES = ("GEMMs", "MoE", "attention", "indexer", "top-k", "mHC", "compressor", "norms", "other")
+FAMILIES = ("GEMMs", "MoE", "attention", "indexer", "top-k", "mHC", "compressor", "norms", "communication", "other")
 _PREFIX = "ds4::"
 
 # (module class, family): the innermost wins, so Linear sits inside the others.
@@ -56,6 +57,8 @@ _FUNCTIONS = (
     ("ds4.model.indexer", "topk_indices", "top-k"),
     ("ds4.model.indexer", "top_entries", "top-k"),
 )
+# (module, class, methods, family): methods wrapped on the class itself, for every instance.
+_METHODS = (("ds4.distributed.parallel", "Parallel", ("all_reduce", "all_gather", "reduce_scatter"), "communication"),)
 
 
 @contextlib.contextmanager
@@ -87,6 +90,12 @@ def family_ranges(model: torch.nn.Module) -> Iterator[None]:
         if original is not None:
             setattr(module, function, _in_range(original, family))
             patched.append((module, function, original))
+    for module_name, class_name, methods, family in _METHODS:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        for method in methods:
+            original = cls.__dict__[method]
+            setattr(cls, method, _in_range(original, family))
+            patched.append((cls, method, original))
     logits = model.compute_logits
     model.compute_logits = _in_range(logits, "GEMMs")
     try:

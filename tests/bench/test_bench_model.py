@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds4.bench.profile import FAMILIES, summarise
+from ds4.bench.profile import FAMILIES, family_ranges, summarise
 from ds4.cli import main
 
 
@@ -107,3 +107,17 @@ def test_bench_model_on_two_ranks_reports_collective_bytes_per_step(tmp_path, ca
     prefill_total = forward_traffic(cfg, two, 16, 0, act_bytes=4) + forward_traffic(cfg, two, 4, 1, act_bytes=4)
     assert prefill["collective_bytes_per_step"] == {k: n / 2 for k, n in prefill_total.payload.items()}
     assert "KB per step" in capsys.readouterr().out
+
+
+def test_collectives_run_in_the_communication_range_and_are_restored_after():
+    from torch.profiler import ProfilerActivity, profile
+
+    from ds4.distributed.parallel import Parallel
+
+    model = torch.nn.Linear(2, 2)
+    model.compute_logits = lambda hidden: hidden
+    original = Parallel.all_reduce
+    with family_ranges(model), profile(activities=[ProfilerActivity.CPU]) as prof:
+        Parallel.single().all_reduce(torch.ones(4))
+    assert "ds4::communication" in {event.name for event in prof.events()}
+    assert Parallel.all_reduce is original
