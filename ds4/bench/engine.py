@@ -71,54 +71,57 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
         max_model_len=engine_flags["max_model_len"] or args.input_len + max_tokens + 1,
     )
     engine = LLMEngine.from_pretrained(args.model, seed=args.seed, **model_flags, **engine_flags)
-    rng = random.Random(args.seed)
-    vocab = engine.model.cfg.vocab_size
-    params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"bench-{i}" for i in range(batches[0])]
-    for request_id in ids:
-        engine.add_request(request_id, [rng.randrange(2, vocab) for _ in range(args.input_len)], params)
-    while any(not engine.requests[i].output_token_ids for i in ids):
-        step(engine)
-    timer = _ModelTimer(engine)
-    rows = []
-    for batch in batches:
-        ids = shrink(engine, ids, batch)
-        timer.elapsed_ms()
-        step_ms, model_ms = [], []
-        for _ in range(args.steps):
-            step_ms.append(_timed_step(engine))
-            model_ms.append(timer.elapsed_ms())
-        with _stubbed(engine):
+    try:
+        rng = random.Random(args.seed)
+        vocab = engine.model.cfg.vocab_size
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
+        ids = [f"bench-{i}" for i in range(batches[0])]
+        for request_id in ids:
+            engine.add_request(request_id, [rng.randrange(2, vocab) for _ in range(args.input_len)], params)
+        while any(not engine.requests[i].output_token_ids for i in ids):
             step(engine)
-            host_ms = [_timed_step(engine) for _ in range(args.steps)]
-            if args.cprofile and batch == batches[0]:
-                _print_profile(engine, args.steps, args.cprofile)
-        if any(i not in engine.requests for i in ids):
-            raise SystemExit(f"batch {batch}: a request finished early (max_tokens {max_tokens} too small)")
-        step_med, model_med, host_med = _median(step_ms), _median(model_ms), _median(host_ms)
-        rows.append(
-            {
-                "batch": batch,
-                "step_ms": step_med,
-                "model_ms": model_med,
-                "host_ms": host_med,
-                "exposed_ms": step_med - model_med,
-            }
-        )
-    return {
-        "benchmark": "engine",
-        "rows": sorted(rows, key=lambda r: r["batch"]),
-        "input_len": args.input_len,
-        "steps": args.steps,
-        "temperature": args.temperature,
-        "cuda_graphs": engine.runner.graphs is not None,
-        "prefix_caching": engine.prefix_cache is not None,
-        "detokenizing": engine.tokenizer is not None,
-        "engine": engine_flags,
-        "model": str(args.model or "tiny (built-in)"),
-        "dtype": str(engine.model.dtype),
-        **environment(engine.device),
-    }
+        timer = _ModelTimer(engine)
+        rows = []
+        for batch in batches:
+            ids = shrink(engine, ids, batch)
+            timer.elapsed_ms()
+            step_ms, model_ms = [], []
+            for _ in range(args.steps):
+                step_ms.append(_timed_step(engine))
+                model_ms.append(timer.elapsed_ms())
+            with _stubbed(engine):
+                step(engine)
+                host_ms = [_timed_step(engine) for _ in range(args.steps)]
+                if args.cprofile and batch == batches[0]:
+                    _print_profile(engine, args.steps, args.cprofile)
+            if any(i not in engine.requests for i in ids):
+                raise SystemExit(f"batch {batch}: a request finished early (max_tokens {max_tokens} too small)")
+            step_med, model_med, host_med = _median(step_ms), _median(model_ms), _median(host_ms)
+            rows.append(
+                {
+                    "batch": batch,
+                    "step_ms": step_med,
+                    "model_ms": model_med,
+                    "host_ms": host_med,
+                    "exposed_ms": step_med - model_med,
+                }
+            )
+        return {
+            "benchmark": "engine",
+            "rows": sorted(rows, key=lambda r: r["batch"]),
+            "input_len": args.input_len,
+            "steps": args.steps,
+            "temperature": args.temperature,
+            "cuda_graphs": engine.runner.graphs is not None,
+            "prefix_caching": engine.prefix_cache is not None,
+            "detokenizing": engine.tokenizer is not None,
+            "engine": engine_flags,
+            "model": str(args.model or "tiny (built-in)"),
+            "dtype": str(engine.model.dtype),
+            **environment(engine.device),
+        }
+    finally:
+        engine.close()
 
 
 def table(result: dict) -> str:

@@ -51,30 +51,33 @@ def run(args: argparse.Namespace, lengths: list[int], model_flags: dict, engine_
     from ds4.engine.engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(args.model, seed=args.seed, **model_flags, **engine_flags)
-    fit = [n for n in lengths if n < engine.max_model_len]
-    skipped = [n for n in lengths if n >= engine.max_model_len]
-    rng = random.Random(args.seed)
-    vocab = engine.model.cfg.vocab_size
-    rows = []
-    for n in fit:
-        ttft(engine, [rng.randrange(2, vocab) for _ in range(n)])  # warm-up
-        prompt = [rng.randrange(2, vocab) for _ in range(n)]
-        seconds = ttft(engine, prompt)
-        row = {"length": n, "ttft_s": seconds, "prefill_tokens_per_s": n / seconds}
-        if args.profile:  # on a new prompt: the timed one is in the prefix cache now
-            row["profile"] = profile(engine, [rng.randrange(2, vocab) for _ in range(n)])
-        rows.append(row)
-    return {
-        "benchmark": "prefill",
-        "rows": rows,
-        "skipped_lengths": skipped,
-        "max_model_len": engine.max_model_len,
-        "engine": {k: str(v) for k, v in engine_flags.items()},
-        "model": str(args.model or args.config or "tiny (built-in)"),
-        "layers": engine.model.cfg.num_hidden_layers,
-        "dtype": str(engine.model.dtype),
-        **environment(engine.device),
-    }
+    try:
+        fit = [n for n in lengths if n < engine.max_model_len]
+        skipped = [n for n in lengths if n >= engine.max_model_len]
+        rng = random.Random(args.seed)
+        vocab = engine.model.cfg.vocab_size
+        rows = []
+        for n in fit:
+            ttft(engine, [rng.randrange(2, vocab) for _ in range(n)])  # warm-up
+            prompt = [rng.randrange(2, vocab) for _ in range(n)]
+            seconds = ttft(engine, prompt)
+            row = {"length": n, "ttft_s": seconds, "prefill_tokens_per_s": n / seconds}
+            if args.profile:  # on a new prompt: the timed one is in the prefix cache now
+                row["profile"] = profile(engine, [rng.randrange(2, vocab) for _ in range(n)])
+            rows.append(row)
+        return {
+            "benchmark": "prefill",
+            "rows": rows,
+            "skipped_lengths": skipped,
+            "max_model_len": engine.max_model_len,
+            "engine": {k: str(v) for k, v in engine_flags.items()},
+            "model": str(args.model or args.config or "tiny (built-in)"),
+            "layers": engine.model.cfg.num_hidden_layers,
+            "dtype": str(engine.model.dtype),
+            **environment(engine.device),
+        }
+    finally:
+        engine.close()
 
 
 def ttft(engine, prompt: list[int]) -> float:

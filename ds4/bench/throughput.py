@@ -52,50 +52,53 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
     from ds4.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.from_pretrained(args.model, seed=args.seed, **model_flags, **engine_flags)
-    vocab = engine.model.cfg.vocab_size
-    requests = random_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
-    # Keep every request within max_model_len, where it would stop early.
-    limit = engine.max_model_len
-    requests = [(prompt[: limit - 1], min(out, limit - len(prompt[: limit - 1]))) for prompt, out in requests]
+    try:
+        vocab = engine.model.cfg.vocab_size
+        requests = random_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+        # Keep every request within max_model_len, where it would stop early.
+        limit = engine.max_model_len
+        requests = [(prompt[: limit - 1], min(out, limit - len(prompt[: limit - 1]))) for prompt, out in requests]
 
-    def params(max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+        def params(max_tokens: int) -> SamplingParams:
+            return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
 
-    engine.add_request("warm-up", requests[0][0], params(2))
-    while engine.has_unfinished_requests():
-        engine.step()
-    for i, (prompt, out_len) in enumerate(requests):
-        engine.add_request(f"bench-{i}", prompt, params(out_len))
-    sync(engine.device)
-    start = time.perf_counter()
-    output_tokens = 0
-    while engine.has_unfinished_requests():
-        output_tokens += sum(len(o.new_token_ids) for o in engine.step())
-    sync(engine.device)
-    elapsed = time.perf_counter() - start
-    input_tokens = sum(len(p) for p, _ in requests)
-    stats = engine.stats()
-    return {
-        "benchmark": "throughput",
-        "num_prompts": len(requests),
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "seed": args.seed,
-        "elapsed_s": elapsed,
-        "requests_per_s": len(requests) / elapsed,
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
-        "input_tokens": input_tokens,
-        "output_tokens": output_tokens,
-        "num_steps": stats.num_steps,
-        "num_preemptions": stats.num_preemptions,
-        "capacity_tokens": stats.capacity_tokens,
-        "max_model_len": engine.max_model_len,
-        "engine": engine_flags,
-        "model": str(args.model or "tiny (built-in)"),
-        "dtype": str(engine.model.dtype),
-        **environment(engine.device),
-    }
+        engine.add_request("warm-up", requests[0][0], params(2))
+        while engine.has_unfinished_requests():
+            engine.step()
+        for i, (prompt, out_len) in enumerate(requests):
+            engine.add_request(f"bench-{i}", prompt, params(out_len))
+        sync(engine.device)
+        start = time.perf_counter()
+        output_tokens = 0
+        while engine.has_unfinished_requests():
+            output_tokens += sum(len(o.new_token_ids) for o in engine.step())
+        sync(engine.device)
+        elapsed = time.perf_counter() - start
+        input_tokens = sum(len(p) for p, _ in requests)
+        stats = engine.stats()
+        return {
+            "benchmark": "throughput",
+            "num_prompts": len(requests),
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "seed": args.seed,
+            "elapsed_s": elapsed,
+            "requests_per_s": len(requests) / elapsed,
+            "output_tokens_per_s": output_tokens / elapsed,
+            "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "num_steps": stats.num_steps,
+            "num_preemptions": stats.num_preemptions,
+            "capacity_tokens": stats.capacity_tokens,
+            "max_model_len": engine.max_model_len,
+            "engine": engine_flags,
+            "model": str(args.model or "tiny (built-in)"),
+            "dtype": str(engine.model.dtype),
+            **environment(engine.device),
+        }
+    finally:
+        engine.close()
 
 
 def table(result: dict) -> str:
