@@ -128,8 +128,13 @@ class Attention(nn.Module):
             if self.kind == CSA:
                 rows = self.indexer(x, qr, step, width)
             else:
-                tables = batch.block_tables[step.token_requests]
-                rows = visible_entry_rows(tables, (pos + 1) // self.ratio, cache.compressed.shape[1], width)
+                per_page = cache.compressed.shape[1]
+
+                def visible() -> torch.Tensor:
+                    tables = batch.block_tables[step.token_requests]
+                    return visible_entry_rows(tables, (pos + 1) // self.ratio, per_page, width)
+
+                rows = batch.shared(("visible entries", self.ratio, per_page, width), visible)
             key_sets.append((cache.compressed.flatten(0, 1), rows))
         o = sparse_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5, self.rope_dim)
         self._snapshot_windows(kv, step)
@@ -141,19 +146,25 @@ class Attention(nn.Module):
     def _window_keys(self, kv: torch.Tensor, step: LayerStep) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each token's last `window` positions: [(ring pool, rows of the positions before the step),
         (fresh kv, rows of the positions in it)], -1 elsewhere."""
+        rows = step.cache.window.shape[1]  # sliding_window + spare, token p in row p % rows
+        held, fresh = step.batch.shared(("window keys", self.window, rows), lambda: self._window_rows(step, rows))
+        return [(step.cache.window.flatten(0, 1), held), (kv, fresh)]
+
+    def _window_rows(self, step: LayerStep, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of _window_keys, which depend on the batch alone (every layer's are the same)."""
         batch, win, req = step.batch, self.window, step.token_requests
+        dev = batch.positions.device
         pos = batch.positions[:, None]
         ctx = batch.context_lens.long()[req][:, None]
-        ring_pos = pos - (win - 1) + torch.arange(win, device=kv.device)
-        rows = step.cache.window.shape[1]  # sliding_window + spare, token p in row p % rows
+        ring_pos = pos - (win - 1) + torch.arange(win, device=dev)
         ring_rows = batch.slots.long()[req][:, None] * rows + ring_pos % rows
         fresh_width = min(win, step.longest)
-        fresh_pos = pos - (fresh_width - 1) + torch.arange(fresh_width, device=kv.device)
+        fresh_pos = pos - (fresh_width - 1) + torch.arange(fresh_width, device=dev)
         fresh_rows = batch.query_start_loc.long()[req][:, None] + fresh_pos - ctx
-        return [
-            (step.cache.window.flatten(0, 1), torch.where((ring_pos >= 0) & (ring_pos < ctx), ring_rows, -1)),
-            (kv, torch.where(fresh_pos >= ctx, fresh_rows, -1)),
-        ]
+        return (
+            torch.where((ring_pos >= 0) & (ring_pos < ctx), ring_rows, -1),
+            torch.where(fresh_pos >= ctx, fresh_rows, -1),
+        )
 
     def _entry_width(self, step: LayerStep) -> int:
         """How many compressed entries a token's gather spans: the block table's capacity for a decode_only
@@ -187,7 +198,6 @@ class Attention(nn.Module):
     def _store_window(self, kv: torch.Tensor, step: LayerStep) -> None:
         """Each request's ring takes its last tokens at position % rows: every token writes its ring row with the
         kv of its request's last token there (equal values, so the order of writes is moot)."""
-        batch, req, ring = step.batch, step.token_requests, step.cache.window
-        pos, rows = batch.positions, ring.shape[1]
-        last = torch.arange(pos.shape[0], device=pos.device) + rows * ((step.request_ends[req] - 1 - pos) // rows)
-        ring[batch.slots.long()[req], pos % rows] = kv[last].to(ring.dtype)
+        ring = step.cache.window
+        last, where = step.ring_writes(ring.shape[1])
+        ring[where] = kv[last].to(ring.dtype)

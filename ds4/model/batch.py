@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -36,6 +37,10 @@ class ForwardBatch:
 
     `snapshots` (not with decode_only; host side) name page ends strictly inside a request's tokens whose
     boundary state the model writes to the cache's snapshot store as it passes them (prefix caching).
+
+    `derived` holds tensors computed from the batch alone (which rows a compressor pools, where its entries go,
+    each token's request) by the first layer that needs them, for the layers after it: a decode step of Flash
+    would otherwise launch the same index arithmetic in each of its 61 compressors. A forward clears it first.
     """
 
     input_ids: torch.Tensor  # [T] long
@@ -47,6 +52,7 @@ class ForwardBatch:
     decode_only: bool = False
     tokens_per_request: int = 1  # with decode_only
     snapshots: tuple[BoundarySnapshot, ...] = ()
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +61,12 @@ class ForwardBatch:
     @property
     def num_requests(self) -> int:
         return self.context_lens.shape[0]
+
+    def shared(self, key, make: Callable[[], object]):
+        """make() the first time this forward asks for key, its value after that (see `derived`)."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
     def token_requests(self) -> torch.Tensor:
         """[T] the request index of each token."""
@@ -139,12 +151,31 @@ class LayerStep:
     def token_requests(self) -> torch.Tensor:
         """[T] the request index of each token."""
         if self.layout is None:
-            tokens = torch.arange(self.batch.num_tokens, device=self.batch.positions.device)
-            return tokens // self.batch.tokens_per_request
+            tokens_per_request = self.batch.tokens_per_request
+            return self.batch.shared(
+                "token requests",
+                lambda: torch.arange(self.batch.num_tokens, device=self.batch.positions.device) // tokens_per_request,
+            )
         return self.layout.token_requests
 
     @cached_property
     def request_ends(self) -> torch.Tensor:
         """[R] long: each request's position after this step (context length + its tokens)."""
-        loc = self.batch.query_start_loc.long()
-        return self.batch.context_lens.long() + loc[1:] - loc[:-1]
+
+        def ends() -> torch.Tensor:
+            loc = self.batch.query_start_loc.long()
+            return self.batch.context_lens.long() + loc[1:] - loc[:-1]
+
+        return self.batch.shared("request ends", ends)
+
+    def ring_writes(self, rows: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """For a per-slot ring of `rows` rows (token p in row p % rows): the token whose value each token writes
+        and where (slot, row). Each writes the value of its request's last token on that row, so writes to one
+        row agree and their order is moot."""
+
+        def writes():
+            pos, req = self.batch.positions, self.token_requests
+            last = torch.arange(pos.shape[0], device=pos.device) + rows * ((self.request_ends[req] - 1 - pos) // rows)
+            return last, (self.batch.slots.long()[req], pos % rows)
+
+        return self.batch.shared(("ring writes", rows), writes)

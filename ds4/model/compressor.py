@@ -63,28 +63,21 @@ class Compressor(nn.Module):
 
         `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots (overlap only)."""
         batch, ratio = step.batch, self.ratio
-        pos, req, slots = batch.positions, step.token_requests, batch.slots.long()
+        pos, slots = batch.positions, batch.slots.long()
         xf = x.float()
         kv, score = self.wkv(xf), self.wgate(xf) + self.ape[pos % ratio]
         width, ring_rows = kv.shape[1], state.kv.shape[1]
         source_kv = torch.cat((state.kv[slots].flatten(0, 1), kv, kv.new_zeros(1, width)))
         source_score = torch.cat((state.score[slots].flatten(0, 1), score, score.new_full((1, width), float("-inf"))))
 
-        if step.decode_only:
-            tokens = torch.arange(pos.shape[0], device=pos.device)
-        else:
-            tokens = torch.nonzero(pos % ratio == ratio - 1).flatten()
-        index = pos[tokens] // ratio
-        rows = self._rows(step, ring_rows, req[tokens], index)
+        # The windows, and where their entries go, depend on the batch alone: layers of one ratio share them.
+        index, rows = batch.shared(("windows", ratio, self.overlap, ring_rows), lambda: self._windows(step, ring_rows))
         entries = gated_pool(source_kv, source_score, rows, self.overlap)
         entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
         entries = self.finish(apply_rope(entries, index * ratio, step.inv_freq))
         per_page = entries_per_page(pool)
-        target = table_entry_rows(batch.block_tables[req[tokens]], index[:, None], per_page)[:, 0]
-        if not step.decode_only and bool((target < 0).any()):
-            raise ValueError("block table: a compressed entry falls on an unassigned page (-1)")
-        completes = pos[tokens] % ratio == ratio - 1
-        store_entries(pool, torch.where(completes & (target >= 0), target, (pool.shape[0] - 1) * per_page), entries)
+        target = batch.shared(("entry rows", ratio, per_page), lambda: self._entry_rows(step, index, per_page))
+        store_entries(pool, torch.where(target >= 0, target, (pool.shape[0] - 1) * per_page), entries)
 
         if snapshots is not None and batch.snapshots:
             # A snapshot at page end e keeps the overlap: the full window e - ratio .. e - 1, in window order.
@@ -95,10 +88,34 @@ class Compressor(nn.Module):
             ids = torch.tensor([s.snapshot for s in snaps], device=dev)
             snapshots.kv[ids], snapshots.score[ids] = source_kv[rows], source_score[rows]
         # Each token writes its ring row with the kv of its request's last token there (equal values, any order).
-        last = torch.arange(pos.shape[0], device=pos.device)
-        last = last + ring_rows * ((step.request_ends[req] - 1 - pos) // ring_rows)
-        ring = slots[req], pos % ring_rows
+        last, ring = step.ring_writes(ring_rows)
         state.kv[ring], state.score[ring] = kv[last], score[last]
+
+    def _windows(self, step: LayerStep, ring_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window index of each token completing a window (decode_only: of every token) and its source rows."""
+        pos, ratio = step.batch.positions, self.ratio
+        if step.decode_only:
+            tokens = torch.arange(pos.shape[0], device=pos.device)
+        else:
+            tokens = torch.nonzero(pos % ratio == ratio - 1).flatten()
+        index = pos[tokens] // ratio
+        rows = self._rows(step, ring_rows, step.token_requests[tokens], index)
+        return index, rows
+
+    def _entry_rows(self, step: LayerStep, index: torch.Tensor, per_page: int) -> torch.Tensor:
+        """Each window's row in a pool of per_page entries a page; -1 for a decode_only token whose window is
+        unfinished or whose page is unassigned (padding), which the caller sends to the scratch page."""
+        batch, ratio = step.batch, self.ratio
+        if step.decode_only:
+            requests, completes = step.token_requests, batch.positions % ratio == ratio - 1
+        else:
+            requests, completes = step.token_requests[(batch.positions % ratio == ratio - 1)], None
+        target = table_entry_rows(batch.block_tables[requests], index[:, None], per_page)[:, 0]
+        if completes is None:
+            if bool((target < 0).any()):
+                raise ValueError("block table: a compressed entry falls on an unassigned page (-1)")
+            return target
+        return torch.where(completes, target, -1)
 
     def _rows(self, step: LayerStep, ring: int, requests: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """[N, (2 if overlap else 1) * ratio]: the source rows of window `window` of each request (with overlap,

@@ -99,6 +99,7 @@ class DeepseekV4Model(nn.Module):
         """The hc_mult residual streams [T, hc, D] of every token after the last block; updates the caches.
 
         A decode_only batch takes the decode path, which is CUDA-graph capturable (see ForwardBatch)."""
+        batch.derived.clear()
         layout = _layout(batch)
         h = self.embed(batch.input_ids).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
         for i, layer in enumerate(self.layers):
@@ -116,6 +117,7 @@ class DeepseekV4Model(nn.Module):
         model's streams at batch.positions (or the previous MTP output when drafting further)."""
         if not self.with_mtp:
             raise RuntimeError("mtp_forward: the model was built without the MTP layer (with_mtp=False)")
+        batch.derived.clear()
         mtp = self.mtp[0]
         h = mtp.embed_inputs(self.embed(batch.input_ids), hidden)
         return mtp(h, batch, _layout(batch), cache.layers[self.cfg.num_hidden_layers])
