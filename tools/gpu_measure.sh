@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The measurements the open issues ask of one H200, in order of need, for tools/gpu_detached.sh (it sets RESULTS):
+#   bash tools/gpu_detached.sh start tools/gpu_measure.sh     then, in the next call, `collect`
+# Stages (STAGES picks them, default all): tests (every gpu-marked test, several processes with pytest-xdist),
+# model4 (4 Flash layers with transformers beside them), engine (the engine's host time per step), model20
+# (20 Flash layers), attention, moe. Each writes its log and JSON under $RESULTS and a line to
+# $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others.
+# Needs the wheels in .whl (tools/fetch_device_wheels.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+R=${RESULTS:-/tmp/detached}
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache
+. tools/install_device_wheels.sh > /dev/null 2>&1
+stages=" ${STAGES:-tests model4 engine model20 attention moe} "
+stage() {  # name timeout command...
+  local name=$1 limit=$2
+  shift 2
+  [[ $stages == *" $name "* ]] || return 0
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$R/$name.txt" 2>&1
+  echo "$name rc=$? ${SECONDS}s (took $((SECONDS - start)) s)" >> "$R/summary.txt"
+}
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$R/gpu.txt" 2>&1
+par=()
+python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-4}" --dist loadfile)
+stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" tests
+model=(python3 -m ds4.cli bench model --config flash --load-format dummy --context 2048 --prefill-lengths 8192)
+stage model4 600 "${model[@]}" --layers 4 --batch-sizes 1,64 --compare-transformers --json "$R/model4.json"
+stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --json "$R/engine.json"
+stage model20 600 "${model[@]}" --layers 20 --batch-sizes 1,8,32,64 --json "$R/model20.json"
+stage attention 300 python3 -m ds4.cli bench attention --json "$R/attention.json"
+stage moe 300 python3 -m ds4.cli bench moe --json "$R/moe.json"
+cat "$R/summary.txt"
