@@ -111,6 +111,30 @@ def test_padded_decode_matches_the_general_path_and_touches_only_scratch(model):
             assert (t[free_pages] == _sentinel(t)).all(), f"{name}: a write landed on a free page"
 
 
+def test_a_batch_refilled_in_place_gives_what_new_batches_give(model):
+    """DecodeGraphs' eager steps refill one set of tensors: what a forward derived from the batch's earlier values
+    (ForwardBatch.derived) must not outlive that forward."""
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(6)
+    slots, tables, prompt_lens = [0, 1], [torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])], [cfg.sliding_window + 5, 9]
+    ids = [torch.randint(0, cfg.vocab_size, (n + 3,), generator=gen) for n in prompt_lens]
+    caches = [model.new_cache(3, NUM_PAGES, PAGE) for _ in range(2)]
+    for cache in caches:
+        for r in range(2):
+            model(step_batch([(ids[r][: prompt_lens[r]], 0, slots[r], tables[r])]), cache)
+    reused = None
+    for step in range(3):
+        pos = [n + step for n in prompt_lens]
+        tokens = [int(ids[r][pos[r]]) for r in range(2)]
+        fresh = _padded_decode_batch(tokens, pos, slots, tables, pad_rows=1, scratch_slot=2)
+        if reused is None:
+            reused = _padded_decode_batch(tokens, pos, slots, tables, pad_rows=1, scratch_slot=2)
+        else:
+            for name in ("input_ids", "positions", "context_lens"):
+                getattr(reused, name).copy_(getattr(fresh, name))
+        assert torch.equal(model(reused, caches[0]), model(fresh, caches[1])), f"decode step {step}"
+
+
 def test_padding_rows_write_only_the_scratch_slot_and_page(model):
     cache = model.new_cache(3, 4, PAGE)
     for _, t in _cache_tensors(cache):
