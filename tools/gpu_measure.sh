@@ -4,7 +4,8 @@
 # Stages (STAGES picks them, default all): tests (every gpu-marked test, several processes with pytest-xdist),
 # model4 (4 Flash layers with transformers beside them), engine (the engine's host time per step), model20
 # (20 Flash layers), attention, moe. Each writes its log and JSON under $RESULTS and a line to
-# $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others.
+# $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. TESTS names the test
+# paths (default: all of tests/); COMPARE= (empty) leaves transformers out of model4.
 # Needs the wheels in .whl (tools/fetch_device_wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,9 +25,9 @@ stage() {  # name timeout command...
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$R/gpu.txt" 2>&1
 par=()
 python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-4}" --dist loadfile)
-stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" tests
+stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" ${TESTS:-tests}
 model=(python3 -m ds4.cli bench model --config flash --load-format dummy --context 2048 --prefill-lengths 8192)
-stage model4 600 "${model[@]}" --layers 4 --batch-sizes 1,64 --compare-transformers --json "$R/model4.json"
+stage model4 600 "${model[@]}" --layers 4 --batch-sizes 1,64 ${COMPARE---compare-transformers} --json "$R/model4.json"
 stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --json "$R/engine.json"
 stage model20 600 "${model[@]}" --layers 20 --batch-sizes 1,8,32,64 --json "$R/model20.json"
 stage attention 300 python3 -m ds4.cli bench attention --json "$R/attention.json"

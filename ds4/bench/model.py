@@ -12,8 +12,10 @@ FLOPs by kind over the GEMM rate of that kind (dense GEMMs and the indexer fp8, 
 Hopper has no FP4 tensor cores). The ratio is measured / roofline. Decode steps at the smallest and the largest
 batch (run eagerly) and one prefill (the shortest) are profiled and summarised by kernel family: its time, the
 kernels it launched (CPU: ops; many small kernels make a family launch-bound at decode) and its own roofline
-where one is counted. The time per layer is extrapolated to the full model and printed next to
-published figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager) on the same shape.
+where one is counted. "GPU ms" is the decode graph's replay and the logits alone: the step without the engine's
+host work (what overlapping that work with the GPU would leave). The time per layer is extrapolated to the full
+model and printed next to published figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager)
+on the same shape.
 `--tensor-parallel-size N [--enable-expert-parallel]` runs the engine on N ranks (one GPU each; CPU: processes);
 every decode and prefill row then also gives the bytes rank 0's collectives moved per step, by kind (counted; for
 decode steps replayed from CUDA graphs, which run no Python to count, from ds4.distributed.traffic), and the bytes
@@ -317,6 +319,7 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         if any(i not in engine.requests for i in ids):
             raise SystemExit(f"decode batch {batch}: a request finished early (max_tokens {max_tokens} too small)")
         context = min(engine.requests[i].num_tokens for i in ids)
+        gpu_ms = _replay_ms(engine, ids)
         parts = roofline.decode_bytes(cfg, batch, context, kv_entry, index_entry)
         roof_ms = sum(parts.values()) / rates["copy_bytes_per_s"] * 1e3
         row = {
@@ -327,6 +330,8 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
             "bytes": parts,
             "roofline_ms": roof_ms,
             "ratio": ms / roof_ms,
+            "gpu_ms_per_step": gpu_ms,
+            "gpu_ratio": gpu_ms / roof_ms if gpu_ms is not None else None,
             "experts_touched_per_layer": roofline.expected_experts_touched(cfg, batch),
             **traffic.per_step(args.decode_steps, _replayed_traffic(engine, args, cfg, batch)),
         }
@@ -343,6 +348,24 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         engine.abort(request_id)
     step(engine)
     return sorted(rows, key=lambda r: r["batch"])
+
+
+def _replay_ms(engine, ids: list[str]) -> float | None:
+    """The GPU's part of a decode step: the median ms of replaying the graph the last step ran and computing its
+    logits, alone (no scheduling, batch building or sampling; the graph's inputs are the last step's, so it
+    rewrites the same cache rows with the same values). None without CUDA graphs or on more than one rank."""
+    graphs = engine.runner.graphs
+    if graphs is None or graphs.eager or engine.workers is not None:
+        return None
+    key = graphs.key([1] * len(ids), max(len(engine.requests[i].page_table) for i in ids))
+    if key not in graphs.graphs:
+        return None
+
+    def forward_and_logits():
+        graphs.graphs[key].replay()
+        engine.model.compute_logits(graphs.outputs[key][: len(ids)])
+
+    return ceilings.kernel_ms(forward_and_logits)
 
 
 def _eager_profile(engine, step, unclaimed: Counter, launches: Counter) -> dict:
@@ -544,10 +567,12 @@ def table(result: dict) -> str:
         _parallel_line(result),
         "",
         _rows(
-            ("batch", "context", "ms/step", "tok/s", "roofline ms", "x roofline", "experts/layer"),
+            ("batch", "context", "ms/step", "tok/s", "roofline ms", "x roofline", "GPU ms", "GPU x roofline")
+            + ("experts/layer",),
             [
                 (r["batch"], r["context"], f"{r['ms_per_step']:.3f}", f"{r['tokens_per_s']:.1f}")
-                + (f"{r['roofline_ms']:.3f}", f"{r['ratio']:.1f}", f"{r['experts_touched_per_layer']:.1f}")
+                + (f"{r['roofline_ms']:.3f}", f"{r['ratio']:.1f}", *_gpu_cells(r))
+                + (f"{r['experts_touched_per_layer']:.1f}",)
                 for r in result["decode"]
             ],
         ),
@@ -575,6 +600,12 @@ def table(result: dict) -> str:
                 lines.append("largest in other: " + "; ".join(f"{n} {ms:.3f} ms" for n, ms in top))
     lines += ["", _extrapolation_lines(result)]
     return "\n".join(lines)
+
+
+def _gpu_cells(row: dict) -> tuple[str, str]:
+    if row.get("gpu_ms_per_step") is None:
+        return ("", "")
+    return (f"{row['gpu_ms_per_step']:.3f}", f"{row['gpu_ratio']:.1f}")
 
 
 def _parallel_line(result: dict) -> str:
