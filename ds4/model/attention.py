@@ -104,7 +104,7 @@ class Attention(nn.Module):
         self.attn_sink = hold(fp32_param(heads, device=device), split.scaled(split.heads, 1))
         self.register_buffer("inv_freq", layer_inv_freq(cfg, layer).to(device), persistent=False)
         if self.kind != WINDOW:
-            self.compressor = Compressor(d, self.ratio, hd, self.kind == CSA, self.eps, device, self.stored)
+            self.compressor = Compressor(d, self.ratio, hd, self.kind == CSA, self.eps, device, self.stored, dtype)
         if self.kind == CSA:
             self.indexer = Indexer(cfg, self.ratio, dtype, device, fp8_kv, weight_format)
 

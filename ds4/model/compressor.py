@@ -38,16 +38,18 @@ class Compressor(nn.Module):
         eps: float,
         device: torch.device,
         finish: Callable[[torch.Tensor], torch.Tensor],
+        dtype: torch.dtype,
     ):
         """finish: normalised, rotated entries -> the form `pool` takes (FP8 attention entries, the indexer's fp4
-        simulation, or as they are)."""
+        simulation, or as they are). dtype: the model's, which the projections' weights are held in."""
         super().__init__()
         self.ratio, self.head_dim, self.overlap, self.eps, self.finish = ratio, head_dim, overlap, eps, finish
         width = (2 if overlap else 1) * head_dim
         self.ape = fp32_param(ratio, width, device=device)
-        # Compression runs in fp32, as in the reference.
-        self.wkv = Linear(hidden, width, torch.float32, device)
-        self.wgate = Linear(hidden, width, torch.float32, device)
+        # Compression runs in fp32, as in the reference; the projections' weights are held in the model's dtype
+        # (the checkpoint's bf16 on CUDA), their products with the bf16 input exact in fp32.
+        self.wkv = Linear(hidden, width, dtype, device, fp32_output=True)
+        self.wgate = Linear(hidden, width, dtype, device, fp32_output=True)
         self.norm = Norm(head_dim, device)
 
     def forward(
@@ -64,8 +66,7 @@ class Compressor(nn.Module):
         `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots (overlap only)."""
         batch, ratio = step.batch, self.ratio
         pos, slots = batch.positions, batch.slots.long()
-        xf = x.float()
-        kv, score = self.wkv(xf), self.wgate(xf) + self.ape[pos % ratio]
+        kv, score = self.wkv(x), self.wgate(x) + self.ape[pos % ratio]
         width, ring_rows = kv.shape[1], state.kv.shape[1]
         source_kv = torch.cat((state.kv[slots].flatten(0, 1), kv, kv.new_zeros(1, width)))
         source_score = torch.cat((state.score[slots].flatten(0, 1), score, score.new_full((1, width), float("-inf"))))

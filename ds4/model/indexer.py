@@ -63,7 +63,9 @@ class Indexer(nn.Module):
         fp8 = kept_fp8_block(cfg, weight_format)
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.head_dim, dtype, device, fp8)
         self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype, device)
-        self.compressor = Compressor(cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device, self.finish)
+        self.compressor = Compressor(
+            cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device, self.finish, dtype
+        )
         self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, step: LayerStep, width: int) -> torch.Tensor:

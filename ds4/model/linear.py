@@ -28,8 +28,9 @@ def kept_fp8_block(cfg: ModelConfig, weight_format: str) -> tuple[int, int] | No
 class Linear(nn.Module):
     """y = x W^T. `groups` > 1: x holds that many column groups and the weight that many row blocks, block g
     multiplying group g only (the attention's grouped wo_a). `quantize_input=False` multiplies an FP8 weight
-    without act_quant on the input, as the reference does for wo_a. rows / cols: the part of the stored weight
-    this layer holds (a tensor-parallel shard, see ds4.model.shard); None: all of it."""
+    without act_quant on the input, as the reference does for wo_a. `fp32_output`: y in fp32 as the reference's
+    x.float() @ W.float().T (the compressor's projections; see fp32_product). rows / cols: the part of the stored
+    weight this layer holds (a tensor-parallel shard, see ds4.model.shard); None: all of it."""
 
     def __init__(
         self,
@@ -42,9 +43,10 @@ class Linear(nn.Module):
         quantize_input: bool = True,
         rows: slice | None = None,
         cols: slice | None = None,
+        fp32_output: bool = False,
     ):
         super().__init__()
-        self.dtype, self.groups, self.quantize_input = dtype, groups, quantize_input
+        self.dtype, self.groups, self.quantize_input, self.fp32_output = dtype, groups, quantize_input, fp32_output
         if fp8_block is not None and tuple(fp8_block) != (QUANT_BLOCK, QUANT_BLOCK):
             raise ValueError(f"FP8 linears in checkpoint precision need 128x128 blocks, the config has {fp8_block}")
         weight_dtype = torch.float8_e4m3fn if fp8_block is not None else dtype
@@ -77,11 +79,23 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:
             return fp8_linear(x, self.weight, self.scale, self.groups, self.quantize_input, out_dtype=self.dtype)
+        if self.fp32_output:
+            return fp32_product(x, self.weight)
         x = x.to(self.weight.dtype)
         if self.groups == 1:
             return F.linear(x, self.weight)
         w = self.weight.view(self.groups, -1, self.weight.shape[1])
         return torch.einsum("tgd,grd->tgr", x.view(x.shape[0], self.groups, -1), w).flatten(1)
+
+
+def fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T in fp32, as x.float() @ W.float().T. The product of two bf16 (or fp16) values is exact in fp32, so on
+    CUDA a half-precision GEMM that accumulates into an fp32 output is the same sum in another order, on tensor
+    cores and reading the weight as stored (an fp32 GEMM runs on FMA units: ~15x slower at prefill)."""
+    half = (torch.bfloat16, torch.float16)
+    if x.is_cuda and x.dtype == weight.dtype and x.dtype in half and x.dim() == 2:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
 
 
 class Norm(nn.Module):
