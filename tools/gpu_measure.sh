@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${RESULTS:-/tmp/detached}
 mkdir -p "$R"
-export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache
+export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache PYTHONFAULTHANDLER=1  # a stage out of time dumps its stacks
 . tools/install_device_wheels.sh > /dev/null 2>&1
 stages=" ${STAGES:-tests model4 engine model20 attention moe} "
 stage() {  # name timeout command...
@@ -19,7 +19,7 @@ stage() {  # name timeout command...
   shift 2
   [[ $stages == *" $name "* ]] || return 0
   local start=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.txt" 2>&1
+  timeout -s ABRT -k 10 "$limit" "$@" > "$R/$name.txt" 2>&1
   echo "$name rc=$? ${SECONDS}s (took $((SECONDS - start)) s)" >> "$R/summary.txt"
 }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$R/gpu.txt" 2>&1

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ds4.bench.driver import shrink, step
-from ds4.bench.report import environment, int_list, write_json
+from ds4.bench.report import environment, int_list, progress, write_json
 
 STUB_VOCAB = 256
 
@@ -70,6 +70,7 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
         max_num_batched_tokens=max(engine_flags["max_num_batched_tokens"], batches[0]),
         max_model_len=engine_flags["max_model_len"] or args.input_len + max_tokens + 1,
     )
+    progress("starting the engine (weights, cache plan, CUDA-graph capture)")
     engine = LLMEngine.from_pretrained(args.model, seed=args.seed, **model_flags, **engine_flags)
     try:
         rng = random.Random(args.seed)
@@ -78,11 +79,13 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
         ids = [f"bench-{i}" for i in range(batches[0])]
         for request_id in ids:
             engine.add_request(request_id, [rng.randrange(2, vocab) for _ in range(args.input_len)], params)
+        progress(f"prefilling {len(ids)} requests of {args.input_len} tokens")
         while any(not engine.requests[i].output_token_ids for i in ids):
             step(engine)
         timer = _ModelTimer(engine)
         rows = []
         for batch in batches:
+            progress(f"decode batch {batch}: {args.steps} steps, then as many with the model stubbed")
             ids = shrink(engine, ids, batch)
             timer.elapsed_ms()
             step_ms, model_ms = [], []
