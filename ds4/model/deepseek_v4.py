@@ -69,7 +69,7 @@ class DeepseekV4Model(nn.Module):
             Block(cfg, i, dtype, device, kv_cache_dtype, weight_format, parallel) for i in range(cfg.num_hidden_layers)
         )
         self.norm = Norm(d, device)
-        self.head = VocabHead(d, cfg.vocab_size, device, parallel)
+        self.head = VocabHead(d, cfg.vocab_size, dtype, device, parallel)
         self.hc_head_fn = fp32_param(hc, hc * d, device=device)
         self.hc_head_base = fp32_param(hc, device=device)
         self.hc_head_scale = fp32_param(1, device=device)

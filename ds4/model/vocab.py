@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4.distributed.parallel import Parallel
+from ds4.model.linear import fp32_product
 from ds4.model.shard import hold
 
 
@@ -35,14 +36,15 @@ class VocabEmbedding(nn.Module):
 
 
 class VocabHead(nn.Module):
-    """fp32 logits, as the reference computes them."""
+    """fp32 logits, as the reference computes them (x.float() @ W.float().T), from a weight held in the model's
+    dtype (the checkpoint's bf16 on CUDA: half the bytes a decode step reads; see fp32_product)."""
 
-    def __init__(self, dim: int, vocab: int, device: torch.device, parallel: Parallel):
+    def __init__(self, dim: int, vocab: int, dtype: torch.dtype, device: torch.device, parallel: Parallel):
         super().__init__()
         self.parallel = parallel
         rows = parallel.shard(vocab)
-        weight = torch.empty(rows.stop - rows.start, dim, dtype=torch.float32, device=device)
+        weight = torch.empty(rows.stop - rows.start, dim, dtype=dtype, device=device)
         self.weight = hold(nn.Parameter(weight, requires_grad=False), None if parallel.is_single else rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_gather(F.linear(x.float(), self.weight), dim=-1)
+        return self.parallel.all_gather(fp32_product(x, self.weight), dim=-1)
