@@ -5,7 +5,8 @@
 # model4 (4 Flash layers with transformers beside them), model20 (20 Flash layers, prefill to 64K), engine (the
 # engine's host time per step), attention, moe. Each writes its log and JSON under $RESULTS and a line to
 # $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. TESTS names the test
-# paths (default: all of tests/); COMPARE= (empty) leaves transformers out of model4.
+# paths (default: all of tests/); COMPARE= (empty) leaves transformers out of model4; LIMIT_<stage>=S sets a
+# stage's time limit in seconds.
 # Needs the wheels in .whl (tools/fetch_device_wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +15,9 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache PYTHONFAULTHANDLER=1  # a stage out of time dumps its stacks
 . tools/install_device_wheels.sh > /dev/null 2>&1
 stages=" ${STAGES:-tests model4 model20 engine attention moe} "
-stage() {  # name timeout command...
-  local name=$1 limit=$2
+stage() {  # name timeout command... (LIMIT_<name> overrides the timeout)
+  local name=$1 limit=$2 override="LIMIT_$1"
+  limit=${!override:-$limit}
   shift 2
   [[ $stages == *" $name "* ]] || return 0
   local start=$SECONDS
