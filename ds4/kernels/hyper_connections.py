@@ -11,13 +11,14 @@ both the dot products with fn and the sum of squares, split along the flattened 
 tokens to fill the device (one partial row per split, summed in a fixed order by the next launch: deterministic,
 no atomics, nothing to zero). The collapse launch sums a token's partials, computes its gates and the Sinkhorn
 iterations in registers (an hc x hc matrix) and writes a slice of the channels; when a token's channels are
-split over several programs each recomputes those few values. Everything is fp32 as in the reference. The
-projection's products run on tensor cores as three TF32 products (Triton's tf32x3: each operand split into a
-TF32 high part and the TF32 rounding of the rest, the low x low product dropped), about 2^-21 of each product
-instead of the 2^-24 of IEEE fp32 FMAs: bf16 streams are exact in TF32, so only the weight's low part is rounded.
-(H200, 8192 tokens: hc_pre 1.31 ms, 1.65 with IEEE FMA dot products.) Shapes are launch arguments and nothing
-waits on the host: the launches are CUDA-graph capturable. hc must be a power of two (the real models' 4; other
-values take the reference).
+split over several programs each recomputes those few values. Everything is fp32 as in the reference. With
+bf16 or fp16 streams (exact in TF32) the projection's products run on tensor cores as three TF32 products
+(Triton's tf32x3: each operand split into a TF32 high part and the TF32 rounding of the rest, the low x low
+product dropped): the streams' low parts are zero, so only the weight's rest is rounded, about 2^-22 of a
+product instead of the 2^-24 of IEEE fp32 FMAs; fp32 streams keep IEEE fp32 FMAs (an fp32 model agrees with its
+CPU run up to the order of the sums). H200, 8192 bf16 tokens: hc_pre 1.31 ms, 1.65 with IEEE FMA dot products.
+Shapes are launch arguments and nothing waits on the host: the launches are CUDA-graph capturable. hc must be a
+power of two (the real models' 4; other values take the reference).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ PROJECTION_LARGE_T = 64
 PROJECTION_BLOCK_K = 64
 PROJECTION_WAVES = 1
 PROJECTION_MAX_STAGES = 3
-PROJECTION_PRECISION = "tf32x3"  # the projection's dot products (see above); "ieee" is exact fp32 on FMA units
+PROJECTION_PRECISION = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3"}  # by stream dtype; else "ieee"
 SPLIT_BLOCK = 32  # partial rows the collapse sums per step
 CHANNEL_BLOCK = 512
 COLLAPSE_WAVES = 4
@@ -291,7 +292,7 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         MIX_PAD=mix_pad,
         BLOCK_T=launch.block_t,
         BLOCK_K=launch.block_k,
-        PRECISION=PROJECTION_PRECISION,
+        PRECISION=PROJECTION_PRECISION.get(streams.dtype, "ieee"),
         num_warps=WARPS,
         num_stages=launch.stages,
     )
