@@ -83,7 +83,7 @@ def rotate_fp4_reference(x: torch.Tensor) -> torch.Tensor:
 def ceil_log2(y):
     """Smallest e with 2^e >= y, for fp32 y > 0 (subnormals too), from the bits."""
     small = y < 1.1754943508222875e-38
-    y = tl.where(small, y * 18446744073709551616.0, y)  # 2^64: subnormals become normal
+    y = tl.where(small, tl.where(small, y, 0.0) * 18446744073709551616.0, y)  # times 2^64 they are normal
     bits = y.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     return tl.where(small, e - 64, e)
@@ -148,7 +148,15 @@ def rotate_fp4(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr, BLOC
 
 @triton.jit(do_not_specialize=["rows", "x_stride", "y_stride"])
 def _rotate_fp4_kernel(
-    x_ptr, x_stride, y_ptr, y_stride, rows, N: tl.constexpr, LOG_N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr
+    x_ptr,
+    x_stride,
+    y_ptr,
+    y_stride,
+    rows,
+    N: tl.constexpr,
+    LOG_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     ok = (r < rows)[:, None]
