@@ -38,6 +38,7 @@ _KERNEL_MODULES = (
     ("ds4.kernels.fp8_linear", "GEMMs"),
     ("ds4.kernels.moe", "MoE"),
     ("ds4.kernels.indexer", "indexer"),
+    ("ds4.kernels.fp4_act", "indexer"),  # the rounding of the indexer's keys (its queries' is in ds4.kernels.indexer)
     ("ds4.kernels.topk_triton", "top-k"),
     ("ds4.kernels.hyper_connections", "mHC"),
     ("ds4.kernels.rmsnorm", "norms"),

@@ -23,6 +23,13 @@ block_table[b, s // E], slot s % E.
 `indexer_topk` returns the top-k key indices per row without materialising the [rows x keys] score
 matrix of a long prefill chunk: it scores at most `max_scratch_bytes` worth of rows at a time into
 one reused buffer and selects from each slice with ds4.kernels.topk.
+
+Around the scoring, one launch each on the Triton path (torch's path is dozens of small kernels, which a
+decode step pays in launches): `index_queries` turns the fp8 mode's queries after RoPE into what the logits
+take (Hadamard rotation, MXFP4, per-head e4m3 with its scale folded into the head weights);
+`write_indexer_keys` quantises keys into their pages; `entry_rows` maps the picked entries to pool rows
+through the block tables. Each is exact against its torch reference: the same fp32 operations in the same
+order, roundings and power-of-two scales taken from the bits.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import triton
 import triton.language as tl
 
 from ds4.kernels._device import interpreting
+from ds4.kernels.fp4_act import FP4_BLOCK, ceil_log2, pow2, rotate_fp4, rotate_fp4_reference
+from ds4.kernels.fp8_kv import pow2_ceil
 from ds4.kernels.topk import topk_indices
 
 PAGE = 64  # entries per page unless the cache is made with another count
@@ -79,12 +88,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     xf = x.float()
     amax = xf.abs().amax(-1).clamp_min(2.0**-120)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    scale = pow2_ceil(amax / FP8_MAX)
     values = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return values, scale
 
 
-def write_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> None:
+def write_indexer_keys_reference(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> None:
     """Quantises keys [N, 128] and stores them at flat slots [N] (slot = page * E + offset, E entries a page)."""
     vectors, scales = cache_views(cache)
     values, scale = quantize_rows(keys)
@@ -130,6 +139,31 @@ def indexer_logits_reference(
         visible = positions[None, :] < key_end[r].long()[:, None]
         out[r] = torch.where(visible, logits, out[r])
     return out
+
+
+def index_queries_reference(
+    q: torch.Tensor, weights: torch.Tensor, weight_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 mode's indexer queries as the logits kernels take them: q [T, H, 128] (after RoPE) rotated,
+    MXFP4-rounded and quantised per head (e4m3 [T, H, 128]); the head weights [T, H] times weight_scale and
+    the heads' scales (fp32), which indexer_logits applies after the relu."""
+    values, scale = quantize_rows(rotate_fp4_reference(q))
+    return values, weights.float() * weight_scale * scale
+
+
+def entry_rows_reference(
+    picked: torch.Tensor, key_end: torch.Tensor, block_tables: torch.Tensor, token_requests: torch.Tensor, per_page: int
+) -> torch.Tensor:
+    """int64 [T, k]: the pool rows (page * per_page + offset) of the entries picked [T, k] of each token, read
+    through its request's block table row; -1 for a -1 pick, one at or past the token's key_end [T], or one
+    outside the table or on an unassigned (-1) page."""
+    tables = block_tables[token_requests].long()
+    width = tables.shape[1]
+    entries = picked.long()
+    column = entries.clamp_min(0) // per_page
+    pages = torch.gather(tables, 1, column.clamp(max=max(width - 1, 0))) if width else torch.full_like(entries, -1)
+    kept = (entries >= 0) & (entries < key_end.long()[:, None]) & (column < width) & (pages >= 0)
+    return torch.where(kept, pages * per_page + entries % per_page, -1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,12 +374,107 @@ def _indexer_decode_kernel(
         )
 
 
+@triton.jit
+def e4m3_bytes(v):
+    """The e4m3 byte (nearest, ties to even; int32 0..255) of fp32 v with |v| <= 448, from the bits, as torch's
+    conversion gives it (the interpreter has no e4m3 rounding of its own, sm_80 no instruction)."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    # normal (>= 2^-6): fp32's mantissa rounded to 3 bits, the exponent rebiased from 127 to 7
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # subnormal: a multiple of 2^-9, rounded by the fp32 add of 2^23
+    subnormal = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    return tl.where(mag >= (121 << 23), normal, subnormal) | ((bits >> 24) & 0x80)
+
+
+@triton.jit
+def quantize_e4m3(x):
+    """quantize_rows of the rows of an fp32 [ROWS, D] tile: (e4m3 bytes int32 [ROWS, D], fp32 scales [ROWS])."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.52316384526264e-37)  # 2^-120
+    scale = pow2(ceil_log2(tl.math.div_rn(amax, 448.0)))
+    v = tl.math.div_rn(x, scale[:, None])  # exact: a power of two
+    return e4m3_bytes(tl.minimum(tl.maximum(v, -448.0), 448.0)), scale
+
+
+@triton.jit(do_not_specialize=["rows", "heads", "q_stride", "w_stride"])
+def _index_queries_kernel(
+    q_ptr,
+    q_stride,
+    w_ptr,
+    w_stride,
+    weight_scale,
+    values_ptr,
+    scaled_w_ptr,
+    rows,
+    heads,
+    D: tl.constexpr,
+    LOG_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # ROWS (token, head) rows of D channels a program.
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    ok = r < rows
+    d = tl.arange(0, D)[None, :]
+    x = tl.load(q_ptr + r[:, None] * q_stride + d, mask=ok[:, None], other=0.0).to(tl.float32)
+    values, scale = quantize_e4m3(rotate_fp4(x, ROWS, D, LOG_D, BLOCK, q_ptr.dtype.element_ty))
+    tl.store(values_ptr + r[:, None] * D + d, values.to(tl.uint8), mask=ok[:, None])
+    w = tl.load(w_ptr + (r // heads) * w_stride + r % heads, mask=ok, other=0.0).to(tl.float32)
+    tl.store(scaled_w_ptr + r, w * weight_scale * scale, mask=ok)
+
+
+@triton.jit(do_not_specialize=["n", "keys_stride", "per_page"])
+def _write_keys_kernel(
+    keys_ptr, keys_stride, slots_ptr, bytes_ptr, words_ptr, n, per_page, D: tl.constexpr, ROWS: tl.constexpr
+):
+    # ROWS keys a program: quantised, then their vectors and scales stored where their slots' pages keep them.
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    ok = r < n
+    d = tl.arange(0, D)[None, :]
+    x = tl.load(keys_ptr + r[:, None] * keys_stride + d, mask=ok[:, None], other=0.0).to(tl.float32)
+    values, scale = quantize_e4m3(x)
+    slot = tl.load(slots_ptr + r, mask=ok, other=0).to(tl.int64)
+    page, offset = slot // per_page, slot % per_page
+    tl.store(bytes_ptr + (page * per_page * (D + 4) + offset * D)[:, None] + d, values.to(tl.uint8), mask=ok[:, None])
+    tl.store(words_ptr + page * per_page * (D + 4) // 4 + per_page * D // 4 + offset, scale, mask=ok)
+
+
+@triton.jit(do_not_specialize=["k", "picked_stride", "table_stride", "width", "per_page"])
+def _entry_rows_kernel(
+    picked_ptr,
+    picked_stride,
+    end_ptr,
+    table_ptr,
+    table_stride,
+    requests_ptr,
+    out_ptr,
+    k,
+    width,
+    per_page,
+    BLOCK_K: tl.constexpr,
+):
+    # One token's picks (BLOCK_K of them) a program.
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = c < k
+    entry = tl.load(picked_ptr + t * picked_stride + c, mask=inside, other=-1).to(tl.int64)
+    column = tl.maximum(entry, 0) // per_page
+    listed = inside & (entry >= 0) & (column < width)
+    table_row = table_ptr + tl.load(requests_ptr + t).to(tl.int64) * table_stride
+    page = tl.load(table_row + column, mask=listed, other=-1).to(tl.int64)
+    kept = listed & (entry < tl.load(end_ptr + t)) & (page >= 0)
+    tl.store(out_ptr + t * k + c, tl.where(kept, page * per_page + entry % per_page, -1), mask=inside)
+
+
 # Launch shapes (measured on the H200, see BENCHMARKS.md). Prefill: keys per program, query rows per
 # program, warps, pipeline stages. Decode (a request's rows held on chip while its keys stream past): keys
 # per tile, tiles per program, warps, stages; it takes requests whose rows' heads fit one MMA N of 256.
 _PREFILL_TILE = (256, 64, 4, 3)
 _DECODE_TILE = (128, 16, 4, 3)
 _DECODE_MAX_N = 256
+# The query, key-write and picked-rows kernels: elements of a program's tile, picks a program.
+_ROW_TILE = 4096
+_PICKS_BLOCK = 1024
 
 
 def _padded_heads(n_heads: int) -> int:
@@ -519,9 +648,8 @@ def indexer_topk(
     """
     _check_inputs(q, weights, cache, block_table, key_end, rows_per_request, max_keys)
     rows = q.shape[0]
-    out = torch.empty((rows, k), dtype=torch.int32, device=q.device)
     if rows == 0:
-        return out
+        return torch.empty((0, k), dtype=torch.int32, device=q.device)
     slice_rows = max(1, max_scratch_bytes // (4 * max(max_keys, 1)))
     requests = rows // rows_per_request
     if requests > 1:
@@ -531,6 +659,7 @@ def indexer_topk(
         slice_rows = min(slice_rows, rows)
     scratch = torch.empty((min(slice_rows, rows), max_keys), dtype=torch.float32, device=q.device)
     scale = None if q_scale is None else q_scale.float().expand(q.shape[:2])
+    picks = []
     for start in range(0, rows, slice_rows):
         stop = min(start + slice_rows, rows)
         if requests > 1:
@@ -551,5 +680,114 @@ def indexer_topk(
             impl=impl,
             out=scratch[: stop - start],
         )
-        out[start:stop] = topk_indices(logits, key_end[start:stop], k, impl=impl)
+        picks.append(topk_indices(logits, key_end[start:stop], k, impl=impl))
+    return picks[0] if len(picks) == 1 else torch.cat(picks)
+
+
+# ----------------------------------------------------------------------------------------------
+# the queries and keys on their way in, the picked entries on their way out
+# ----------------------------------------------------------------------------------------------
+
+
+def _choose(impl: str, x: torch.Tensor) -> str:
+    if impl == "auto":
+        return "triton" if x.is_cuda else "torch"
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    return impl
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def index_queries(
+    q: torch.Tensor, weights: torch.Tensor, weight_scale: float, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """index_queries_reference (q [T, H, 128] after RoPE, weights [T, H]) in one launch on the Triton path."""
+    if q.dim() != 3 or q.shape[2] != HEAD_DIM or weights.shape != q.shape[:2] or weights.stride(1) != 1:
+        raise ValueError(
+            f"index_queries: q must be [tokens, heads, {HEAD_DIM}] and weights [tokens, heads], got "
+            f"{tuple(q.shape)} and {tuple(weights.shape)}"
+        )
+    if _choose(impl, q) == "torch":
+        return index_queries_reference(q, weights, weight_scale)
+    rows = _rows_of(q)
+    values = torch.empty(q.shape, dtype=torch.uint8, device=q.device)
+    scaled = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if rows.shape[0]:
+        per_program = _ROW_TILE // HEAD_DIM
+        _index_queries_kernel[(triton.cdiv(rows.shape[0], per_program),)](
+            rows,
+            rows.stride(0),
+            weights,
+            weights.stride(0),
+            weight_scale,
+            values,
+            scaled,
+            rows.shape[0],
+            q.shape[1],
+            D=HEAD_DIM,
+            LOG_D=HEAD_DIM.bit_length() - 1,
+            BLOCK=FP4_BLOCK,
+            ROWS=per_program,
+        )
+    return values.view(torch.float8_e4m3fn), scaled
+
+
+def write_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, impl: str = "auto") -> None:
+    """write_indexer_keys_reference (keys [N, 128] to flat slots [N]) in one launch on the Triton path."""
+    per_page = page_entries(cache)
+    if keys.dim() != 2 or keys.shape[1] != HEAD_DIM or slots.shape != keys.shape[:1]:
+        raise ValueError(f"keys must be [N, {HEAD_DIM}] with slots [N], got {tuple(keys.shape)}, {tuple(slots.shape)}")
+    if _choose(impl, keys) == "torch":
+        return write_indexer_keys_reference(cache, slots, keys)
+    rows = _rows_of(keys)
+    if rows.shape[0]:
+        per_program = _ROW_TILE // HEAD_DIM
+        _write_keys_kernel[(triton.cdiv(rows.shape[0], per_program),)](
+            rows,
+            rows.stride(0),
+            slots,
+            cache,
+            cache.view(torch.float32),
+            rows.shape[0],
+            per_page,
+            D=HEAD_DIM,
+            ROWS=per_program,
+        )
+
+
+def entry_rows(
+    picked: torch.Tensor,
+    key_end: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_requests: torch.Tensor,
+    per_page: int,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """entry_rows_reference (picked [T, k], key_end [T], block_tables [R, pages], token_requests [T]) in one
+    launch on the Triton path."""
+    if _choose(impl, picked) == "torch":
+        return entry_rows_reference(picked, key_end, block_tables, token_requests, per_page)
+    tokens, k = picked.shape
+    out = torch.empty((tokens, k), dtype=torch.long, device=picked.device)
+    if tokens and k:
+        if picked.stride(1) != 1 or block_tables.stride(1) != 1:
+            raise ValueError("entry_rows: picked and block_tables need a contiguous last dim")
+        block = min(_PICKS_BLOCK, triton.next_power_of_2(k))
+        _entry_rows_kernel[(tokens, triton.cdiv(k, block))](
+            picked,
+            picked.stride(0),
+            key_end,
+            block_tables,
+            block_tables.stride(0),
+            token_requests,
+            out,
+            k,
+            block_tables.shape[1],
+            per_page,
+            BLOCK_K=block,
+        )
     return out

@@ -5,7 +5,10 @@ with q from the query low-rank residual and k from the indexer's own (overlappin
 
 With the packed e4m3 key cache (fp8 mode; see ds4.model.cache) the scores come from ds4.kernels.indexer
 (Triton on CUDA, its torch reference elsewhere): q and k are MXFP4-rounded there, which e4m3 with
-power-of-two scales holds exactly, so only the order of the sums differs from the dense path.
+power-of-two scales holds exactly, so only the order of the sums differs from the dense path. There a
+decode step's indexer is a few launches past its two projections: RoPE, the query rounding
+(ds4.kernels.indexer.index_queries), the scores, the top-k, the picks' pool rows; its keys take two (the
+rounding, `finish`, and the packed write).
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import torch
 from torch import nn
 
 from ds4.config import ModelConfig
-from ds4.kernels.fp4_act import fp4_quant_dequant, hadamard_rotate
-from ds4.kernels.indexer import indexer_topk, quantize_rows
+from ds4.kernels.fp4_act import rotate_fp4_rows
+from ds4.kernels.indexer import entry_rows, index_queries, indexer_topk
 from ds4.kernels.rope import apply_rope
 from ds4.kernels.topk import topk_indices
 from ds4.model.batch import LayerStep
@@ -43,7 +46,7 @@ def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def _round_index(x: torch.Tensor) -> torch.Tensor:
     """fp8 mode keeps the reference's indexer simulation: Hadamard rotation, then MXFP4."""
-    return fp4_quant_dequant(hadamard_rotate(x))
+    return rotate_fp4_rows(x)
 
 
 class Indexer(nn.Module):
@@ -77,32 +80,23 @@ class Indexer(nn.Module):
         k = min(self.topk, width)
         if k == 0 or x.shape[0] == 0:
             return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
-        q = self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim)
-        q = self.finish(apply_rope(q, batch.positions, step.inv_freq)).float()
-        weights = self.weights_proj(x).float() * self.weight_scale
-        visible = ((batch.positions + 1) // self.ratio).clamp(max=width)
         pool = cache.index_keys
-        packed = pool.dtype == torch.uint8
-        q, q_scale = quantize_rows(q) if packed else (q, None)
-        top = indexer_topk if packed else self._dense_topk
-        picked = torch.cat(
-            [
-                top(
-                    q[t],
-                    weights[t],
-                    pool,
-                    table,
-                    visible[t],
-                    n,
-                    width,
-                    k,
-                    q_scale=None if q_scale is None else q_scale[t],
-                )
-                for t, table, n in self._groups(step)
-            ]
-        ).long()
-        rows = table_entry_rows(batch.block_tables[step.token_requests], picked.clamp_min(0), entries_per_page(pool))
-        return torch.where((picked >= 0) & (picked < visible[:, None]), rows, -1)
+        q = apply_rope(self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim), batch.positions, step.inv_freq)
+        weights = self.weights_proj(x)
+        if pool.dtype == torch.uint8:
+            q, weights = index_queries(q, weights, self.weight_scale)
+            top = indexer_topk
+        else:
+            q, weights = self.finish(q).float(), weights.float() * self.weight_scale
+            top = self._dense_topk
+        # Entries a token sees, the same in every layer of this ratio.
+        key_end = batch.shared(
+            ("index key ends", self.ratio, width),
+            lambda: ((batch.positions + 1) // self.ratio).clamp(max=width).to(torch.int32),
+        )
+        picks = [top(q[t], weights[t], pool, table, key_end[t], n, width, k) for t, table, n in self._groups(step)]
+        picked = picks[0] if len(picks) == 1 else torch.cat(picks)
+        return entry_rows(picked, key_end, batch.block_tables, step.token_requests, entries_per_page(pool))
 
     @staticmethod
     def _groups(step: LayerStep) -> list[tuple[slice, torch.Tensor, int]]:
@@ -115,7 +109,7 @@ class Indexer(nn.Module):
         layout = step.layout
         return [(layout.token_slice(r), tables[r : r + 1], n) for r, n in enumerate(layout.counts) if n]
 
-    def _dense_topk(self, q, weights, pool, tables, visible, per_request, width, k, q_scale=None) -> torch.Tensor:
+    def _dense_topk(self, q, weights, pool, tables, visible, per_request, width, k) -> torch.Tensor:
         """ds4.kernels.indexer.indexer_topk over the dense pool: [rows, k] entry indices of the top scores, the
         rows grouped per_request a request (tables [rows // per_request, pages]). A request's keys are gathered
         once; its rows are scored a piece at a time."""

@@ -1,18 +1,23 @@
-"""Indexer logits over the paged fp8 key cache: the Triton kernel (interpreted) against an fp64 oracle."""
+"""Indexer logits over the paged fp8 key cache: the Triton kernel (interpreted) against an fp64 oracle; the query,
+key-write and picked-rows kernels against their torch references to the bit."""
 
 import pytest
 import torch
 from interpreted import interpreted
 
+import ds4.kernels.fp4_act
 import ds4.kernels.indexer
 import ds4.kernels.topk
 import ds4.kernels.topk_triton
 from ds4.kernels.fp4_act import fp4_quant_dequant, hadamard_rotate
 
+E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3_GRID = E4M3_GRID[E4M3_GRID.isfinite()].unique()
+
 
 @pytest.fixture(scope="module")
 def indexer():
-    return interpreted(ds4.kernels.indexer, "_indexer_logits_kernel", ds4.kernels.topk_triton)
+    return interpreted(ds4.kernels.indexer, "_indexer_logits_kernel", ds4.kernels.fp4_act, ds4.kernels.topk_triton)
 
 
 def paged_keys(indexer, requests, keys_per_request, pages_per_request, generator, per_page=None):
@@ -201,3 +206,60 @@ def test_bad_layouts_fail_loudly(indexer):
         indexer.indexer_logits(
             q, torch.zeros(2, 4), cache, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1, 1]), 2, 128
         )
+
+
+def test_query_kernel_equals_the_reference_to_the_bit(indexer):
+    """Rotation, MXFP4 and per-head e4m3 of q after RoPE, the head weights scaled: bf16 over magnitudes far apart
+    (normal ones: the interpreter's bf16 casts mishandle subnormals), a zero head, 5 heads (not a power of two)."""
+    g = torch.Generator().manual_seed(11)
+    q = (torch.randn(3, 5, 128, generator=g) * torch.logspace(-20, 20, 15).view(3, 5, 1)).bfloat16()
+    q[1, 2] = 0.0
+    weights = torch.randn(3, 5, generator=g).bfloat16()
+    scale = 128**-0.5 * 5**-0.5
+    values, w = indexer.index_queries(q, weights, scale, impl="triton")
+    want_values, want_w = indexer.index_queries(q, weights, scale, impl="torch")
+    assert values.dtype == torch.float8_e4m3fn and values.shape == q.shape and w.shape == (3, 5)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(w, want_w)
+    # the reference: MXFP4 values held exactly, their power-of-two scale moved into the weights
+    rounded = fp4_quant_dequant(hadamard_rotate(q)).float()
+    head_scale = want_w / (weights.float() * scale)
+    assert torch.equal(want_values.float() * head_scale[..., None], rounded)
+
+
+def test_key_write_kernel_stores_the_reference_bytes(indexer):
+    """Keys over magnitudes far apart (subnormal scales too), zero and -0 keys, and rows of amax 448 (scale 1)
+    holding every e4m3 value and every midpoint between neighbours (ties to the even code), on shuffled slots
+    of a cache of 8 entries a page; every byte of the cache compared, the untouched ones too."""
+    g = torch.Generator().manual_seed(12)
+    grid = E4M3_GRID[E4M3_GRID >= 0]
+    points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, -(grid[1:] + grid[:-1]) / 2])
+    points = torch.cat([points, torch.full((-len(points) % 127,), 448.0)]).view(-1, 127)
+    exact = torch.cat([points, torch.full((points.shape[0], 1), 448.0)], 1)
+    keys = torch.cat([torch.randn(30, 128, generator=g) * torch.logspace(-42, 30, 30)[:, None], exact])
+    keys[4], keys[5] = 0.0, -0.0
+    slots = torch.randperm(6 * 8, generator=g)[: keys.shape[0]]
+    want = torch.randint(0, 256, (6, 8 * indexer.ENTRY_BYTES), generator=g, dtype=torch.uint8)
+    got = want.clone()
+    indexer.write_indexer_keys(got, slots, keys, impl="triton")
+    indexer.write_indexer_keys(want, slots, keys, impl="torch")
+    assert torch.equal(got, want)
+    vectors, scales = indexer.cache_views(want)
+    stored = vectors.flatten(0, 1)[slots[30:]].float()
+    assert torch.equal(scales.flatten()[slots[30:]], torch.ones(exact.shape[0]))
+    assert torch.equal(stored, exact.to(torch.float8_e4m3fn).float())
+
+
+def test_picked_rows_kernel_equals_the_reference_and_hand_values(indexer):
+    tables = torch.tensor([[3, -1, 5], [0, 1, 7]], dtype=torch.int32)
+    picked = torch.tensor([[0, 9, 17, 19, -1], [2, 8, 23, 24, 5]], dtype=torch.int32)
+    key_end = torch.tensor([19, 30], dtype=torch.int32)
+    # 8 entries a page: 0 -> page 3; 9 on the -1 page; 17 -> page 5, slot 1; 19 at the token's end; 24 past the table
+    want = torch.tensor([[24, -1, 41, -1, -1], [2, 8, 63, -1, 5]])
+    for impl in ("torch", "triton"):
+        assert torch.equal(indexer.entry_rows(picked, key_end, tables, torch.tensor([0, 1]), 8, impl=impl), want)
+    g = torch.Generator().manual_seed(13)
+    picked = torch.randint(-1, 40, (9, 1500), generator=g, dtype=torch.int32)
+    key_end = torch.randint(0, 40, (9,), generator=g, dtype=torch.int32)
+    requests = torch.randint(0, 2, (9,), generator=g)
+    got = indexer.entry_rows(picked, key_end, tables, requests, 8, impl="triton")
+    assert torch.equal(got, indexer.entry_rows(picked, key_end, tables, requests, 8, impl="torch"))
