@@ -40,13 +40,13 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 20, wa
     return statistics.median(times)
 
 
-def kernel_ms(fn: Callable[[], object]) -> float:
-    """Median milliseconds of fn by triton.testing.do_bench, which flushes the L2 cache before each call: a
-    kernel's cost when a model step's other layers have evicted its inputs."""
-    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+def kernel_ms(fn: Callable[[], object], rep: int = 200) -> float:
+    """Median milliseconds of fn by triton.testing.do_bench (repeated for about `rep` ms), which flushes the L2
+    cache before each call: a kernel's cost when a model step's other layers have evicted its inputs."""
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
-def graph_ms(fn: Callable[[], object]) -> float:
+def graph_ms(fn: Callable[[], object], rep: int = 200) -> float:
     """kernel_ms of fn replayed from a CUDA graph (captured after a warm-up call on a side stream), as in a
     decode step: the launches' host cost gone, their device cost kept."""
     stream = torch.cuda.Stream()
@@ -57,7 +57,7 @@ def graph_ms(fn: Callable[[], object]) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return kernel_ms(graph.replay)
+    return kernel_ms(graph.replay, rep)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:

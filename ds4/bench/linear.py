@@ -2,9 +2,11 @@
 
 Ceilings measured in the same run: device copy bandwidth (bytes read + written) and the fp8 GEMM rate of
 torch._scaled_mm at 8192^3. A shape's roofline is the larger of its bytes (fp8 weight + scales, activations in,
-output out) over the bandwidth and its FLOPs over the fp8 rate. Every timing is a CUDA-graph replay (median),
-so decode-sized calls are not measured as Python launch overhead. Beside ds4's choice (`auto`) the table shows
-the split-K kernel and cuBLAS at every M either takes, and bf16 F.linear on the dequantised weight.
+output out) over the bandwidth and its FLOPs over the fp8 rate. Every timing is a CUDA-graph replay (median,
+L2 flushed before each), so decode-sized calls are not measured as Python launch overhead. Beside ds4's choice
+(`auto`) the table shows the Triton kernel and cuBLAS at every M either takes, and bf16 F.linear on the
+dequantised weight. `--sweep` times the Triton kernel under other tile settings per M family and prints the
+settings with the least summed time over the shapes (what TILE_TABLE in fp8_linear.py holds).
 """
 
 from __future__ import annotations
@@ -22,17 +24,58 @@ from ds4.checkpoint.quant import fp8_block_quantize
 from ds4.kernels import fp8_linear as fl
 from ds4.kernels._device import num_sms
 
-# name: (N, K, groups, act_quant) of DeepSeek-V4-Flash (hidden 4096, 64 heads x 512, q/o rank 1024, 8 groups).
+# name: (N, K, groups, act_quant): DeepSeek-V4-Flash's FP8 linears (hidden 4096, q rank 1024, 64 heads x 512,
+# o: 8 groups of 1024 rows, shared expert 2048, indexer 64 heads x 128); 4096x4096 is the MTP's e_proj / h_proj.
 SHAPES = {
-    "4096x4096": (4096, 4096, 1, True),
     "wq_a": (1024, 4096, 1, True),
     "wq_b": (32768, 1024, 1, True),
+    "wkv": (512, 4096, 1, True),
     "wo_a": (8 * 1024, 4096, 8, False),
     "wo_b": (4096, 8192, 1, True),
+    "shared_w13": (2048, 4096, 1, True),
     "shared_w2": (4096, 2048, 1, True),
+    "idx_wq_b": (8192, 1024, 1, True),
+    "4096x4096": (4096, 4096, 1, True),
 }
-MS = (1, 8, 16, 64, 128, 8192)
-SPLIT_K_MAX_M = 256
+MS = (1, 4, 16, 64, 128, 8192)
+TRITON_BENCH_MAX_M = 256
+SWEEP_SHAPES = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+SWEEP_REP_MS = 50
+# Candidate tile settings (block_n, block_k, programs_per_sm, max_stages, num_warps) per family.
+FMA_CANDIDATES = [
+    fl.TileSettings(*t)
+    for t in (
+        (32, 512, 4, 2, 4),
+        (16, 512, 4, 2, 4),
+        (16, 512, 8, 2, 4),
+        (32, 256, 8, 2, 4),
+        (64, 256, 4, 2, 4),
+        (32, 512, 8, 2, 8),
+        (16, 1024, 4, 2, 4),
+        (64, 512, 2, 2, 8),
+    )
+]
+DOT_CANDIDATES = [
+    fl.TileSettings(*t)
+    for t in (
+        (64, 256, 4, 3, 4),
+        (128, 128, 4, 4, 4),
+        (64, 128, 4, 4, 4),
+        (128, 128, 4, 4, 8),
+        (64, 256, 4, 3, 8),
+        (32, 256, 4, 3, 4),
+        (64, 128, 8, 4, 4),
+        (128, 256, 2, 2, 8),
+    )
+]
+# family: (M, tl.dot, candidates)
+SWEEPS = {
+    "fma_m1": (1, False, FMA_CANDIDATES),
+    "dot_m1": (1, True, DOT_CANDIDATES),
+    "dot_m4": (4, True, DOT_CANDIDATES),
+    "dot_m16": (16, True, DOT_CANDIDATES),
+    "dot_m64": (64, True, DOT_CANDIDATES),
+}
 
 
 def _inputs(n: int, k: int, groups: int, m: int):
@@ -42,55 +85,75 @@ def _inputs(n: int, k: int, groups: int, m: int):
     return x, w, s.float()
 
 
-def bench_shape(name: str, m: int, bandwidth: float, rate: float) -> dict:
+def bench_shape(name: str, m: int, bandwidth: float, rate: float, rep: int = 200) -> dict:
     n, k, groups, quantize_x = SHAPES[name]
     x, w, s = _inputs(n, k, groups, m)
     bytes_moved = n * k + s.numel() * 4 + x.numel() * 2 + m * n * 2
     flops = 2 * m * n * k
     roofline = max(bytes_moved / bandwidth, flops / rate) * 1e3
     row = {"shape": name, "m": m, "n": n, "k": k, "groups": groups, "roofline_ms": roofline}
-    row["auto_ms"] = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x))
-    if m <= SPLIT_K_MAX_M:
-        row["split_k_ms"] = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="triton"))
+    if m <= TRITON_BENCH_MAX_M:
+        row["triton_ms"] = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="triton"), rep)
+        row["plan"] = dataclasses.asdict(
+            fl.linear_plan(m, n // groups, groups, k, 2, num_sms(x.device), fl.shared_memory_per_block(x.device))
+        )
     if fl.cublas_fits(10**9, n, k, groups, quantize_x):
-        row["cublas_ms"] = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="cublas"))
+        row["cublas_ms"] = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="cublas"), rep)
+    auto_triton = m <= fl.TRITON_MAX_M or not fl.cublas_fits(m, n, k, groups, quantize_x)
+    auto_key = "triton_ms" if auto_triton else "cublas_ms"
+    row["auto_ms"] = row.get(auto_key) or graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x), rep)
     dense = fl.dequantize_weight(w, s).to(torch.bfloat16)
     if groups == 1:
-        row["bf16_ms"] = graph_ms(lambda: F.linear(x, dense))
+        row["bf16_ms"] = graph_ms(lambda: F.linear(x, dense), rep)
     row["fraction_of_roofline"] = roofline / row["auto_ms"]
     return row
 
 
-def sweep_split_k(name: str, m: int) -> list[dict]:
-    """The split-K kernel under other plans (programs per SM, output tile, stages) for tuning."""
-    n, k, groups, quantize_x = SHAPES[name]
-    x, w, s = _inputs(n, k, groups, m)
-    base = fl.gemv_plan(m, n // groups, groups, k, 2, num_sms(x.device), fl.shared_memory_per_block(x.device))
+def sweep(family: str, shapes: list[str], rep: int = SWEEP_REP_MS) -> list[dict]:
+    """The Triton kernel under each candidate tile setting of `family` at every shape (a plan the device cannot
+    run is reported, not fatal). rep=0 runs each plan once without timing it (compiles it)."""
+    m, use_dot, candidates = SWEEPS[family]
     out = []
-    for waves in (2, 4, 8):
-        for block_n in (64, 128):
-            for stages in (2, 4):
-                tiles = -(-(n // groups) // block_n) * groups
-                k_blocks = -(-k // 128)
-                splits = max(1, min(-(-waves * num_sms(x.device) // tiles), k_blocks))
-                per = -(-k_blocks // splits)
-                plan = dataclasses.replace(
-                    base, block_n=block_n, splits=-(-k_blocks // per), k_blocks_per_split=per, num_stages=stages
-                )
-                try:
-                    ms = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="triton", plan=plan))
-                except Exception as e:  # a plan the device cannot run (shared memory) is reported, not fatal
-                    out.append({"shape": name, "m": m, "plan": dataclasses.asdict(plan), "error": str(e)[:120]})
-                    continue
-                out.append({"shape": name, "m": m, "waves": waves, "plan": dataclasses.asdict(plan), "ms": ms})
+    for name in shapes:
+        n, k, groups, quantize_x = SHAPES[name]
+        x, w, s = _inputs(n, k, groups, m)
+        for tiles in candidates:
+            plan = fl.linear_plan(
+                m, n // groups, groups, k, 2, num_sms(x.device), fl.shared_memory_per_block(x.device), tiles, use_dot
+            )
+            row = {"shape": name, "m": m, "tiles": dataclasses.asdict(tiles), "plan": dataclasses.asdict(plan)}
+
+            def run(plan=plan):
+                return fl.fp8_linear(x, w, s, groups, quantize_x, impl="triton", plan=plan)
+
+            try:
+                if rep:
+                    row["ms"] = graph_ms(run, rep)
+                else:
+                    run()
+            except Exception as e:  # e.g. out of shared memory on this device: reported, not fatal
+                row["error"] = str(e)[:160]
+            out.append(row)
+        print(f"sweep {family} {name} done", file=sys.stderr)
     return out
+
+
+def best_settings(rows: list[dict]) -> list[tuple[float, dict]]:
+    """Candidates that ran at every shape, by their summed time (a decode step runs each shape once)."""
+    totals: dict[str, list] = {}
+    for r in rows:
+        key = json.dumps(r["tiles"])
+        totals.setdefault(key, []).append(r.get("ms"))
+    ranked = [(sum(v), json.loads(key)) for key, v in totals.items() if None not in v]
+    return sorted(ranked, key=lambda t: t[0])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ds4 bench linear", description=__doc__)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--m", nargs="*", type=int, default=list(MS))
-    parser.add_argument("--sweep", action="store_true", help="time other split-K plans (first shape, M = 1 and 64)")
+    parser.add_argument("--sweep", action="store_true", help="time other tile settings (M = 1, 4, 16 and 64)")
+    parser.add_argument("--rep", type=int, default=200, help="milliseconds of replays a timing repeats for")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -102,29 +165,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.shapes:
         for m in args.m:
-            rows.append(bench_shape(name, m, bandwidth, rate))
+            rows.append(bench_shape(name, m, bandwidth, rate, args.rep))
             print(f"{name} M={m} done", file=sys.stderr)
-    sweep = []
+    sweeps = {}
     if args.sweep:
-        for name in args.shapes[:1]:
-            for m in (1, 64):
-                sweep.extend(sweep_split_k(name, m))
-    head = f"{'shape':>10} {'M':>5} {'auto ms':>9} {'split-K':>9} {'cuBLAS':>9} {'bf16':>9} {'roofline':>9} {'frac':>6}"
+        shapes = [s for s in SWEEP_SHAPES if s in args.shapes]
+        sweeps = {family: sweep(family, shapes) for family in SWEEPS}
+    head = f"{'shape':>10} {'M':>5} {'auto ms':>9} {'triton':>9} {'cuBLAS':>9} {'bf16':>9} {'roofline':>9} {'frac':>6}"
     print(head)
     for r in rows:
-        cells = [f"{r[c]:9.4f}" if c in r else f"{'-':>9}" for c in ("auto_ms", "split_k_ms", "cublas_ms", "bf16_ms")]
+        cells = [f"{r[c]:9.4f}" if c in r else f"{'-':>9}" for c in ("auto_ms", "triton_ms", "cublas_ms", "bf16_ms")]
         print(
             f"{r['shape']:>10} {r['m']:>5} {' '.join(cells)} {r['roofline_ms']:9.4f} {r['fraction_of_roofline']:6.2f}"
         )
-    if sweep:
-        best = {}
-        for r in sweep:
-            key = (r["shape"], r["m"])
-            if "ms" in r and (key not in best or r["ms"] < best[key]["ms"]):
-                best[key] = r
-        for (name, m), r in sorted(best.items()):
-            print(f"best split-K plan {name} M={m}: {r['ms']:.4f} ms waves={r['waves']} {r['plan']}")
+    for family, sweep_rows in sweeps.items():
+        ranked = best_settings(sweep_rows)
+        for total, tiles in ranked[:3]:
+            print(f"sweep {family}: {total:.4f} ms summed over the shapes, {tiles}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "fp8_rate": rate, "rows": rows, "sweep": sweep}, f, indent=1)
+            json.dump({"bandwidth": bandwidth, "fp8_rate": rate, "rows": rows, "sweeps": sweeps}, f, indent=1)
     return 0

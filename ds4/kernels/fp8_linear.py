@@ -9,11 +9,13 @@ Grouped projections (the attention's wo_a): x [M, G*K] holds G groups of K colum
 R output rows per group; outputs of group g read only inputs of group g. The reference multiplies wo_a in
 bf16 without act_quant; `quantize_x=False` is that: x (unrounded) times the dequantised weight.
 
-On CUDA, whole 128 x 128 blocks run cuBLAS (torch._scaled_mm, 1x128 activation blocks x 128x128 weight blocks)
-after a Triton act_quant, rows padded to a multiple of 16; other shapes run a Triton split-K kernel that
-quantises its activations on the fly, reads each weight byte once, and sums its K-splits in a fixed order
-(`ds4 bench linear` times both at every M). Without act_quant, large M dequantises the weight per call and
-multiplies in bf16, as the reference does; small M runs the split-K kernel.
+On CUDA, up to TRITON_MAX_M rows (decode) run one Triton launch that is bound by the weight's bytes: act_quant
+fused in, each weight byte read once, K split across programs until the device is full, the last program of
+each output tile summing the splits' fp32 partials in a fixed order and writing the output dtype (deterministic,
+capturable in CUDA graphs), by FMA over K-contiguous weight rows at M = 1, by tl.dot at more rows. Above
+TRITON_MAX_M, whole 128 x 128 blocks run cuBLAS (torch._scaled_mm, 1x128 activation blocks x 128x128 weight
+blocks) after a Triton act_quant, rows padded to a multiple of 16; without act_quant, large M dequantises the
+weight per call and multiplies in bf16, as the reference does. `ds4 bench linear` times every path at every M.
 """
 
 from __future__ import annotations
@@ -32,14 +34,34 @@ QUANT_BLOCK = 128  # activation groups and weight blocks are 128 wide along K (a
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
-# ---- chosen settings (the sweep lives in `ds4 bench linear`) ----
-CUBLAS_MIN_M = 0  # above this many rows cuBLAS (blockwise FP8) beats the split-K kernel (H200: at every M)
+
+@dataclass(frozen=True)
+class TileSettings:
+    """Tile shape and parallelism of the Triton kernel for one family of M; `linear_plan` fits them to a problem
+    and a device."""
+
+    block_n: int  # output rows a program computes (a power of two <= 128: one weight scale block)
+    block_k: int  # K columns a loop step reads (a multiple of 128)
+    programs_per_sm: int  # split K until the grid holds this many programs per SM (bytes in flight)
+    max_stages: int  # pipeline stages at most (fewer where shared memory runs out)
+    num_warps: int
+
+
+# ---- chosen settings (measured by `ds4 bench linear --sweep`; see BENCHMARKS.md) ----
+# (largest M, tl.dot, tiles) of the Triton kernel: a call takes the first row whose M covers its M (else the last;
+# more rows run more programs). Without tl.dot the kernel multiplies by FMA over K-contiguous weight rows, one row
+# of x a program.
+TILE_TABLE = (
+    (1, False, TileSettings(block_n=32, block_k=512, programs_per_sm=4, max_stages=2, num_warps=4)),
+    (16, True, TileSettings(block_n=64, block_k=256, programs_per_sm=4, max_stages=3, num_warps=4)),
+    (64, True, TileSettings(block_n=64, block_k=128, programs_per_sm=4, max_stages=4, num_warps=4)),
+)
+DOT_MAX_BLOCK_M = 64  # rows of x a tl.dot program takes; more rows run more programs
+TRITON_MAX_M = 64  # up to this many rows `auto` runs the Triton kernel, above it cuBLAS where the shape allows
 CUBLAS_MIN_M_DEQUANTIZED = 128  # without act_quant, dequantising the weight per call pays off above this
+PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 1/this of the weight's bytes
 CUBLAS_ROWS = 16  # rows padded to a multiple of this for cuBLAS
-GEMV_BLOCK_N = 128  # output rows a program reads
-GEMV_WAVES = 4  # split K until the grid fills this many programs per SM (bandwidth needs several in flight)
-GEMV_MIN_K_BLOCKS = 2  # K blocks of 128 a split keeps at least
-GEMV_MAX_STAGES = 4
+ARRIVAL_COUNTERS = 1 << 14  # output tiles a split launch may have (one int32 counter each, per device)
 SMEM_RESERVE = 8 << 10  # shared memory left to the compiler's own scratch (barriers, the epilogue)
 ACT_QUANT_ROWS = 32  # rows an act_quant program quantises
 
@@ -101,8 +123,24 @@ def _quantize_group(x):
 
 
 @triton.jit
+def _scaled_activations(x, w_scale, QUANTIZE_X: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+    """fp32 [ROWS, GROUPS * 128] -> (act_quant'ed when QUANTIZE_X) x times its group scale and the weight block
+    scale w_scale [GROUPS] of each group: powers of two, so every value stays exact (in bf16 too for bf16 or
+    e4m3 inputs) and the product with an e4m3 weight is the spec's product exactly."""
+    x = tl.reshape(x, (ROWS * GROUPS, 128))
+    scale = tl.reshape(tl.broadcast_to(w_scale[None, :], (ROWS, GROUPS)), (ROWS * GROUPS,))
+    if QUANTIZE_X:
+        q, x_scale = _quantize_group(x)
+        x = q.to(tl.float32) * (x_scale * scale)[:, None]
+    else:
+        x = x * scale[:, None]
+    return tl.reshape(x, (ROWS, GROUPS * 128))
+
+
+@triton.jit
 def _mma(a, b, DOT_F32: tl.constexpr):
-    """a @ b in fp32: bf16 operands (exact for e4m3 and bf16 values), or full fp32 ones when DOT_F32."""
+    """a @ b in fp32: bf16 operands (exact for e4m3 values times powers of two and for bf16 inputs), or full fp32
+    ones when DOT_F32."""
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
@@ -121,66 +159,117 @@ def _act_quant_kernel(x_ptr, x_stride, q_ptr, q_stride, scale_ptr, scale_stride,
     tl.store(scale_ptr + tl.program_id(1) * scale_stride + rows, scale, mask=rows < M_OUT)
 
 
-@triton.jit(do_not_specialize=["M", "rows_per_group", "k_per_group", "k_blocks_per_split"])
-def _gemv_kernel(
+# K and the input strides stay specialised: their divisibility by 16 lets the K-masked loads be 16 bytes wide.
+@triton.jit(
+    do_not_specialize=[
+        "ws_stride",
+        "out_stride",
+        "part_split_stride",
+        "part_stride",
+        "M",
+        "rows_per_group",
+        "chunks_per_split",
+        "splits",
+    ]
+)
+def _fp8_linear_kernel(
     x_ptr,
     x_stride,
     w_ptr,
     w_stride,
     ws_ptr,
     ws_stride,
+    out_ptr,
+    out_stride,
     part_ptr,
     part_split_stride,
     part_stride,
+    arrivals_ptr,
     M,
     rows_per_group,
-    k_per_group,
-    k_blocks_per_split,
+    K,
+    chunks_per_split,
+    splits,
     QUANTIZE_X: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """One program: BLOCK_N output rows of one group, all M rows of x, one split of the K blocks; fp32 partial
-    sums to part[split]. Operands go to the MMA as bf16, exact for e4m3 values and bf16 inputs; DOT_F32 (fp32
-    inputs, or the interpreter, whose bf16 dot is wrong) multiplies in full fp32."""
-    n_tile, split, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_local = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    """One program: BLOCK_N output rows of one group x BLOCK_M rows of x x one split of the K chunks (BLOCK_K
+    columns each), accumulated in fp32 [BLOCK_N, BLOCK_M]: by tl.dot (bf16 operands, or fp32 when DOT_F32), or
+    with BLOCK_M = 1 by FMA over K-contiguous weight rows. Each 128-group's weight scale multiplies the
+    activations (exact), or with ROW_SCALES (a tile that crosses 128-row scale blocks) the weight.
+
+    SPLIT: each split stores its fp32 partial, and the last program of the tile to arrive (an arrival counter per
+    tile, which it resets for the next launch) sums the partials in split order and writes the output: one
+    launch, the same bits every run, capturable in a CUDA graph."""
+    GROUPS: tl.constexpr = BLOCK_K // 128
+    tile, m_tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tiles_per_group = tl.cdiv(rows_per_group, BLOCK_N)
+    group = tile // tiles_per_group
+    n_start = group * rows_per_group + (tile % tiles_per_group) * BLOCK_N
+    n_local = (tile % tiles_per_group) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_live = n_local < rows_per_group
-    n = group * rows_per_group + n_local
-    m = tl.arange(0, BLOCK_M)
+    n = n_start + tl.arange(0, BLOCK_N)
+    m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_live = m < M
-    k_blocks = tl.cdiv(k_per_group, 128)
-    kb_start = split * k_blocks_per_split
-    kb_end = tl.minimum(kb_start + k_blocks_per_split, k_blocks)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(kb_start, kb_end):
-        k = kb * 128 + tl.arange(0, 128)
-        k_live = k < k_per_group
+    k_groups = tl.cdiv(K, 128)
+    chunk_start = split * chunks_per_split
+    chunk_end = tl.minimum(chunk_start + chunks_per_split, tl.cdiv(K, BLOCK_K))
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for chunk in range(chunk_start, chunk_end):
+        k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_live = k < K
+        kg = chunk * GROUPS + tl.arange(0, GROUPS)
+        w = tl.load(w_ptr + n[:, None] * w_stride + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
         x = tl.load(
-            x_ptr + m[:, None] * x_stride + group * k_per_group + k[None, :],
+            x_ptr + m[:, None] * x_stride + group * K + k[None, :],
             mask=m_live[:, None] & k_live[None, :],
             other=0.0,
-        )
-        w = tl.load(w_ptr + n[None, :] * w_stride + k[:, None], mask=n_live[None, :] & k_live[:, None], other=0.0)
-        w_scale = tl.load(ws_ptr + (n // 128) * ws_stride + kb, mask=n_live, other=0.0)
-        if QUANTIZE_X:
-            q, x_scale = _quantize_group(x.to(tl.float32))
-            acc += _mma(q, w, DOT_F32) * (x_scale[:, None] * w_scale[None, :])
+        ).to(tl.float32)
+        if ROW_SCALES:
+            scale_ptrs = ws_ptr + (n // 128)[:, None] * ws_stride + kg[None, :]
+            ws = tl.load(scale_ptrs, mask=n_live[:, None] & (kg < k_groups)[None, :], other=0.0)
+            w = tl.reshape(tl.reshape(w.to(tl.float32), (BLOCK_N, GROUPS, 128)) * ws[:, :, None], (BLOCK_N, BLOCK_K))
+            x = _scaled_activations(x, tl.full((GROUPS,), 1.0, tl.float32), QUANTIZE_X, BLOCK_M, GROUPS)
         else:
-            acc += _mma(x, w, DOT_F32) * w_scale[None, :]
-    out = part_ptr + split * part_split_stride + m[:, None] * part_stride + n[None, :]
-    tl.store(out, acc, mask=m_live[:, None] & n_live[None, :])
+            ws = tl.load(ws_ptr + (n_start // 128) * ws_stride + kg, mask=kg < k_groups, other=0.0)
+            x = _scaled_activations(x, ws, QUANTIZE_X, BLOCK_M, GROUPS)
+        if USE_DOT:
+            acc += _mma(w, tl.trans(x), DOT_F32)
+        else:
+            acc += tl.sum(w.to(tl.float32) * x, axis=1)[:, None]
+    live = n_live[:, None] & m_live[None, :]
+    out = out_ptr + m[None, :] * out_stride + n[:, None]
+    if SPLIT:
+        part = part_ptr + m[None, :] * part_stride + n[:, None]
+        tl.store(part + split * part_split_stride, acc, mask=live)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        arrival = arrivals_ptr + tile * tl.num_programs(1) + m_tile
+        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(splits):
+                total += tl.load(part + s * part_split_stride, mask=live, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=live)
+            tl.atomic_xchg(arrival, 0)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
 @dataclass(frozen=True)
-class GemvPlan:
-    """Launch settings of the split-K kernel for one problem shape."""
+class LinearPlan:
+    """Launch settings of the Triton kernel for one problem shape."""
 
+    use_dot: bool
     block_m: int
     block_n: int
+    block_k: int
     splits: int
-    k_blocks_per_split: int
+    chunks_per_split: int
     num_stages: int
     num_warps: int
 
@@ -194,57 +283,100 @@ def shared_memory_per_block(device: torch.device) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
-def gemv_plan(m: int, rows_per_group: int, groups: int, k: int, x_bytes: int, sms: int, smem: int) -> GemvPlan:
-    """Tiles from the device: pipeline stages as many as a program's shared memory (`smem` bytes) holds next to
-    the bf16 copies of its operands that the MMA reads (the output tile narrows until two stages fit), and K
-    split until GEMV_WAVES programs per SM are in flight."""
-    block_m = max(16, triton.next_power_of_2(m))
-    block_n = min(GEMV_BLOCK_N, max(16, triton.next_power_of_2(rows_per_group)))
+def linear_plan(
+    m: int,
+    rows_per_group: int,
+    groups: int,
+    k: int,
+    x_bytes: int,
+    sms: int,
+    smem: int,
+    tiles: TileSettings | None = None,
+    use_dot: bool | None = None,
+) -> LinearPlan:
+    """Tiles from TILE_TABLE's row for this M (`tiles` / `use_dot` override it for the sweep), narrowed to the
+    problem and to the device: pipeline stages as many as a program's shared memory (`smem` bytes) holds next to
+    the bf16 copies of the MMA's operands (the K chunk, then the output tile narrows until two stages fit); K
+    split until `programs_per_sm` programs per SM are in flight, the partial sums kept to a small share of the
+    weight's bytes."""
+    row = next((row for row in TILE_TABLE if m <= row[0]), TILE_TABLE[-1])
+    use_dot = row[1] if use_dot is None else use_dot
+    t = tiles or row[2]
+    block_m = min(DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m))) if use_dot else 1
+    block_n = min(t.block_n, max(16, triton.next_power_of_2(rows_per_group)))
+    block_k = min(t.block_k, max(QUANT_BLOCK, triton.next_power_of_2(k)))
     while True:
-        stage = QUANT_BLOCK * block_n + block_m * QUANT_BLOCK * x_bytes
-        operands = 2 * QUANT_BLOCK * (block_n + block_m)
-        stages = min(GEMV_MAX_STAGES, (smem - SMEM_RESERVE - operands) // stage)
-        if stages >= 2 or block_n <= 32:
+        stage = block_k * block_n + block_m * block_k * x_bytes
+        operands = 2 * block_k * (block_n + block_m) if use_dot else 0
+        stages = min(t.max_stages, (smem - SMEM_RESERVE - operands) // stage)
+        if stages >= min(2, t.max_stages) or block_n <= 16:
             break
-        block_n //= 2
-    tiles = triton.cdiv(rows_per_group, block_n) * groups
-    k_blocks = triton.cdiv(k, QUANT_BLOCK)
-    splits = max(1, min(triton.cdiv(GEMV_WAVES * sms, tiles), k_blocks // GEMV_MIN_K_BLOCKS))
-    per_split = triton.cdiv(k_blocks, splits)
-    splits = triton.cdiv(k_blocks, per_split)
-    return GemvPlan(block_m, block_n, splits, per_split, max(1, stages), 4)
+        if block_k > QUANT_BLOCK:
+            block_k //= 2
+        else:
+            block_n //= 2
+    tile_count = triton.cdiv(rows_per_group, block_n) * groups * triton.cdiv(m, block_m)
+    chunks = triton.cdiv(k, block_k)
+    partial_cap = max(1, k // (PARTIAL_SHARE * 4 * block_m))  # partial bytes 4*splits*M*N <= weight bytes N*K / share
+    splits = max(1, min(triton.cdiv(t.programs_per_sm * sms, tile_count), chunks, partial_cap))
+    if tile_count > ARRIVAL_COUNTERS:
+        splits = 1
+    per_split = triton.cdiv(chunks, splits)
+    return LinearPlan(
+        use_dot, block_m, block_n, block_k, triton.cdiv(chunks, per_split), per_split, max(1, stages), t.num_warps
+    )
 
 
-def _gemv(x, weight, scale, groups, quantize_x, out_dtype, plan: GemvPlan | None) -> torch.Tensor:
+@functools.cache
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed arrival counters of the split kernel on `device`: each launch leaves them zero again. Launches on one
+    device share them, so they must run one after another (one stream at a time)."""
+    if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("fp8_linear: run it once outside CUDA-graph capture first (its counters are allocated then)")
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+
+
+def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | None) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
     rows = n // groups
     if plan is None:
-        plan = gemv_plan(m, rows, groups, k, x.element_size(), num_sms(x.device), shared_memory_per_block(x.device))
-    part = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(rows, plan.block_n), plan.splits, groups)
-    _gemv_kernel[grid](
+        plan = linear_plan(m, rows, groups, k, x.element_size(), num_sms(x.device), shared_memory_per_block(x.device))
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    split = plan.splits > 1
+    part = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x.device) if split else out
+    row_scales = QUANT_BLOCK % plan.block_n != 0 or (groups > 1 and rows % QUANT_BLOCK != 0)
+    grid = (triton.cdiv(rows, plan.block_n) * groups, triton.cdiv(m, plan.block_m), plan.splits)
+    _fp8_linear_kernel[grid](
         x,
         x.stride(0),
         weight,
         weight.stride(0),
         scale,
         scale.stride(0),
+        out,
+        out.stride(0),
         part,
-        part.stride(0),
-        part.stride(1),
+        part.stride(0) if split else 0,
+        part.stride(1) if split else 0,
+        _arrival_counters(x.device) if split else out,
         m,
         rows,
         k,
-        plan.k_blocks_per_split,
+        plan.chunks_per_split,
+        plan.splits,
         QUANTIZE_X=quantize_x,
+        ROW_SCALES=row_scales,
+        USE_DOT=plan.use_dot,
+        DOT_F32=interpreting() or x.dtype == torch.float32,
+        SPLIT=split,
         BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n,
-        DOT_F32=interpreting() or x.dtype == torch.float32,
+        BLOCK_K=plan.block_k,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
-    return (part[0] if plan.splits == 1 else part.sum(0)).to(out_dtype)
+    return out
 
 
 def act_quant_triton(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,7 +417,7 @@ def cublas_fits(m: int, n: int, k: int, groups: int, quantize_x: bool) -> bool:
     aligned = (n // groups) % QUANT_BLOCK == 0 and k % QUANT_BLOCK == 0
     if not quantize_x:
         return aligned and m > CUBLAS_MIN_M_DEQUANTIZED
-    return aligned and groups == 1 and m > CUBLAS_MIN_M
+    return aligned and groups == 1
 
 
 def fp8_linear(
@@ -296,13 +428,13 @@ def fp8_linear(
     quantize_x: bool = True,
     out_dtype: torch.dtype | None = None,
     impl: str = "auto",
-    plan: GemvPlan | None = None,
+    plan: LinearPlan | None = None,
 ) -> torch.Tensor:
     """x [..., G*K] -> [..., G*R]; weight float8_e4m3fn [G*R, K]; scale fp32 [ceil(G*R/128), ceil(K/128)].
 
-    impl: "auto" (cuBLAS or the split-K kernel on CUDA by M, the reference elsewhere), "triton" (the split-K
-    kernel at any M; CPU under TRITON_INTERPRET=1), "cublas" or "torch". plan: override the split-K kernel's
-    launch plan (tests run the small-shared-memory plan with it).
+    impl: "auto" (on CUDA the Triton kernel up to TRITON_MAX_M rows, cuBLAS above where it fits; the reference
+    elsewhere), "triton" (the Triton kernel at any M; CPU under TRITON_INTERPRET=1), "cublas" or "torch".
+    plan: override the Triton kernel's launch plan (tests run the small-shared-memory plan with it).
     """
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
@@ -315,20 +447,21 @@ def fp8_linear(
         raise ValueError(f"fp8_linear: scale {list(scale.shape)} does not fit weight {list(weight.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
     out_dtype = out_dtype or x.dtype
     if impl == "auto":
         if not x.is_cuda:
             impl = "torch"
         else:
-            impl = "cublas" if cublas_fits(x2.shape[0], n, k, groups, quantize_x) else "triton"
+            impl = "cublas" if m > TRITON_MAX_M and cublas_fits(m, n, k, groups, quantize_x) else "triton"
     if impl == "torch":
         y = fp8_linear_reference(x2, weight, scale, groups, quantize_x, out_dtype)
-    elif x2.shape[0] == 0:
+    elif m == 0:
         y = torch.empty(0, n, dtype=out_dtype, device=x.device)
     elif impl == "triton":
-        y = _gemv(x2.contiguous(), weight, scale, groups, quantize_x, out_dtype, plan)
+        y = _triton(x2.contiguous(), weight, scale, groups, quantize_x, out_dtype, plan)
     elif impl == "cublas":
-        if not cublas_fits(max(CUBLAS_MIN_M, CUBLAS_MIN_M_DEQUANTIZED) + 1, n, k, groups, quantize_x):
+        if not cublas_fits(CUBLAS_MIN_M_DEQUANTIZED + 1, n, k, groups, quantize_x):
             raise ValueError(f"fp8_linear: cuBLAS needs one group of whole 128x128 blocks, got {groups} x {[n, k]}")
         y = _cublas(x2.contiguous(), weight, scale, groups, quantize_x, out_dtype)
     else:

@@ -1,5 +1,6 @@
-"""FP8 block-scaled linear: act_quant against hand-worked values, the split-K kernel (interpreted) against the
-torch reference, and the reference against a float64 product of the dequantised operands."""
+"""FP8 block-scaled linear: act_quant against hand-worked values, the Triton kernel (interpreted: FMA and tl.dot,
+split and whole K, grouped, tiles across scale blocks, K tails, several row tiles) against the torch reference,
+its launch plans, and the reference against a float64 product of the dequantised operands."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from ds4.checkpoint.quant import fp8_block_quantize
 
 @pytest.fixture(scope="module")
 def fp8():
-    return interpreted(ds4.kernels.fp8_linear, "_gemv_kernel")
+    return interpreted(ds4.kernels.fp8_linear, "_fp8_linear_kernel")
 
 
 def test_act_quant_hand_example(fp8):
@@ -64,34 +65,56 @@ def test_reference_matches_float64_of_dequantised_operands(fp8):
 
 
 @pytest.mark.parametrize(
-    "m, n, k, groups, quantize_x",
+    "m, n, k, groups, quantize_x, use_dot",
     [
-        (1, 200, 300, 1, True),
-        (5, 256, 384, 1, True),
-        (3, 80, 160, 2, True),
-        (4, 64, 256, 4, False),
-        (17, 40, 96, 1, True),
+        (1, 200, 300, 1, True, False),  # FMA, K tail inside a 512 chunk, split K
+        (1, 256, 1024, 2, False, False),  # FMA, grouped without act_quant, split K
+        (1, 64, 256, 4, True, False),  # FMA, weight scales per row (groups of 16 rows in one 128-row block)
+        (5, 256, 384, 1, True, True),  # tl.dot, split K
+        (3, 80, 160, 2, True, True),  # tl.dot, 40-row groups: a tile crosses weight scale blocks
+        (4, 64, 256, 4, False, True),
+        (17, 40, 96, 1, True, True),
+        (70, 48, 256, 1, True, True),  # two row tiles of 64
     ],
 )
-def test_split_k_kernel_matches_reference(fp8, m, n, k, groups, quantize_x):
+def test_triton_kernel_matches_reference(fp8, m, n, k, groups, quantize_x, use_dot):
     g = torch.Generator().manual_seed(m * n + k)
     # Quantisation groups restart at each projection group.
     x = exact_inputs(m * groups, k, g).view(m, -1) if quantize_x else torch.randn(m, groups * k, generator=g)
     w, s = weights(n, k, g)
     want = fp8.fp8_linear_reference(x, w, s, groups, quantize_x)
-    plan = fp8.gemv_plan(m, n // groups, groups, k, 4, sms=4, smem=99 << 10)
+    plan = fp8.linear_plan(m, n // groups, groups, k, 4, sms=4, smem=99 << 10, use_dot=use_dot)
     got = fp8.fp8_linear(x, w, s, groups, quantize_x, impl="triton", plan=plan)
     # Exact products, fp32 sums in another order.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    # The last program of each tile resets its arrival counter for the next launch.
+    assert plan.use_dot == use_dot and not fp8._arrival_counters(x.device).any()
 
 
-def test_plan_fits_shared_memory_and_fills_the_device(fp8):
-    small = fp8.gemv_plan(64, 4096, 1, 4096, 2, sms=132, smem=99 << 10)
-    large = fp8.gemv_plan(64, 4096, 1, 4096, 2, sms=132, smem=227 << 10)
-    for plan, smem in ((small, 99 << 10), (large, 227 << 10)):
-        stage = 128 * plan.block_n + plan.block_m * 128 * 2  # fp8 weight tile + bf16 activation tile
-        operands = 2 * 128 * (plan.block_n + plan.block_m)  # their bf16 copies for the MMA
-        assert plan.num_stages >= 2 and plan.num_stages * stage + operands <= smem
-        assert plan.splits * plan.k_blocks_per_split >= 32 > (plan.splits - 1) * plan.k_blocks_per_split
-        assert plan.splits * 4096 // plan.block_n >= 132  # at least one program per SM
-    assert (small.block_n, small.num_stages) < (large.block_n, large.num_stages)
+def test_split_runs_are_bit_identical_and_write_the_output_dtype(fp8):
+    g = torch.Generator().manual_seed(3)
+    x = exact_inputs(2, 512, g)
+    w, s = weights(128, 512, g)
+    plan = fp8.linear_plan(2, 128, 1, 512, 4, sms=8, smem=99 << 10)
+    assert plan.splits > 1
+    first = fp8.fp8_linear(x, w, s, impl="triton", plan=plan)
+    assert torch.equal(first, fp8.fp8_linear(x, w, s, impl="triton", plan=plan)) and first.dtype == torch.float32
+
+
+def test_plans_fit_shared_memory_and_fill_the_device(fp8):
+    for m in (1, 16, 64):
+        small = fp8.linear_plan(m, 4096, 1, 4096, 2, sms=132, smem=99 << 10)
+        large = fp8.linear_plan(m, 4096, 1, 4096, 2, sms=132, smem=227 << 10)
+        assert small.use_dot == large.use_dot == next(row[1] for row in fp8.TILE_TABLE if m <= row[0])
+        for plan, smem in ((small, 99 << 10), (large, 227 << 10)):
+            stage = plan.block_k * plan.block_n + plan.block_m * plan.block_k * 2  # fp8 weight + bf16 activations
+            operands = 2 * plan.block_k * (plan.block_n + plan.block_m) if plan.use_dot else 0  # MMA's bf16 copies
+            assert plan.num_stages * stage + operands <= smem - fp8.SMEM_RESERVE
+            chunks = 4096 // plan.block_k
+            assert plan.splits * plan.chunks_per_split >= chunks > (plan.splits - 1) * plan.chunks_per_split
+            tiles = -(-4096 // plan.block_n) * -(-m // plan.block_m)
+            assert plan.splits * tiles >= 132  # at least one program per SM
+            # fp32 partials (written and read) stay a small share of the weight's bytes
+            assert plan.splits == 1 or 2 * 4 * plan.splits * plan.block_m * 4096 <= 4096 * 4096
+    # Wide rows fill the device without splitting K.
+    assert fp8.linear_plan(1, 32768, 1, 1024, 2, sms=132, smem=227 << 10).splits == 1

@@ -1,5 +1,6 @@
-"""FP8 linear on the GPU: device act_quant bit-exact with the torch spec, cuBLAS and the split-K kernel against
-the reference over M from 1 to 8192, the small-shared-memory plan, graph replay, and a bounded JIT cache."""
+"""FP8 linear on the GPU: device act_quant bit-exact with the torch spec, cuBLAS and the Triton kernel against
+the reference over M from 1 to 8192, the Triton kernel at every Flash decode shape (bit-identical run to run and
+in a CUDA graph), the small-shared-memory plan, graph replay, and a bounded JIT cache."""
 
 import pytest
 import torch
@@ -57,18 +58,63 @@ def test_grouped_projection_without_act_quant(m):
     assert rel_err(fl.fp8_linear(x, w, s, groups=8, quantize_x=False), want) < 3e-3
 
 
-@pytest.mark.parametrize("m", [1, 16, 64])
-@pytest.mark.parametrize("n, k", [(4096, 4096), (32768, 1024), (4096, 8192)])
-def test_small_shared_memory_plan(m, n, k):
-    """The plan a 99 KB GPU (sm_120, GB10) would get, run on this one."""
-    g = torch.Generator(device="cuda").manual_seed(m * 3 + n)
-    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+# DeepSeek-V4-Flash's FP8 linears: (N, K, groups, act_quant).
+FLASH_SHAPES = {
+    "wq_a": (1024, 4096, 1, True),
+    "wq_b": (32768, 1024, 1, True),
+    "wkv": (512, 4096, 1, True),
+    "wo_a": (8 * 1024, 4096, 8, False),
+    "wo_b": (4096, 8192, 1, True),
+    "shared_w13": (2048, 4096, 1, True),
+    "shared_w2": (4096, 2048, 1, True),
+    "idx_wq_b": (8192, 1024, 1, True),
+}
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 33, 64])
+@pytest.mark.parametrize("shape", list(FLASH_SHAPES))
+def test_decode_shapes_match_reference_bit_identical_and_in_graphs(shape, m):
+    n, k, groups, quantize_x = FLASH_SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
+    x = torch.randn(m, groups * k, device="cuda", generator=g).to(torch.bfloat16)
     w, s = weights(n, k, g)
-    plan = fl.gemv_plan(m, n, 1, k, 2, sms=torch.cuda.get_device_properties(0).multi_processor_count, smem=99 << 10)
-    big = fl.gemv_plan(m, n, 1, k, 2, sms=132, smem=fl.shared_memory_per_block(torch.device("cuda")))
-    assert fl.shared_memory_per_block(torch.device("cuda")) > 200 << 10 and plan != big
-    want = fl.fp8_linear_reference(x, w, s, out_dtype=torch.float32)
-    got = fl.fp8_linear(x, w, s, out_dtype=torch.float32, impl="triton", plan=plan)
+    want = fl.fp8_linear_reference(x, w, s, groups, quantize_x, out_dtype=torch.float32)
+
+    def run():
+        return fl.fp8_linear(x, w, s, groups, quantize_x, out_dtype=torch.float32, impl="triton")
+
+    got = run()
+    # Exact products, fp32 sums in another order.
+    assert rel_err(got, want) < 1e-5
+    assert torch.equal(got, run())
+    bf16 = fl.fp8_linear(x, w, s, groups, quantize_x, impl="triton")
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, got.to(torch.bfloat16))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for _ in range(2):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, got)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("shape", ["wq_b", "wo_a", "wo_b"])
+def test_small_shared_memory_plan(shape, m):
+    """The plan a 99 KB GPU (sm_120, GB10) would get, run on this one."""
+    n, k, groups, quantize_x = FLASH_SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(m * 3 + n)
+    x = torch.randn(m, groups * k, device="cuda", generator=g).to(torch.bfloat16)
+    w, s = weights(n, k, g)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = fl.linear_plan(m, n // groups, groups, k, 2, sms=sms, smem=99 << 10)
+    big = fl.linear_plan(m, n // groups, groups, k, 2, sms=sms, smem=fl.shared_memory_per_block(torch.device("cuda")))
+    assert fl.shared_memory_per_block(torch.device("cuda")) > 200 << 10
+    assert plan != big or not plan.use_dot  # FMA plans need no operand copies: they fit 99 KB as they are
+    want = fl.fp8_linear_reference(x, w, s, groups, quantize_x, out_dtype=torch.float32)
+    got = fl.fp8_linear(x, w, s, groups, quantize_x, out_dtype=torch.float32, impl="triton", plan=plan)
     assert rel_err(got, want) < 1e-5
 
 
@@ -90,15 +136,15 @@ def test_graph_replay_tracks_new_inputs():
 
 def test_many_shapes_compile_few_variants():
     g = torch.Generator(device="cuda").manual_seed(6)
-    kernel = fl._gemv_kernel
+    kernel = fl._fp8_linear_kernel
 
     def variants():
         return sum(len(cache[0]) for cache in kernel.device_caches.values())
 
     before = variants()
-    for m in range(1, 65, 7):
-        for n, k in ((256 + 128 * (m % 5), 300 + m), (1000 + m, 260 + 16 * m)):
+    for m in range(2, 65, 9):
+        for n, k in ((256 + 128 * (m % 5), 300 + m), (1000 + m, 256 + 16 * m)):
             w, s = weights(n, k, g)
             fl.fp8_linear(torch.randn(m, k, device="cuda", generator=g), w, s, impl="triton")
-    # block_m 16/32/64 x its stages x 16-byte aligned strides or not: lengths never become constants.
-    assert variants() - before <= 24
+    # block_m 16/32/64 x split or not x K divisible by 16 or not (strides with it): lengths never become constants.
+    assert variants() - before <= 12
