@@ -296,9 +296,9 @@ def linear_plan(
 ) -> LinearPlan:
     """Tiles from TILE_TABLE's row for this M (`tiles` / `use_dot` override it for the sweep), narrowed to the
     problem and to the device: pipeline stages as many as a program's shared memory (`smem` bytes) holds next to
-    the bf16 copies of the MMA's operands (the K chunk, then the output tile narrows until two stages fit); K
-    split until `programs_per_sm` programs per SM are in flight, the partial sums kept to a small share of the
-    weight's bytes."""
+    the copies of the MMA's operands (bf16, fp32 for fp32 inputs; the K chunk, then the output tile narrows until
+    two stages fit); K split until `programs_per_sm` programs per SM are in flight, the partial sums kept to a
+    small share of the weight's bytes."""
     row = next((row for row in TILE_TABLE if m <= row[0]), TILE_TABLE[-1])
     use_dot = row[1] if use_dot is None else use_dot
     t = tiles or row[2]
@@ -307,7 +307,7 @@ def linear_plan(
     block_k = min(t.block_k, max(QUANT_BLOCK, triton.next_power_of_2(k)))
     while True:
         stage = block_k * block_n + block_m * block_k * x_bytes
-        operands = 2 * block_k * (block_n + block_m) if use_dot else 0
+        operands = max(2, x_bytes) * block_k * (block_n + block_m) if use_dot else 0  # fp32 inputs: fp32 MMA
         stages = min(t.max_stages, (smem - SMEM_RESERVE - operands) // stage)
         if stages >= min(2, t.max_stages) or block_n <= 16:
             break
