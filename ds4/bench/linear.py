@@ -99,8 +99,7 @@ def bench_shape(name: str, m: int, bandwidth: float, rate: float, rep: int = 200
         )
     if fl.cublas_fits(10**9, n, k, groups, quantize_x):
         row["cublas_ms"] = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="cublas"), rep)
-    auto_triton = m <= fl.TRITON_MAX_M or not fl.cublas_fits(m, n, k, groups, quantize_x)
-    auto_key = "triton_ms" if auto_triton else "cublas_ms"
+    auto_key = "triton_ms" if fl.prefers_triton(m, n, k, groups, quantize_x) else "cublas_ms"
     row["auto_ms"] = row.get(auto_key) or graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x), rep)
     dense = fl.dequantize_weight(w, s).to(torch.bfloat16)
     if groups == 1:

@@ -9,13 +9,14 @@ Grouped projections (the attention's wo_a): x [M, G*K] holds G groups of K colum
 R output rows per group; outputs of group g read only inputs of group g. The reference multiplies wo_a in
 bf16 without act_quant; `quantize_x=False` is that: x (unrounded) times the dequantised weight.
 
-On CUDA, up to TRITON_MAX_M rows (decode) run one Triton launch that is bound by the weight's bytes: act_quant
-fused in, each weight byte read once, K split across programs until the device is full, the last program of
-each output tile summing the splits' fp32 partials in a fixed order and writing the output dtype (deterministic,
-capturable in CUDA graphs), by FMA over K-contiguous weight rows at M = 1, by tl.dot at more rows. Above
-TRITON_MAX_M, whole 128 x 128 blocks run cuBLAS (torch._scaled_mm, 1x128 activation blocks x 128x128 weight
-blocks) after a Triton act_quant, rows padded to a multiple of 16; without act_quant, large M dequantises the
-weight per call and multiplies in bf16, as the reference does. `ds4 bench linear` times every path at every M.
+On CUDA, decode-sized calls run one Triton launch bound by the weight's bytes: act_quant fused in, each weight
+byte read once, K split across programs until the device is full, the last program of each output tile summing
+the splits' fp32 partials in a fixed order and writing the output dtype (deterministic, capturable in CUDA
+graphs), by FMA over K-contiguous weight rows at M = 1, by tl.dot at more rows. Larger calls (where
+TRITON_UP_TO says cuBLAS is faster) run whole 128 x 128 blocks through cuBLAS (torch._scaled_mm, 1x128
+activation blocks x 128x128 weight blocks) after a Triton act_quant, rows padded to a multiple of 16; without
+act_quant, large M dequantises the weight per call and multiplies in bf16, as the reference does. `ds4 bench
+linear` times every path at every M.
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ class TileSettings:
 # more rows run more programs). Without tl.dot the kernel multiplies by FMA over K-contiguous weight rows, one row
 # of x a program.
 TILE_TABLE = (
-    (1, False, TileSettings(block_n=32, block_k=512, programs_per_sm=4, max_stages=2, num_warps=4)),
-    (16, True, TileSettings(block_n=64, block_k=256, programs_per_sm=4, max_stages=3, num_warps=4)),
+    (1, False, TileSettings(block_n=16, block_k=1024, programs_per_sm=4, max_stages=2, num_warps=4)),
+    (16, True, TileSettings(block_n=64, block_k=128, programs_per_sm=4, max_stages=4, num_warps=4)),
     (64, True, TileSettings(block_n=64, block_k=128, programs_per_sm=4, max_stages=4, num_warps=4)),
 )
 DOT_MAX_BLOCK_M = 64  # rows of x a tl.dot program takes; more rows run more programs
-TRITON_MAX_M = 64  # up to this many rows `auto` runs the Triton kernel, above it cuBLAS where the shape allows
+# (rows, weight bytes): `auto` runs the Triton kernel up to that many rows for weights up to that size, cuBLAS
+# elsewhere where it fits (H200: the kernel wins at M = 1 everywhere, to 16 rows up to 16 MB, to 64 up to 4 MB).
+TRITON_UP_TO = ((1, 1 << 62), (16, 16 << 20), (64, 4 << 20))
 CUBLAS_MIN_M_DEQUANTIZED = 128  # without act_quant, dequantising the weight per call pays off above this
 PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 1/this of the weight's bytes
 CUBLAS_ROWS = 16  # rows padded to a multiple of this for cuBLAS
@@ -420,6 +423,13 @@ def cublas_fits(m: int, n: int, k: int, groups: int, quantize_x: bool) -> bool:
     return aligned and groups == 1
 
 
+def prefers_triton(m: int, n: int, k: int, groups: int, quantize_x: bool) -> bool:
+    """`auto` on CUDA: the Triton kernel where cuBLAS does not fit or TRITON_UP_TO says it is faster."""
+    if not cublas_fits(m, n, k, groups, quantize_x):
+        return True
+    return any(m <= rows and n * k <= weight_bytes for rows, weight_bytes in TRITON_UP_TO)
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -432,9 +442,9 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., G*K] -> [..., G*R]; weight float8_e4m3fn [G*R, K]; scale fp32 [ceil(G*R/128), ceil(K/128)].
 
-    impl: "auto" (on CUDA the Triton kernel up to TRITON_MAX_M rows, cuBLAS above where it fits; the reference
-    elsewhere), "triton" (the Triton kernel at any M; CPU under TRITON_INTERPRET=1), "cublas" or "torch".
-    plan: override the Triton kernel's launch plan (tests run the small-shared-memory plan with it).
+    impl: "auto" (on CUDA the Triton kernel or cuBLAS as `prefers_triton` says; the reference elsewhere),
+    "triton" (the Triton kernel at any M; CPU under TRITON_INTERPRET=1), "cublas" or "torch". plan: override
+    the Triton kernel's launch plan (tests run the small-shared-memory plan with it).
     """
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
@@ -453,7 +463,7 @@ def fp8_linear(
         if not x.is_cuda:
             impl = "torch"
         else:
-            impl = "cublas" if m > TRITON_MAX_M and cublas_fits(m, n, k, groups, quantize_x) else "triton"
+            impl = "triton" if prefers_triton(m, n, k, groups, quantize_x) else "cublas"
     if impl == "torch":
         y = fp8_linear_reference(x2, weight, scale, groups, quantize_x, out_dtype)
     elif m == 0:

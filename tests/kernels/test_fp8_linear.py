@@ -118,3 +118,12 @@ def test_plans_fit_shared_memory_and_fill_the_device(fp8):
             assert plan.splits == 1 or 2 * 4 * plan.splits * plan.block_m * 4096 <= 4096 * 4096
     # Wide rows fill the device without splitting K.
     assert fp8.linear_plan(1, 32768, 1, 1024, 2, sms=132, smem=227 << 10).splits == 1
+
+
+def test_auto_takes_triton_at_decode_sizes_and_cublas_where_it_is_faster(fp8):
+    assert fp8.prefers_triton(1, 32768, 1024, 1, True)  # M = 1: the Triton kernel at every size
+    assert fp8.prefers_triton(16, 2048, 4096, 1, True)  # 8 MB of weight
+    assert not fp8.prefers_triton(16, 32768, 1024, 1, True)  # 32 MB: cuBLAS from M = 2
+    assert fp8.prefers_triton(64, 512, 4096, 1, True) and not fp8.prefers_triton(65, 512, 4096, 1, True)
+    assert fp8.prefers_triton(128, 8 * 1024, 4096, 8, False)  # grouped: cuBLAS does not fit
+    assert fp8.prefers_triton(4, 200, 300, 1, True)  # partial blocks: cuBLAS does not fit
