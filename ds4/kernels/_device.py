@@ -45,6 +45,14 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def has_fp8(device: torch.device) -> bool:
+    """True when Triton can convert to and from e4m3 on `device` (sm_89+; the interpreter too): the FP8 linears'
+    act_quant needs it."""
+    if device.type != "cuda":
+        return True
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
 def launches_dependents_early(device: torch.device) -> bool:
     """True when a kernel may start before the one it depends on ends (programmatic dependent launch, sm_90+)."""
     if device.type != "cuda":

@@ -17,6 +17,7 @@ from torch import nn
 from ds4.checkpoint.weights_spec import StoredSpec, stored_tensor_specs
 from ds4.config import ModelConfig
 from ds4.distributed.parallel import Parallel, ParallelConfig
+from ds4.kernels._device import has_fp8
 from ds4.kernels.hyper_connections import hc_head
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.batch import ForwardBatch, StepLayout
@@ -46,7 +47,8 @@ class DeepseekV4Model(nn.Module):
         parallel: Parallel | None = None,
     ):
         """weight_format: "checkpoint" keeps FP8 linears and MXFP4 experts as the checkpoint stores them (the
-        default on CUDA); "dequantized" holds every weight in `dtype` or fp32 (the default elsewhere: the spec).
+        default on CUDA GPUs with e4m3, sm_89+); "dequantized" holds every weight in `dtype` or fp32 (the default
+        elsewhere: the spec).
         kv_cache_dtype: "fp8" (the reference's FP8 cache, stored as such), "bf16" (unquantised, in `dtype`) or
         "auto" (fp8 on CUDA where the dims allow it, else bf16); the model keeps the resolved one.
         parallel: build this rank's shard (default: the whole model, world size 1)."""
@@ -56,7 +58,13 @@ class DeepseekV4Model(nn.Module):
         device = torch.device(device)
         kv_cache_dtype = resolve_kv_cache_dtype(cfg, kv_cache_dtype, device)
         if weight_format == "auto":
-            weight_format = CHECKPOINT if device.type == "cuda" else DEQUANTIZED
+            weight_format = CHECKPOINT if device.type == "cuda" and has_fp8(device) else DEQUANTIZED
+        if weight_format == CHECKPOINT and device.type == "cuda" and not has_fp8(device):
+            raise ValueError(
+                f"weight_format 'checkpoint': the FP8 linears need a GPU with e4m3 support (sm_89 or newer), "
+                f"this one is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}; "
+                f"use weight_format='dequantized'"
+            )
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"weight_format: {weight_format!r} is not 'auto' or one of {WEIGHT_FORMATS}")
         self.cfg, self.dtype, self.kv_cache_dtype, self.with_mtp = cfg, dtype, kv_cache_dtype, with_mtp
