@@ -91,7 +91,9 @@ def hc_head_reference(streams: torch.Tensor, fn, scale, base, hc_eps: float, nor
     return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
 
 
-@triton.jit(do_not_specialize=["T", "K", "k_blocks_per_split", "h_stride"])
+# The channel counts (K, D) and row strides are the model's: left to Triton's specialisation (one variant a model),
+# they let it prove rows 16-byte aligned and load them in wide vectors; token and split counts vary per call.
+@triton.jit(do_not_specialize=["T", "k_blocks_per_split"])
 def _projection_kernel(
     h_ptr,
     h_stride,
@@ -134,7 +136,7 @@ def _pick(vec, cols, offsets):
     return tl.sum(tl.where(cols[None, :] == offsets[:, None], vec[None, :], 0.0), axis=1)
 
 
-@triton.jit(do_not_specialize=["T", "D", "K", "splits", "iters", "chunks", "parts", "h_stride", "x_stride"])
+@triton.jit(do_not_specialize=["T", "splits", "iters", "chunks", "parts"])
 def _collapse_kernel(
     h_ptr,
     h_stride,
@@ -200,7 +202,7 @@ def _collapse_kernel(
         tl.store(x_ptr + t * x_stride + d, x.to(x_ptr.dtype.element_ty), mask=d_ok)
 
 
-@triton.jit(do_not_specialize=["D", "out_stride", "h_stride", "new_stride"])
+@triton.jit
 def _expand_kernel(
     out_ptr,
     out_stride,
