@@ -29,7 +29,6 @@ Settings: one table (`_TIERS`), fitted to the device's shared memory (`gemm_plan
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,6 +38,7 @@ import triton.language as tl
 
 from ds4.kernels._device import interpreting, launches_dependents_early, num_sms, shared_memory_per_block
 from ds4.kernels.fp8_linear import act_quant as fp8_act_quant
+from ds4.kernels.moe_routing import group_by_expert
 
 ACT_GROUP = 128
 MXFP4_GROUP = 32
@@ -105,12 +105,19 @@ def _slot_matmul(weight: torch.Tensor, scale: torch.Tensor | None, expert: torch
 
 
 def routed_experts_reference(
-    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: ExpertWeights, limit: float
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    experts: ExpertWeights,
+    limit: float,
+    shared: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """x [T, D], router weights / expert indices [T, k] -> fp32 [T, D]. Slot by slot (fixed shapes, no host
-    sync), in chunks that bound the gathered weights."""
+    """x [T, D], router weights / expert indices [T, k] -> [T, D] in out_dtype: the slots' sum in fp32, plus
+    `shared` [T, D] if given. Slot by slot (fixed shapes, no host sync), in chunks that bound the gathered
+    weights."""
     t, k = indices.shape
-    out_dtype = torch.bfloat16 if experts.mxfp4 else x.dtype
+    slot_dtype = torch.bfloat16 if experts.mxfp4 else x.dtype
     slots = torch.arange(t * k, device=x.device)
     chunk = max(1, (1 << 24) // (experts.inter * experts.hidden))
     outs = []
@@ -120,14 +127,22 @@ def routed_experts_reference(
         a = x[token]
         if experts.mxfp4:
             a = act_quant(a)
-        gate = _slot_matmul(experts.gate, experts.gate_scale, expert, a).to(out_dtype)
-        up = _slot_matmul(experts.up, experts.up_scale, expert, a).to(out_dtype)
-        h = (swiglu(gate, up, limit) * weights.reshape(-1)[slot, None].float()).to(out_dtype)
+        gate = _slot_matmul(experts.gate, experts.gate_scale, expert, a).to(slot_dtype)
+        up = _slot_matmul(experts.up, experts.up_scale, expert, a).to(slot_dtype)
+        h = (swiglu(gate, up, limit) * weights.reshape(-1)[slot, None].float()).to(slot_dtype)
         if experts.mxfp4:
             h = act_quant(h)
-        outs.append(_slot_matmul(experts.down, experts.down_scale, expert, h.to(a.dtype)).to(out_dtype))
-    out = torch.cat(outs) if outs else x.new_zeros(0, experts.hidden, dtype=out_dtype)
-    return out.view(t, k, -1).sum(dim=1, dtype=torch.float32)
+        outs.append(_slot_matmul(experts.down, experts.down_scale, expert, h.to(a.dtype)).to(slot_dtype))
+    out = torch.cat(outs) if outs else x.new_zeros(0, experts.hidden, dtype=slot_dtype)
+    return combine_reference(out, k, shared, out_dtype)
+
+
+def combine_reference(slots: torch.Tensor, k: int, shared: torch.Tensor | None, out_dtype: torch.dtype):
+    """slots [T * k, D] -> their per-token sum in fp32 (slot order), plus shared [T, D], in out_dtype."""
+    y = slots.view(-1, k, slots.shape[1]).sum(dim=1, dtype=torch.float32)
+    if shared is not None:
+        y = y + shared.float()
+    return y.to(out_dtype)
 
 
 # ---- the Triton kernels ----
@@ -353,6 +368,7 @@ _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2
 _SHARED_MEMORY_SHARE = 0.9  # of the per-block limit (the rest: barriers, the compiler's own scratch)
 _ACT_QUANT_ELEMENTS = 2048  # an act_quant program's tile
+_ELEMENTWISE_BLOCK = 1024  # columns a program of the slot sum / the shared expert's SwiGLU takes
 
 
 def plan_shared_memory(plan: GemmPlan, mxfp4: bool, a_bytes: int) -> int:
@@ -386,12 +402,6 @@ def gemm_plan(
     while plan.bk > min_bk and plan_shared_memory(plan, mxfp4, a_bytes) > budget:
         plan = replace(plan, bk=plan.bk // 2)
     return plan
-
-
-@functools.cache
-def _expert_ids(n: int, device: torch.device) -> torch.Tensor:
-    # Made on the first (eager) call: graphs replay it, and it costs no launch per step.
-    return torch.arange(n, device=device)
 
 
 def _act_quant(x: torch.Tensor, rows: int, chunk: int) -> torch.Tensor:
@@ -468,6 +478,66 @@ def _check(x: torch.Tensor, experts: ExpertWeights) -> None:
         raise ValueError(f"packed MXFP4 experts are uint8, got {experts.gate.dtype}")
 
 
+@triton.jit(do_not_specialize=["k_slots", "N"])
+def _combine_kernel(
+    slots_ptr, stride_s, shared_ptr, stride_sh, out_ptr, stride_out, k_slots, N, HAS_SHARED: tl.constexpr,
+    BN: tl.constexpr,
+):  # fmt: skip
+    """out[t] = sum of slots[t * k + j] over j in slot order, in fp32, plus shared[t] (combine_reference)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = cols < N
+    y = tl.zeros((BN,), tl.float32)
+    for j in range(k_slots):
+        y += tl.load(slots_ptr + (t * k_slots + j) * stride_s + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        y += tl.load(shared_ptr + t * stride_sh + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _combine(slots: torch.Tensor, k: int, shared: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    t, n = slots.shape[0] // k, slots.shape[1]
+    out = torch.empty(t, n, dtype=out_dtype, device=slots.device)
+    bn = min(_ELEMENTWISE_BLOCK, triton.next_power_of_2(n))
+    _combine_kernel[(t, triton.cdiv(n, bn))](
+        slots, slots.stride(0), shared if shared is not None else slots, shared.stride(0) if shared is not None else 0,
+        out, out.stride(0), k, n, HAS_SHARED=shared is not None, BN=bn,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["N"])
+def _swiglu_kernel(gate_ptr, up_ptr, stride_in, out_ptr, stride_out, N, limit, BN: tl.constexpr):
+    """out[t] = swiglu(gate[t], up[t], limit), computed in fp32, stored in out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = cols < N
+    gate = tl.load(gate_ptr + t * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + t * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
+    if limit > 0:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + t * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def swiglu_to(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
+    """swiglu(gate, up, limit) in `dtype` ([T, N] each): one kernel on CUDA, the torch reference elsewhere."""
+    if gate.is_cuda:
+        return swiglu_triton(gate, up, limit, dtype)
+    return swiglu(gate, up, limit).to(dtype)
+
+
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    t, n = gate.shape
+    out = torch.empty(t, n, dtype=dtype, device=gate.device)
+    bn = min(_ELEMENTWISE_BLOCK, triton.next_power_of_2(n))
+    if t:
+        _swiglu_kernel[(t, triton.cdiv(n, bn))](gate, up, gate.stride(0), out, out.stride(0), n, float(limit), BN=bn)
+    return out
+
+
 def routed_experts_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -475,25 +545,28 @@ def routed_experts_triton(
     experts: ExpertWeights,
     limit: float,
     plans: tuple[GemmPlan, GemmPlan] | None = None,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """routed_experts_reference through the grouped-GEMM kernels (no host sync; any device Triton runs on).
-    plans: (gate-up pass, down pass) instead of gemm_plan's, for tile sweeps."""
+    plans: (gate-up pass, down pass) instead of gemm_plan's, for tile sweeps. groups: the routes' (order,
+    bounds) if the router made them (moe_routing.Routes), else they are made here."""
     _check(x, experts)
     t, k = indices.shape
     if t == 0:
-        return x.new_zeros(0, experts.hidden, dtype=torch.float32)
+        return x.new_zeros(0, experts.hidden, dtype=out_dtype)
     n_experts, inter, hidden = experts.gate.shape[0], experts.inter, experts.hidden
-    out_dtype = torch.bfloat16 if experts.mxfp4 else x.dtype
-    sorted_experts, order = torch.sort(indices.reshape(-1), stable=True)
-    bounds = torch.searchsorted(sorted_experts, _expert_ids(n_experts + 1, x.device), out_int32=True)
+    slot_dtype = torch.bfloat16 if experts.mxfp4 else x.dtype
+    order, bounds = groups or group_by_expert(indices, n_experts)
     sms, smem = num_sms(x.device), shared_memory_per_block(x.device)
     a_bytes = 2 if experts.mxfp4 or x.dtype == torch.bfloat16 else 4
     plan1, plan2 = plans or (
         gemm_plan(t * k, n_experts, inter, hidden, True, experts.mxfp4, a_bytes, sms, smem),
         gemm_plan(t * k, n_experts, hidden, inter, False, experts.mxfp4, a_bytes, sms, smem),
     )
-    h = torch.empty(t * k, inter, dtype=out_dtype, device=x.device)
-    out = torch.empty(t * k, hidden, dtype=out_dtype, device=x.device)
+    h = torch.empty(t * k, inter, dtype=slot_dtype, device=x.device)
+    out = torch.empty(t * k, hidden, dtype=slot_dtype, device=x.device)
     route_w = weights.reshape(-1).float()
     x = x.contiguous()
     a = _act_quant(x, t, plan1.bk) if experts.mxfp4 else x
@@ -506,13 +579,21 @@ def routed_experts_triton(
     _grouped_gemm(
         h, order, bounds, experts.down, None, experts.down_scale, None, route_w, out, n_experts, k, limit, plan2
     )
-    return out.view(t, k, hidden).sum(dim=1, dtype=torch.float32)
+    return _combine(out, k, shared, out_dtype)
 
 
 def routed_experts(
-    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: ExpertWeights, limit: float
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    experts: ExpertWeights,
+    limit: float,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """x [T, D], router weights / expert indices [T, k] -> fp32 [T, D] (module docstring)."""
+    """x [T, D], router weights / expert indices [T, k] -> [T, D] in out_dtype, plus shared if given (module
+    docstring); groups: (order, bounds) of the routes, if the router made them."""
     if x.is_cuda:
-        return routed_experts_triton(x, weights, indices, experts, limit)
-    return routed_experts_reference(x, weights, indices, experts, limit)
+        return routed_experts_triton(x, weights, indices, experts, limit, None, groups, shared, out_dtype)
+    return routed_experts_reference(x, weights, indices, experts, limit, shared, out_dtype)

@@ -16,7 +16,8 @@ from torch import nn
 from ds4.checkpoint.quant import MXFP4_BLOCK, fp8_block_dequantize, mxfp4_dequantize
 from ds4.config import ModelConfig
 from ds4.distributed.parallel import Parallel
-from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, routed_experts, swiglu
+from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, routed_experts, swiglu_to
+from ds4.kernels.moe_routing import Routes, route
 from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, kept_fp8_block
 from ds4.model.shard import Region, cut, read, read_grouped, stored_dtype
 
@@ -38,22 +39,11 @@ class Gate(nn.Module):
             self.tid2eid = None
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, device=device), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, held: slice | None = None) -> Routes:
+        """held: this rank's experts under expert parallelism (the others' slots get expert 0, weight 0)."""
+        local = None if held is None else (held.start, held.stop - held.start)
         logits = F.linear(x.float(), self.weight)
-        if self.score_func == "softmax":
-            scores = logits.softmax(dim=-1)
-        elif self.score_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = F.softplus(logits).sqrt()
-        if self.tid2eid is not None:
-            indices = self.tid2eid[input_ids]
-        else:
-            indices = (scores + self.bias).topk(self.topk, dim=-1).indices
-        weights = scores.gather(1, indices)
-        if self.score_func != "softmax":
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.route_scale, indices
+        return route(logits, self.bias, self.tid2eid, input_ids, self.topk, self.score_func, self.route_scale, local)
 
 
 MXFP4, DENSE = "mxfp4", "dequantized"
@@ -142,13 +132,6 @@ class Experts(nn.Module):
     def holds(self, expert: int) -> bool:
         return self.held_experts is None or self.held_experts.start <= expert < self.held_experts.stop
 
-    def local_routes(self, weights: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert parallel: routes to this rank's experts renumbered from 0; the other ranks' slots go to expert
-        0 with weight 0 (fixed shapes, no host sync; they add exact zeros)."""
-        local = indices - self.held_experts.start
-        foreign = (local < 0) | (local >= self.held_experts.stop - self.held_experts.start)
-        return weights.masked_fill(foreign, 0.0), local.masked_fill(foreign, 0)
-
 
 def _bytes(*shape: int, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=torch.uint8, device=device), requires_grad=False)
@@ -176,7 +159,7 @@ class SharedExpert(nn.Module):
         self.w3 = Linear(d, i, dtype, device, fp8, rows=channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+        return self.w2(swiglu_to(self.w1(x), self.w3(x), self.limit, x.dtype))
 
 
 class MoE(nn.Module):
@@ -194,19 +177,17 @@ class MoE(nn.Module):
         self.limit = cfg.swiglu_limit
         self.gate = Gate(cfg, hashed, device)
         self.experts = Experts(cfg, dtype, device, weight_format, self.parallel)
-        self.expert_parallel = self.experts.held_experts is not None
+        self.held_experts = self.experts.held_experts
         shared = cfg.n_shared_experts
         self.shared_experts = SharedExpert(cfg, dtype, device, weight_format, self.parallel) if shared else None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Fixed shapes, no host sync: the same call serves prefill and captured decode steps."""
-        weights, indices = self.gate(x, input_ids)
-        if self.expert_parallel:
-            weights, indices = self.experts.local_routes(weights, indices)
-        y = routed_experts(x, weights, indices, expert_weights(self.experts), self.limit)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
-        return self.parallel.all_reduce(y.to(x.dtype))
+        routes = self.gate(x, input_ids, self.held_experts)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        experts, groups = expert_weights(self.experts), (routes.order, routes.bounds)
+        y = routed_experts(x, routes.weights, routes.indices, experts, self.limit, groups, shared, x.dtype)
+        return self.parallel.all_reduce(y)
 
 
 def expert_weights(experts: Experts) -> ExpertWeights:

@@ -29,7 +29,8 @@ def test_packed_experts_are_read_gate_first():
     packed.w2, packed.w2_scale = w2, s2
     layer.experts = packed
     x = torch.randn(5, d, generator=gen)
-    weights, indices = layer.gate(x, torch.zeros(5, dtype=torch.long))
+    routes = layer.gate(x, torch.zeros(5, dtype=torch.long))
+    weights, indices = routes.weights, routes.indices
     routed = routed_experts_reference(x, weights, indices, ExpertWeights(w1, w3, w2, s1, s3, s2), cfg.swiglu_limit)
     want = routed + layer.shared_experts(x).float()
     assert torch.equal(layer(x, torch.zeros(5, dtype=torch.long)), want)

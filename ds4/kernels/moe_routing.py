@@ -1,0 +1,234 @@
+"""MoE routing: a token's k experts and their weights from the router logits, and the (token, slot) pairs
+grouped by expert for the grouped GEMMs.
+
+Scores: softmax, sigmoid or sqrt(softplus) of the fp32 logits. Hash layers take a token's experts from
+tid2eid[token id], the others the top k of score + bias (bias only selects). Weights: the selected scores,
+divided by their sum unless softmax, times the routed scaling factor. Expert parallel: experts outside this
+rank's [first, first + count) go to local expert 0 with weight 0 (exact zeros, fixed shapes), the others are
+renumbered from 0.
+
+Grouping: slots (t * k + j) sorted by expert, stable (`order`), and each expert's segment of that order
+(`bounds`, E + 1 offsets). On CUDA one kernel does all of it; for decode-sized batches (the logits of the
+whole batch in one program) that same launch also sorts the slots, so a decode step routes in one launch
+after the router's GEMM. Larger batches sort with torch. No host sync either way (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+SOFTPLUS_THRESHOLD = 20.0  # F.softplus's: above it softplus(x) is x
+GROUP_TILE = 16384  # logits a one-program routing (and sort) holds: tokens x padded experts
+
+
+@dataclass(frozen=True)
+class Routes:
+    """weights fp32 [T, k] and local expert indices int64 [T, k]; order int [T * k] (slots by expert, stable)
+    and bounds int32 [E + 1] (expert e's slots are order[bounds[e]:bounds[e + 1]])."""
+
+    weights: torch.Tensor
+    indices: torch.Tensor
+    order: torch.Tensor
+    bounds: torch.Tensor
+
+
+def group_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, bounds) of `Routes` for indices [T, k] (torch ops, any device, no host sync)."""
+    sorted_experts, order = torch.sort(indices.reshape(-1), stable=True)
+    ids = _expert_ids(n_experts + 1, indices.device).to(sorted_experts.dtype)
+    return order, torch.searchsorted(sorted_experts, ids, out_int32=True)
+
+
+@functools.cache
+def _expert_ids(n: int, device: torch.device) -> torch.Tensor:
+    # Made on the first (eager) call: graphs replay it, and it costs no launch per step.
+    return torch.arange(n, device=device)
+
+
+def route_reference(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    hashed: torch.Tensor | None,
+    topk: int,
+    score_func: str,
+    route_scale: float,
+    local: tuple[int, int] | None = None,
+) -> Routes:
+    """logits fp32 [T, E]; bias [E] (score routing) or hashed [T, k] (the tokens' tid2eid rows); local (first,
+    count): this rank's experts under expert parallelism (None: all of them)."""
+    if score_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif score_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = F.softplus(logits).sqrt()
+    indices = hashed if hashed is not None else (scores + bias).topk(topk, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if score_func != "softmax":
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * route_scale
+    n_experts = logits.shape[1]
+    if local is not None:
+        first, n_experts = local
+        indices = indices - first
+        foreign = (indices < 0) | (indices >= n_experts)
+        weights, indices = weights.masked_fill(foreign, 0.0), indices.masked_fill(foreign, 0)
+    return Routes(weights, indices, *group_by_expert(indices, n_experts))
+
+
+@triton.jit
+def _log1p(u):
+    """log(1 + u) accurate for small u (tl has no log1p): log(w) * u / (w - 1), w = 1 + u rounded."""
+    w = 1.0 + u
+    exact = w == 1.0
+    return tl.where(exact, u, tl.log(w) * (u / tl.where(exact, 1.0, w - 1.0)))
+
+
+@triton.jit(do_not_specialize=["T", "n_experts", "topk", "first", "n_local"])
+def _route_kernel(
+    logits_ptr,
+    stride_l,
+    bias_ptr,
+    tid2eid_ptr,
+    stride_tid,
+    ids_ptr,
+    weights_ptr,
+    indices_ptr,
+    order_ptr,
+    bounds_ptr,
+    T,
+    n_experts,
+    topk,
+    route_scale,
+    first,
+    n_local,
+    BT: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    SCORE: tl.constexpr,
+    HASHED: tl.constexpr,
+    GROUP: tl.constexpr,
+    LOCAL_PAD: tl.constexpr,
+):
+    """Tokens pid*BT.. : scores, the k experts (tid2eid rows or top-k of score + bias, first index on ties),
+    weights, local renumbering. GROUP (one program, every token): also the stable sort of the slots by expert
+    (key expert * SLOTS + slot) and the segment bounds (a histogram's running sum)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_ok = t < T
+    e = tl.arange(0, E_PAD)
+    e_ok = e < n_experts
+    logit = tl.load(
+        logits_ptr + t.to(tl.int64)[:, None] * stride_l + e[None, :], mask=t_ok[:, None] & e_ok[None, :], other=0.0
+    )
+    if SCORE == 0:
+        z = tl.where(e_ok[None, :], logit, float("-inf"))
+        z = tl.exp(z - tl.max(z, axis=1)[:, None])
+        scores = z / tl.sum(z, axis=1)[:, None]
+    elif SCORE == 1:
+        scores = 1.0 / (1.0 + tl.exp(-logit))
+    else:
+        soft = tl.where(logit > SOFTPLUS_THRESHOLD, logit, _log1p(tl.exp(logit)))
+        scores = tl.sqrt(soft)
+    if not HASHED:
+        bias = tl.load(bias_ptr + e, mask=e_ok, other=0.0)
+        candidates = tl.where(e_ok[None, :], scores + bias[None, :], float("-inf"))
+    j = tl.arange(0, K_PAD)
+    weights = tl.zeros((BT, K_PAD), tl.float32)
+    experts = tl.zeros((BT, K_PAD), tl.int32)
+    if HASHED:
+        token_ids = tl.load(ids_ptr + t, mask=t_ok, other=0).to(tl.int64)
+    for slot in range(topk):
+        if HASHED:
+            chosen = tl.load(tid2eid_ptr + token_ids * stride_tid + slot, mask=t_ok, other=0).to(tl.int32)
+        else:
+            chosen = tl.argmax(candidates, axis=1, tie_break_left=True).to(tl.int32)
+            candidates = tl.where(e[None, :] == chosen[:, None], float("-inf"), candidates)
+        weight = tl.sum(tl.where(e[None, :] == chosen[:, None], scores, 0.0), axis=1)
+        weights = tl.where(j[None, :] == slot, weight[:, None], weights)
+        experts = tl.where(j[None, :] == slot, chosen[:, None], experts)
+    k_ok = j < topk
+    if SCORE != 0:
+        weights = weights / tl.sum(tl.where(k_ok[None, :], weights, 0.0), axis=1)[:, None]
+    weights = weights * route_scale
+    local = experts - first
+    foreign = (local < 0) | (local >= n_local)
+    weights = tl.where(foreign, 0.0, weights)
+    local = tl.where(foreign, 0, local)
+    ok = t_ok[:, None] & k_ok[None, :]
+    slots = t[:, None] * topk + j[None, :]
+    tl.store(weights_ptr + slots, weights, mask=ok)
+    tl.store(indices_ptr + slots, local.to(tl.int64), mask=ok)
+    if GROUP:
+        SLOTS: tl.constexpr = BT * K_PAD
+        flat_ok = tl.reshape(ok, (SLOTS,))
+        flat_slot = tl.reshape(slots, (SLOTS,))
+        flat_local = tl.reshape(local, (SLOTS,))
+        keys = tl.where(flat_ok, flat_local * SLOTS + flat_slot, LOCAL_PAD * SLOTS + flat_slot)
+        order = tl.sort(keys) % SLOTS
+        position = tl.arange(0, SLOTS)
+        tl.store(order_ptr + position, order, mask=position < T * topk)
+        counts = tl.histogram(flat_local, LOCAL_PAD, mask=flat_ok)
+        b = tl.arange(0, LOCAL_PAD)
+        tl.store(bounds_ptr + 1 + b, tl.cumsum(counts, 0), mask=b < n_local)
+        tl.store(bounds_ptr + b, 0, mask=b == 0)
+
+
+def route_triton(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    tid2eid: torch.Tensor | None,
+    input_ids: torch.Tensor | None,
+    topk: int,
+    score_func: str,
+    route_scale: float,
+    local: tuple[int, int] | None = None,
+) -> Routes:
+    """route_reference through `_route_kernel`; hash layers pass the table and the token ids, not their rows."""
+    t, n_experts = logits.shape
+    first, n_local = local or (0, n_experts)
+    logits = logits.contiguous()
+    weights = torch.empty(t, topk, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(t, topk, dtype=torch.int64, device=logits.device)
+    e_pad, k_pad = triton.next_power_of_2(n_experts), triton.next_power_of_2(topk)
+    group = 0 < t and triton.next_power_of_2(t) * e_pad <= GROUP_TILE
+    bt = triton.next_power_of_2(t) if group else max(1, GROUP_TILE // (4 * e_pad))
+    order = torch.empty(t * topk, dtype=torch.int32, device=logits.device)
+    bounds = torch.empty(n_local + 1, dtype=torch.int32, device=logits.device)
+    hashed = tid2eid is not None
+    if t:
+        _route_kernel[(triton.cdiv(t, bt),)](
+            logits, logits.stride(0), bias if not hashed else logits, tid2eid if hashed else logits,
+            tid2eid.stride(0) if hashed else 0, input_ids if hashed else logits, weights, indices, order, bounds,
+            t, n_experts, topk, float(route_scale), first, n_local,
+            BT=bt, E_PAD=e_pad, K_PAD=k_pad, SCORE=SCORE_FUNCS.index(score_func), HASHED=hashed, GROUP=group,
+            LOCAL_PAD=triton.next_power_of_2(n_local), num_warps=8 if bt * e_pad >= 4096 else 4,
+        )  # fmt: skip
+    if not group:
+        order, bounds = group_by_expert(indices, n_local)
+    return Routes(weights, indices, order, bounds)
+
+
+def route(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    tid2eid: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    topk: int,
+    score_func: str,
+    route_scale: float,
+    local: tuple[int, int] | None = None,
+) -> Routes:
+    """The routes of a batch (module docstring): the Triton kernel on CUDA, route_reference elsewhere."""
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score function {score_func!r} is not one of {SCORE_FUNCS}")
+    if logits.is_cuda:
+        return route_triton(logits, bias, tid2eid, input_ids, topk, score_func, route_scale, local)
+    hashed = tid2eid[input_ids] if tid2eid is not None else None
+    return route_reference(logits, bias, hashed, topk, score_func, route_scale, local)
