@@ -115,11 +115,12 @@ def _route_kernel(
     SCORE: tl.constexpr,
     HASHED: tl.constexpr,
     GROUP: tl.constexpr,
-    LOCAL_PAD: tl.constexpr,
+    BOUNDS_PAD: tl.constexpr,
+    LOG_SLOTS: tl.constexpr,
 ):
     """Tokens pid*BT.. : scores, the k experts (tid2eid rows or top-k of score + bias, first index on ties),
     weights, local renumbering. GROUP (one program, every token): also the stable sort of the slots by expert
-    (key expert * SLOTS + slot) and the segment bounds (a histogram's running sum)."""
+    (key expert * SLOTS + slot) and the segment bounds."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     t_ok = t < T
     e = tl.arange(0, E_PAD)
@@ -170,14 +171,18 @@ def _route_kernel(
         flat_ok = tl.reshape(ok, (SLOTS,))
         flat_slot = tl.reshape(slots, (SLOTS,))
         flat_local = tl.reshape(local, (SLOTS,))
-        keys = tl.where(flat_ok, flat_local * SLOTS + flat_slot, LOCAL_PAD * SLOTS + flat_slot)
-        order = tl.sort(keys) % SLOTS
+        keys = tl.sort(tl.where(flat_ok, flat_local * SLOTS + flat_slot, n_local * SLOTS + flat_slot))
         position = tl.arange(0, SLOTS)
-        tl.store(order_ptr + position, order, mask=position < T * topk)
-        counts = tl.histogram(flat_local, LOCAL_PAD, mask=flat_ok)
-        b = tl.arange(0, LOCAL_PAD)
-        tl.store(bounds_ptr + 1 + b, tl.cumsum(counts, 0), mask=b < n_local)
-        tl.store(bounds_ptr + b, 0, mask=b == 0)
+        tl.store(order_ptr + position, keys % SLOTS, mask=position < T * topk)
+        # bounds[b]: the sorted slots whose expert is below b, by a binary search of every b at once
+        sorted_experts = keys // SLOTS
+        b = tl.arange(0, BOUNDS_PAD)
+        below = tl.zeros((BOUNDS_PAD,), tl.int32)
+        for i in tl.static_range(LOG_SLOTS):
+            step: tl.constexpr = SLOTS >> (i + 1)
+            below += tl.where(tl.gather(sorted_experts, below + (step - 1), 0) < b, step, 0)
+        below += (tl.gather(sorted_experts, below, 0) < b).to(tl.int32)
+        tl.store(bounds_ptr + b, below, mask=b <= n_local)
 
 
 def route_triton(
@@ -208,7 +213,8 @@ def route_triton(
             tid2eid.stride(0) if hashed else 0, input_ids if hashed else logits, weights, indices, order, bounds,
             t, n_experts, topk, float(route_scale), first, n_local,
             BT=bt, E_PAD=e_pad, K_PAD=k_pad, SCORE=SCORE_FUNCS.index(score_func), HASHED=hashed, GROUP=group,
-            LOCAL_PAD=triton.next_power_of_2(n_local), num_warps=8 if bt * e_pad >= 4096 else 4,
+            BOUNDS_PAD=triton.next_power_of_2(n_local + 1), LOG_SLOTS=(bt * k_pad).bit_length() - 1,
+            num_warps=8 if bt * e_pad >= 4096 else 4,
         )  # fmt: skip
     if not group:
         order, bounds = group_by_expert(indices, n_local)
