@@ -198,24 +198,31 @@ def _expert_act_quant_kernel(
         tl.extra.cuda.gdc_wait()
     a = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
     q = _act_quant_tile(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
-    q = q.reshape(ROWS, COLS // CHUNK, 4, CHUNK // 8, 2).permute(0, 1, 3, 2, 4).reshape(ROWS, COLS)
+    q = q.reshape(ROWS, COLS // CHUNK, 4, CHUNK // 32, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(ROWS, COLS)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + c[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _e2m1_tile(packed, scale, BK: tl.constexpr, PTX: tl.constexpr):
-    """uint8 codes [R, BK/2] and e8m0 bytes [R, BK/32] -> bf16 [R, BK] (fp32 under the interpreter, PTX
-    False), exact, columns in the MMA order.
+def _e2m1_tile(words, scale, BK: tl.constexpr, PTX: tl.constexpr):
+    """Packed codes as int32 words [R, BK/8] (a row's bytes 4w..4w+3, little-endian) and e8m0 bytes [R, BK/32]
+    -> bf16 [R, BK] (fp32 under the interpreter, PTX False), exact, in the MMA column order (`mma_columns`).
 
     A code's low three bits at bf16 bits 6-8 (its sign at 15) read as its value times 2^-126 (code 1, 0.5, is
-    then the subnormal 2^-127), so each byte becomes a pair of bf16 in two multiplies and two masks; times the
-    bf16 2^(s-1) that is the value times 2^(s-127). Valid for scale bytes up to 128 (weights up to 12).
-    Byte c + 4i of the result is byte (BK/8) c + i of the stored row (the MMA column order): each thread of
-    the MMA holds bytes c, c + 4, c + 8, .. of a row (c: its lane mod 4) and so reads them as one run."""
-    rows: tl.constexpr = packed.shape[0]
-    p = packed.to(tl.uint32)
-    pair = ((p * 0x40040) & 0x01C001C0) | ((p * 0x1001000) & 0x80008000)
-    if PTX:  # one bf16x2 multiply a byte (ptxas pairs the compiler's bf16 multiplies with two half swaps each)
+    then the subnormal 2^-127); times the bf16 2^(s-1) that is the value times 2^(s-127). Valid for scale bytes
+    up to 128 (weights up to 12). A word holds eight codes and gives four bf16 pairs by shifts and masks alone:
+    pair k of word w holds the row's columns 8w + k and 8w + k + 4 (the low nibbles of bytes 0 and 2, their high
+    nibbles, then bytes 1 and 3), whose pairs of bits sit 16 apart in the word as in the bf16 pair. The MMA's
+    threads then each hold a run of whole words of a row (`mma_columns`)."""
+    rows: tl.constexpr = words.shape[0]
+    w = words.to(tl.uint32, bitcast=True)
+    magnitude: tl.constexpr = 0x01C001C0
+    sign: tl.constexpr = 0x80008000
+    pair0 = ((w << 6) & magnitude) | ((w << 12) & sign)
+    pair1 = ((w << 2) & magnitude) | ((w << 8) & sign)
+    pair2 = ((w >> 2) & magnitude) | ((w << 4) & sign)
+    pair3 = ((w >> 6) & magnitude) | (w & sign)
+    pair = tl.join(tl.join(pair0, pair2), tl.join(pair1, pair3)).reshape(rows, BK // 2)  # pair0, pair1, ..
+    if PTX:  # one bf16x2 multiply a pair (ptxas pairs the compiler's bf16 multiplies with two half swaps each)
         w = tl.join(pair.to(tl.int16), (pair >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
         m = ((scale.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         m = tl.broadcast_to(m[:, :, None, None], (rows, BK // 32, 16, 2)).reshape(rows, BK // 2, 2)
@@ -232,6 +239,16 @@ def _e2m1_tile(packed, scale, BK: tl.constexpr, PTX: tl.constexpr):
         m = ((scale.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True)
         w = w.reshape(rows, BK // 32, 16, 2) * m[:, :, None, None]
     return w.reshape(rows, 4, BK // 8, 2).permute(0, 2, 1, 3).reshape(rows, BK)
+
+
+def mma_columns(bk: int) -> torch.Tensor:
+    """The row column (of a K step of bk) that each column of `_e2m1_tile`'s result holds: result pair 4q + a
+    (a < 4: the MMA thread's lane mod 4) is decoded pair n = a bk/8 + q, which holds columns 8 (n // 4) + n % 4
+    and that + 4. The expert act_quant kernel stores activations in the same order."""
+    pair = torch.arange(bk // 2)
+    n = (pair % 4) * (bk // 8) + pair // 4
+    first = 8 * (n // 4) + n % 4
+    return torch.stack((first, first + 4), dim=1).flatten()
 
 
 @triton.jit(do_not_specialize=["n_experts", "k_slots", "K", "N"])
@@ -298,7 +315,7 @@ def _grouped_gemm_kernel(
     col_ok = cols < N
     w_base = expert.to(tl.int64) * stride_we + cols * stride_wn
     w_rows = (tl.where(r < BN, gate_ptr, up_ptr) if GATED else gate_ptr) + w_base
-    WK: tl.constexpr = BK // 2 if MXFP4 else BK
+    WK: tl.constexpr = BK // 8 if MXFP4 else BK  # MXFP4: int32 words of eight codes
     a_at = a_ptr + a_rows[None, :] * stride_a + tl.arange(0, BK)[:, None]
     w_at = w_rows[:, None] + tl.arange(0, WK)[None, :]
     if MXFP4:
@@ -421,7 +438,9 @@ def _act_quant(x: torch.Tensor, rows: int, chunk: int) -> torch.Tensor:
 def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan):
     gated = up is not None
     mxfp4 = scale is not None
-    k_dim = w.shape[2] * (2 if mxfp4 else 1)
+    if mxfp4:  # eight e2m1 codes an int32 word (`_e2m1_tile`)
+        w, up = w.view(torch.int32), up.view(torch.int32) if gated else None
+    k_dim = w.shape[2] * (8 if mxfp4 else 1)
     n = w.shape[1]
     bn = plan.weight_rows // 2 if gated else plan.weight_rows
     rows = order.shape[0]

@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
-SOFTPLUS_THRESHOLD = 20.0  # F.softplus's: above it softplus(x) is x
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it softplus(x) is x
 GROUP_TILE = 16384  # logits a one-program routing (and sort) holds: tokens x padded experts
+ROUTE_ELEMENTS_PER_WARP = 1024  # logits a warp of the routing kernel holds (more spill registers)
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,8 @@ def _route_kernel(
         b = tl.arange(0, BOUNDS_PAD)
         below = tl.zeros((BOUNDS_PAD,), tl.int32)
         for i in tl.static_range(LOG_SLOTS):
-            step: tl.constexpr = SLOTS >> (i + 1)
-            below += tl.where(tl.gather(sorted_experts, below + (step - 1), 0) < b, step, 0)
+            probe = below + ((SLOTS >> (i + 1)) - 1)
+            below += tl.where(tl.gather(sorted_experts, probe, 0) < b, SLOTS >> (i + 1), 0)
         below += (tl.gather(sorted_experts, below, 0) < b).to(tl.int32)
         tl.store(bounds_ptr + b, below, mask=b <= n_local)
 
@@ -214,7 +215,7 @@ def route_triton(
             t, n_experts, topk, float(route_scale), first, n_local,
             BT=bt, E_PAD=e_pad, K_PAD=k_pad, SCORE=SCORE_FUNCS.index(score_func), HASHED=hashed, GROUP=group,
             BOUNDS_PAD=triton.next_power_of_2(n_local + 1), LOG_SLOTS=(bt * k_pad).bit_length() - 1,
-            num_warps=8 if bt * e_pad >= 4096 else 4,
+            num_warps=min(16, max(4, bt * e_pad // ROUTE_ELEMENTS_PER_WARP)),
         )  # fmt: skip
     if not group:
         order, bounds = group_by_expert(indices, n_local)

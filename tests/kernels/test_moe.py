@@ -4,6 +4,8 @@ tokens routed twice to one expert."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from interpreted import interpreted
 
 import ds4.kernels.moe as moe_module
@@ -146,6 +148,34 @@ def test_interpreted_kernels_equal_the_reference_mxfp4(kernels, kind):
     assert got.dtype == torch.float32 and got.shape == (t, d)
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
     assert (got - want).abs().mean() <= 1e-3 * want.abs().mean()
+
+
+@triton.jit
+def _decode_kernel(words_ptr, scale_ptr, out_ptr, ROWS: tl.constexpr, BK: tl.constexpr, PTX: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    words = tl.load(words_ptr + r[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :])
+    scale = tl.load(scale_ptr + r[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
+    w = moe_module._e2m1_tile(words, scale, BK, PTX)
+    tl.store(out_ptr + r[:, None] * BK + tl.arange(0, BK)[None, :], w.to(tl.float32))
+
+
+@pytest.mark.parametrize("bk", [32, 256])
+def test_interpreted_decoding_and_activations_share_the_mma_column_order(kernels, bk):
+    """Column c of a decoded K step is stored column mma_columns(bk)[c] (every byte value, scale bytes up to
+    128), and the expert act_quant kernel stores the activations in that same order, step by step."""
+    rows = 8
+    packed = torch.arange(rows * bk // 2).remainder(256).to(torch.uint8).view(rows, bk // 2)
+    scale = torch.randint(0, 129, (rows, bk // 32), generator=torch.Generator().manual_seed(7), dtype=torch.uint8)
+    got = torch.empty(rows, bk)
+    _decode_kernel[(1,)](packed.view(torch.int32), scale, got, ROWS=rows, BK=bk, PTX=False)
+    columns = kernels.mma_columns(bk)
+    assert sorted(columns.tolist()) == list(range(bk))
+    want = mxfp4_dequantize(packed.view(torch.int8), scale.view(torch.float8_e8m0fnu), torch.float32)
+    assert torch.equal(got, want[:, columns])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
+    stored = kernels._act_quant(x, 3, bk).float()
+    steps = torch.arange(256).view(-1, bk)
+    assert torch.equal(stored, act_quant(x.float())[:, steps[:, columns].flatten()])
 
 
 def test_interpreted_kernels_split_a_heavy_expert_into_tiles(kernels):

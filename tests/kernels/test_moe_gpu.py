@@ -72,29 +72,26 @@ def assert_close(got, want):
 
 
 @triton.jit
-def _decode_kernel(packed_ptr, scale_ptr, out_ptr, ROWS: tl.constexpr, BK: tl.constexpr):
+def _decode_kernel(words_ptr, scale_ptr, out_ptr, ROWS: tl.constexpr, BK: tl.constexpr):
     r = tl.arange(0, ROWS)
-    packed = tl.load(packed_ptr + r[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])
+    words = tl.load(words_ptr + r[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :])
     scale = tl.load(scale_ptr + r[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :])
-    w = moe._e2m1_tile(packed, scale, BK, True)
+    w = moe._e2m1_tile(words, scale, BK, True)
     tl.store(out_ptr + r[:, None] * BK + tl.arange(0, BK)[None, :], w.to(tl.float32))
 
 
 @pytest.mark.parametrize("bk", [64, 256])
 def test_e2m1_tile_decodes_every_code_in_the_mma_column_order(bk):
     """Every byte value (both nibbles: all 16 codes, the subnormal 0.5 among them) with scale bytes 0 .. 128;
-    column c + 4i (of byte pairs) is stored byte pair (bk/8) c + i."""
+    column c of a decoded K step is stored column mma_columns(bk)[c] (as the interpreter shows on the CPU)."""
     rows = 64
     packed = torch.arange(rows * bk // 2, device="cuda").remainder(256).to(torch.uint8).view(rows, bk // 2)
     scale = torch.randint(0, 129, (rows, bk // 32), device="cuda", dtype=torch.uint8)
     scale[0, 0], scale[1, 0] = 0, 128
     got = torch.empty(rows, bk, device="cuda")
-    _decode_kernel[(1,)](packed, scale, got, ROWS=rows, BK=bk)
-    j = torch.arange(bk // 2, device="cuda")
-    stored = (bk // 8) * (j % 4) + j // 4
-    columns = torch.stack((2 * stored, 2 * stored + 1), dim=1).flatten()
+    _decode_kernel[(1,)](packed.view(torch.int32), scale, got, ROWS=rows, BK=bk)
     want = mxfp4_dequantize(packed.view(torch.int8), scale.view(torch.float8_e8m0fnu), torch.float32)
-    assert torch.equal(got, want[:, columns])
+    assert torch.equal(got, want[:, moe.mma_columns(bk).cuda()])
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64, 1024, 8192])
