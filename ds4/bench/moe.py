@@ -79,13 +79,13 @@ def bench_moe(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, plans
     ids = torch.zeros(tokens, dtype=torch.long, device="cuda")
     routes = [layer.gate(x, ids) for x in xs]
     weights = expert_weights(layer.experts)
-    touched = sum(int(idx.unique().numel()) for _, idx in routes) / sets
+    touched = sum(int(r.indices.unique().numel()) for r in routes) / sets
     slots = tokens * layer.gate.topk
     d, i = cfg_d, layer.experts.w2.shape[2] * 2
 
     def routed():
-        for x, (w, idx) in zip(xs, routes):
-            km.routed_experts_triton(x, w, idx, weights, layer.limit, plans)
+        for x, r in zip(xs, routes):
+            km.routed_experts_triton(x, r.weights, r.indices, weights, layer.limit, plans, (r.order, r.bounds))
 
     def whole():
         for x in xs:
@@ -116,7 +116,8 @@ def bench_moe(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, plans
 
 
 def kernel_breakdown(layer: MoE, tokens: int) -> dict[str, float]:
-    """CUDA time per kernel name (us per call) of the whole layer, from the profiler."""
+    """CUDA time per kernel name (us per call) of the whole layer, from the profiler, and under "launches" the
+    kernels (and memsets) one call runs."""
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(tokens, layer.gate.weight.shape[1], device="cuda", generator=g).bfloat16()
     ids = torch.zeros(tokens, dtype=torch.long, device="cuda")
@@ -131,7 +132,8 @@ def kernel_breakdown(layer: MoE, tokens: int) -> dict[str, float]:
     for event in prof.key_averages():
         if event.device_time_total > 0:
             times[event.key[:60]] = event.device_time_total / calls
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+    launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / calls
+    return {"launches": launches, **dict(sorted(times.items(), key=lambda kv: -kv[1]))}
 
 
 def _plan(bm, weight_rows, bk, warps, stages):
@@ -139,8 +141,14 @@ def _plan(bm, weight_rows, bk, warps, stages):
 
 
 SWEEP = {
-    "decode": [_plan(16, 64, 256, 4, 4), _plan(16, 128, 256, 4, 4), _plan(16, 64, 256, 4, 3)],
-    "prefill": [_plan(256, 128, 128, 8, 3), _plan(128, 128, 64, 4, 4)],
+    "decode": [
+        _plan(16, 64, 256, 4, 4),
+        _plan(16, 128, 256, 4, 4),
+        _plan(16, 128, 256, 8, 4),
+        _plan(16, 64, 512, 4, 3),
+        _plan(16, 64, 128, 4, 6),
+    ],
+    "prefill": [_plan(256, 128, 64, 8, 4), _plan(256, 128, 128, 8, 3), _plan(128, 128, 64, 4, 4)],
 }
 
 
@@ -182,7 +190,7 @@ def main(argv: list[str]) -> int:
     for tokens in args.tokens:
         report["rows"].append(bench_moe(layer, tokens, bandwidth, gemm))
         print(f"tokens {tokens}: {report['rows'][-1]}", file=sys.stderr)
-    report["profile"] = {t: kernel_breakdown(layer, t) for t in (1, 8192) if t in args.tokens}
+    report["profile"] = {t: kernel_breakdown(layer, t) for t in (1, 64, 8192) if t in args.tokens}
     if args.sweep:
         report["sweep"] = {t: sweep(layer, t, bandwidth, gemm) for t in args.tokens if t in (1, 64, 8192)}
     print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s ({report['device']})")
@@ -194,8 +202,10 @@ def main(argv: list[str]) -> int:
             f"{r['bytes_ratio_graph']:5.2f}  {r['routed_tflops']:7.1f}  {r['flops_fraction_graph']:6.1%}"
         )
     for tokens, kernels in report["profile"].items():
+        kernels = dict(kernels)
+        launches = kernels.pop("launches")
         top = ", ".join(f"{name[:40]} {us:.1f}" for name, us in list(kernels.items())[:8])
-        print(f"profile {tokens} tokens (us per layer call): {top}")
+        print(f"profile {tokens} tokens: {launches:.0f} kernels a layer call; us a call: {top}")
     for tokens, runs in report.get("sweep", {}).items():
         for run in runs:
             p = run["plan"]

@@ -7,8 +7,12 @@ import triton
 import triton.language as tl
 
 import ds4.kernels.moe as moe
+import ds4.kernels.moe_routing as routing_module
+from ds4.bench.moe import FLASH_CONFIG, moe_layer
 from ds4.checkpoint.quant import mxfp4_dequantize
+from ds4.config import load_config
 from ds4.kernels.fp8_kv import fp8_quant_dequant
+from ds4.model.moe import expert_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -143,3 +147,50 @@ def test_token_counts_compile_few_variants(experts):
         moe.routed_experts(*routing(tokens, tokens), experts, LIMIT)
     after = sum(len(c[0]) for c in moe._grouped_gemm_kernel.device_caches.values())
     assert after - before <= 16, after - before
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64, 200])
+@pytest.mark.parametrize("kind", ["score", "hash", "expert_parallel"])
+def test_routing_matches_the_reference(tokens, kind):
+    """Flash's router (256 experts, top-6, sqrt-softplus) on the device against the CPU reference on the same
+    logits: the same experts, weights within fp32 rounding, the same grouping (in the kernel up to 64 tokens)."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, E, device="cuda", generator=g) * 2
+    bias = torch.randn(E, device="cuda", generator=g) * 0.1
+    tid2eid = torch.randint(0, E, (1000, K), device="cuda", generator=g)
+    ids = torch.randint(0, 1000, (tokens,), device="cuda", generator=g)
+    hashed = kind == "hash"
+    local = (64, 64) if kind == "expert_parallel" else None
+    got = routing_module.route(logits, bias, tid2eid if hashed else None, ids, K, "sqrtsoftplus", 1.5, local)
+    want = routing_module.route(
+        logits.cpu(), bias.cpu(), tid2eid.cpu() if hashed else None, ids.cpu(), K, "sqrtsoftplus", 1.5, local
+    )
+    assert torch.equal(got.indices.cpu(), want.indices)
+    torch.testing.assert_close(got.weights.cpu(), want.weights, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got.order.cpu().long(), want.order) and torch.equal(got.bounds.cpu(), want.bounds)
+
+
+def test_moe_layer_graph_replay_equals_eager_and_the_reference():
+    """The whole layer (router GEMM, routing kernel, routed experts, shared expert, slot sum) captured in a CUDA
+    graph equals its eager call, and matches the routed-experts reference plus the shared expert."""
+    layer = moe_layer(load_config(FLASH_CONFIG))
+    layer.gate.bias.normal_(0.0, 0.1)
+    ids = torch.zeros(8, dtype=torch.long, device="cuda")
+    static = torch.zeros(8, D, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(static, ids)
+    for seed in (12, 13):
+        x = routing(8, seed)[0]
+        static.copy_(x)
+        graph.replay()
+        eager = layer(x, ids)
+        assert torch.equal(out, eager)
+        routes = layer.gate(x, ids)
+        routed = moe.routed_experts_reference(x, routes.weights, routes.indices, expert_weights(layer.experts), LIMIT)
+        assert_close(eager.float(), (routed + layer.shared_experts(x).float()).bfloat16().float())
