@@ -169,7 +169,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", default=str(FLASH_CONFIG), help="config.json (default: the Flash config)")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--json", metavar="PATH", help="write the full report here")
-    parser.add_argument("--sweep", action="store_true", help="also time candidate tile plans")
+    parser.add_argument(
+        "--sweep", type=int, nargs="*", metavar="TOKENS", help="time candidate tile plans (default at 1, 64, 8192)"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("ds4 bench moe needs a CUDA device", file=sys.stderr)
@@ -191,8 +193,9 @@ def main(argv: list[str]) -> int:
         report["rows"].append(bench_moe(layer, tokens, bandwidth, gemm))
         print(f"tokens {tokens}: {report['rows'][-1]}", file=sys.stderr)
     report["profile"] = {t: kernel_breakdown(layer, t) for t in (1, 64, 8192) if t in args.tokens}
-    if args.sweep:
-        report["sweep"] = {t: sweep(layer, t, bandwidth, gemm) for t in args.tokens if t in (1, 64, 8192)}
+    if args.sweep is not None:
+        swept = args.sweep or [t for t in args.tokens if t in (1, 64, 8192)]
+        report["sweep"] = {t: sweep(layer, t, bandwidth, gemm) for t in swept}
     print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s ({report['device']})")
     print("tokens  touched  GB     routed ms  graph ms  layer graph ms  bytes roof ms  ratio  TFLOP/s  of bf16")
     for r in report["rows"]:
