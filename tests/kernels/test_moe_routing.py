@@ -87,7 +87,7 @@ def test_interpreted_routing_equals_the_reference(
     kernels, monkeypatch, score_func, hashed, local, tokens, in_kernel_sort
 ):
     if not in_kernel_sort:  # tiles too small for the batch: token blocks, then torch's sort
-        monkeypatch.setattr(kernels, "GROUP_TILE", 16)
+        monkeypatch.setattr(kernels, "ROUTE_TILE", 16)
     logits, bias, tid2eid, ids = _case(tokens, tokens)
     got = kernels.route_triton(
         logits, None if hashed else bias, tid2eid if hashed else None, ids, K, score_func, 2.5, local
