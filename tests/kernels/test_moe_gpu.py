@@ -1,5 +1,6 @@
 """Routed experts on the GPU at Flash sizes (256 MXFP4 experts x 2048, hidden 4096, top-6) against an
-expert-by-expert oracle (quant.py's dequantisation, fp8_kv's e4m3 rounding); graph replay equals eager."""
+expert-by-expert oracle (quant.py's dequantisation, fp8_kv's e4m3 rounding); graph replay equals eager. The
+router's logits and routing kernels against the CPU path; the whole layer under graph replay."""
 
 import pytest
 import torch
@@ -168,6 +169,16 @@ def test_routing_matches_the_reference(tokens, kind):
     assert torch.equal(got.indices.cpu(), want.indices)
     torch.testing.assert_close(got.weights.cpu(), want.weights, rtol=1e-5, atol=1e-6)
     assert torch.equal(got.order.cpu().long(), want.order) and torch.equal(got.bounds.cpu(), want.bounds)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_router_logits_match_the_fp32_linear(tokens):
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    weight = torch.randn(E, D, device="cuda", generator=g) * D**-0.5
+    x = torch.randn(tokens, D, device="cuda", generator=g).bfloat16()
+    got = routing_module.router_logits(x, weight)
+    want = x.float().cpu() @ weight.cpu().T
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_moe_layer_graph_replay_equals_eager_and_the_reference():
