@@ -209,18 +209,20 @@ def _e2m1_tile(words, scale, BK: tl.constexpr, PTX: tl.constexpr):
 
     A code's low three bits at bf16 bits 6-8 (its sign at 15) read as its value times 2^-126 (code 1, 0.5, is
     then the subnormal 2^-127); times the bf16 2^(s-1) that is the value times 2^(s-127). Valid for scale bytes
-    up to 128 (weights up to 12). A word holds eight codes and gives four bf16 pairs by shifts and masks alone:
+    up to 128 (weights up to 12). A word holds eight codes and gives four bf16 pairs by masks and multiplies:
     pair k of word w holds the row's columns 8w + k and 8w + k + 4 (the low nibbles of bytes 0 and 2, their high
     nibbles, then bytes 1 and 3), whose pairs of bits sit 16 apart in the word as in the bf16 pair. The MMA's
     threads then each hold a run of whole words of a row (`mma_columns`)."""
     rows: tl.constexpr = words.shape[0]
     w = words.to(tl.uint32, bitcast=True)
-    magnitude: tl.constexpr = 0x01C001C0
-    sign: tl.constexpr = 0x80008000
-    pair0 = ((w << 6) & magnitude) | ((w << 12) & sign)
-    pair1 = ((w << 2) & magnitude) | ((w << 8) & sign)
-    pair2 = ((w >> 2) & magnitude) | ((w << 4) & sign)
-    pair3 = ((w >> 6) & magnitude) | (w & sign)
+    high = w >> 8
+    bits: tl.constexpr = 0x81C081C0  # a bf16 pair's sign bits and the low three bits of its exponents
+    # One nibble of bytes 0 and 2 (or 1 and 3) times 2^6 + 2^12 (low nibble) or 2^2 + 2^8 (high): its magnitude
+    # lands at bits 6-8, its sign at 15, and the shifted copies do not overlap (no carries).
+    pair0 = ((w & 0x000F000F) * 0x1040) & bits
+    pair1 = ((w & 0x00F000F0) * 0x104) & bits
+    pair2 = ((high & 0x000F000F) * 0x1040) & bits
+    pair3 = ((high & 0x00F000F0) * 0x104) & bits
     pair = tl.join(tl.join(pair0, pair2), tl.join(pair1, pair3)).reshape(rows, BK // 2)  # pair0, pair1, ..
     if PTX:  # one bf16x2 multiply a pair (ptxas pairs the compiler's bf16 multiplies with two half swaps each)
         w = tl.join(pair.to(tl.int16), (pair >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
