@@ -13,17 +13,21 @@ A token's k expert outputs are summed in fp32; a token routed twice to one exper
 `routed_experts` is the op: the Triton kernels on CUDA, `routed_experts_reference` elsewhere (the spec). Both
 have fixed shapes and no host sync, so a decode step captured in a CUDA graph runs only the routed experts.
 
-The kernels: the (token, slot) pairs are sorted by expert on the device, `searchsorted` gives each expert's
-segment, and one grouped-GEMM kernel runs twice: x -> gate and up -> clamped SwiGLU times the routing
-weight -> h (rows in expert order), then h -> down -> one row per (token, slot). MXFP4: each GEMM's input is
+The kernels: the (token, slot) pairs sorted by expert and each expert's segment of them (`moe_routing`: made
+by the routing kernel at decode sizes, else sorted here), and one grouped-GEMM kernel runs twice: x -> gate
+and up -> clamped SwiGLU times the routing weight -> h (rows in expert order), then h -> down -> one row per
+(token, slot). MXFP4: each GEMM's input is
 act_quant'ed once beforehand by a small kernel that stores the exact values in bf16, so GEMM programs only
 load it. A program owns BM rows of one expert and a tile of weight rows (gate-up: as many gate as up rows,
 one MMA operand); it finds its expert from the segment bounds (tiles of BM rows, expert after expert), so the
 grid is a bound on the tile count known without reading the routing and surplus programs return at once.
 Weight rows are the MMA's M and tokens its N, so a one-token tile reads each weight once. Hopper has no FP4
-MMA: e2m1 codes become bf16 in registers by bit placement and one bf16x2 multiply by the scale a byte
-(exact: e2m1 times a power of two fits bf16), and the bf16 MMA takes them from registers; the K columns of
-a step are read in the order the MMA's threads hold them, the activations stored in that order to match.
+MMA: e2m1 codes, read as int32 words of eight, become bf16 pairs in registers by bit placement (a mask and a
+carry-free multiply a pair) and one bf16x2 multiply by the scale (exact: e2m1 times a power of two fits
+bf16), and the bf16 MMA takes them from registers; decoding is what bounds decode-sized batches (about 8
+instructions a weight byte at the 1-token tiles, sm_90), not bytes. The K columns of a step are read in the
+order the MMA's threads hold them (`mma_columns`), the activations stored in that order to match. The slot
+sum adds the shared expert's output and rounds to the layer's dtype in one kernel.
 Settings: one table (`_TIERS`), fitted to the device's shared memory (`gemm_plan`).
 """
 
