@@ -154,7 +154,7 @@ def test_token_counts_compile_few_variants(experts):
 @pytest.mark.parametrize("kind", ["score", "hash", "expert_parallel"])
 def test_routing_matches_the_reference(tokens, kind):
     """Flash's router (256 experts, top-6, sqrt-softplus) on the device against the CPU reference on the same
-    logits: the same experts, weights within fp32 rounding, the same grouping (in the kernel up to 64 tokens)."""
+    logits: the same experts, weights within fp32 rounding, the same grouping (in the kernel up to 8 tokens)."""
     g = torch.Generator(device="cuda").manual_seed(tokens)
     logits = torch.randn(tokens, E, device="cuda", generator=g) * 2
     bias = torch.randn(E, device="cuda", generator=g) * 0.1
@@ -171,7 +171,7 @@ def test_routing_matches_the_reference(tokens, kind):
     assert torch.equal(got.order.cpu().long(), want.order) and torch.equal(got.bounds.cpu(), want.bounds)
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("tokens", [1, 5, 8])
 def test_router_logits_match_the_fp32_linear(tokens):
     g = torch.Generator(device="cuda").manual_seed(tokens)
     weight = torch.randn(E, D, device="cuda", generator=g) * D**-0.5
