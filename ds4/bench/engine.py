@@ -73,6 +73,13 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
     progress("starting the engine (weights, cache plan, CUDA-graph capture)")
     engine = LLMEngine.from_pretrained(args.model, seed=args.seed, **model_flags, **engine_flags)
     try:
+        # Every request must run at once: none finishes, so one left waiting would never start.
+        needed = batches[0] * (args.input_len + max_tokens)
+        if engine.allocator.capacity_tokens < needed:
+            raise SystemExit(
+                f"the cache holds {engine.allocator.capacity_tokens} tokens; {batches[0]} requests of "
+                f"{args.input_len + max_tokens} need {needed}: lower --input-len or --batch-sizes, or give more memory"
+            )
         rng = random.Random(args.seed)
         vocab = engine.model.cfg.vocab_size
         params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)

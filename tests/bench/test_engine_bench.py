@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ds4.bench import engine
 
 
@@ -17,3 +19,11 @@ def test_engine_bench_rows_and_json(tmp_path, capsys):
         assert 0 < row["model_ms"] <= row["step_ms"]
         assert row["exposed_ms"] == row["step_ms"] - row["model_ms"]
         assert row["host_ms"] > 0
+
+
+def test_engine_bench_refuses_a_cache_too_small_for_its_batch():
+    """None of the bench's requests finishes, so one that cannot start with the others would wait forever: the
+    bench says so instead (2 requests need two 64-token pages; this budget holds one)."""
+    argv = ["--device", "cpu", "--batch-sizes", "2", "--steps", "3", "--input-len", "8", "--page-size", "64"]
+    with pytest.raises(SystemExit, match="the cache holds 64 tokens; 2 requests of"):
+        engine.main(argv + ["--kv-cache-memory", "370000"])
