@@ -11,11 +11,11 @@ Rooflines (ds4.bench.roofline): decode = the bytes a step must read over the cop
 FLOPs by kind over the GEMM rate of that kind (dense GEMMs and the indexer fp8, experts and attention bf16:
 Hopper has no FP4 tensor cores). The ratio is measured / roofline. Decode steps at the smallest and the largest
 batch (run eagerly) and one prefill (the shortest) are profiled and summarised by kernel family: its time, the
-kernels it launched (CPU: ops; many small kernels make a family launch-bound at decode) and its own roofline
-where one is counted. "GPU ms" is the decode graph's replay and the logits alone: the step without the engine's
-host work (what overlapping that work with the GPU would leave). The time per layer is extrapolated to the full
-model and printed next to published figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager)
-on the same shape.
+kernels it launched (CPU: ops; many small kernels make a family launch-bound at decode), its largest kernels
+by name (printed for families of 5% or more) and its own roofline where one is counted. "GPU ms" is the decode
+graph's replay and the logits alone: the step without the engine's host work (what overlapping that work with
+the GPU would leave). The time per layer is extrapolated to the full model and printed next to published
+figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager) on the same shape.
 `--tensor-parallel-size N [--enable-expert-parallel]` runs the engine on N ranks (one GPU each; CPU: processes);
 every decode and prefill row then also gives the bytes rank 0's collectives moved per step, by kind (counted; for
 decode steps replayed from CUDA graphs, which run no Python to count, from ds4.distributed.traffic), and the bytes
@@ -31,7 +31,7 @@ import math
 import random
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ from ds4.bench.profile import FAMILIES, profile_families
 from ds4.bench.report import environment, int_list, progress, sync, write_json
 
 GB = 1e9
+LARGEST_SHOWN_SHARE = 0.05  # families of at least this share of a profiled step list their largest kernels
 
 # Published figures (shared/docs/anchors.md), by model: what, value, unit, setup, source.
 PUBLISHED = {
@@ -337,12 +338,12 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         }
         if not args.no_profile and batch in (batches[0], batches[-1]):
             progress(f"profiling one decode step at batch {batch} (eager)")
-            unclaimed, launches = Counter(), Counter()
-            families = _eager_profile(engine, lambda: step(engine), unclaimed, launches)
+            by_kernel, launches = defaultdict(Counter), Counter()
+            families = _eager_profile(engine, lambda: step(engine), by_kernel, launches)
             work = _decode_family_bytes(parts)
             rates_by_family = dict.fromkeys(work, rates["copy_bytes_per_s"])
             row["profile"] = _with_rooflines(families, launches, work, rates_by_family)
-            row["profile_other"] = _top(unclaimed)
+            row["profile_kernels"] = _largest(by_kernel)
         rows.append(row)
     for request_id in ids:
         engine.abort(request_id)
@@ -368,21 +369,21 @@ def _replay_ms(engine, ids: list[str]) -> float | None:
     return ceilings.kernel_ms(forward_and_logits)
 
 
-def _eager_profile(engine, step, unclaimed: Counter, launches: Counter) -> dict:
+def _eager_profile(engine, step, by_kernel: defaultdict[str, Counter], launches: Counter) -> dict:
     """Profile one engine step with the decode graph's batch run eagerly (the same padded decode_only batch)."""
     graphs = engine.runner.graphs
     if graphs is not None:
         graphs.eager = True
     try:
-        return profile_families(engine.model, step, engine.device, unclaimed, launches)
+        return profile_families(engine.model, step, engine.device, by_kernel, launches)
     finally:
         if graphs is not None:
             graphs.eager = False
 
 
-def _top(unclaimed: Counter, n: int = 8) -> dict[str, float]:
-    """The n largest contributors to "other", by kernel name (ms)."""
-    return {name[:100]: ms for name, ms in unclaimed.most_common(n)}
+def _largest(by_kernel: defaultdict[str, Counter], n: int = 4) -> dict[str, dict[str, float]]:
+    """Each family's n largest kernels by name (ms): where a family's time goes, for the next change to aim at."""
+    return {family: {name[:100]: ms for name, ms in kernels.most_common(n)} for family, kernels in by_kernel.items()}
 
 
 def _decode_family_bytes(parts: dict) -> dict:
@@ -453,16 +454,16 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
     if not args.no_profile:
         length = min(args.prefill_lengths)
         progress(f"profiling the prefill of {length} tokens")
-        unclaimed, launches = Counter(), Counter()
+        by_kernel, launches = defaultdict(Counter), Counter()
         families = profile_families(
-            engine.model, lambda: prefill(length, "prefill-profiled"), engine.device, unclaimed, launches
+            engine.model, lambda: prefill(length, "prefill-profiled"), engine.device, by_kernel, launches
         )
         flops = roofline.prefill_flops(cfg, length)
         family_of = {"dense": "GEMMs", "experts": "MoE", "attention": "attention", "indexer": "indexer"}
         work = {family_of[kind]: f for kind, f in flops.items()}
         rates_by_family = {family_of[k]: r for k, r in per_kind.items()}
         rows[0]["profile"] = _with_rooflines(families, launches, work, rates_by_family)
-        rows[0]["profile_other"] = _top(unclaimed)
+        rows[0]["profile_kernels"] = _largest(by_kernel)
     return rows
 
 
@@ -595,9 +596,9 @@ def table(result: dict) -> str:
         if "profile" in row:
             lines += ["", f"profile of one {title} ({row.get('batch', row.get('tokens'))}) by family:"]
             lines.append(_profile_rows(row["profile"]))
-            if row.get("profile_other"):
-                top = row["profile_other"].items()
-                lines.append("largest in other: " + "; ".join(f"{n} {ms:.3f} ms" for n, ms in top))
+            for family, top in row.get("profile_kernels", {}).items():
+                if row["profile"][family]["share"] >= LARGEST_SHOWN_SHARE or family == "other":
+                    lines.append(f"largest in {family}: " + "; ".join(f"{n} {ms:.3f} ms" for n, ms in top.items()))
     lines += ["", _extrapolation_lines(result)]
     return "\n".join(lines)
 

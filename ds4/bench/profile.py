@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
 import torch
@@ -121,25 +121,25 @@ def profile_families(
     model: torch.nn.Module,
     run: Callable[[], object],
     device: torch.device,
-    unclaimed: Counter | None = None,
+    by_kernel: defaultdict[str, Counter] | None = None,
     launches: Counter | None = None,
 ) -> dict[str, float]:
     """Milliseconds per family of one call of run (device time on CUDA, CPU time otherwise), plus "total".
-    unclaimed, if given, receives the milliseconds of "other" by kernel (CPU: op) name; launches, the number of
+    by_kernel, if given, receives each family's milliseconds by kernel (CPU: op) name; launches, the number of
     kernels (CPU: ops) per family: a family of many small kernels is launch-bound at decode sizes."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with family_ranges(model), profile(activities=activities) as prof:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return summarise(prof.events(), device.type == "cuda", unclaimed, launches)
+    return summarise(prof.events(), device.type == "cuda", by_kernel, launches)
 
 
 def summarise(
-    events, on_device: bool, unclaimed: Counter | None = None, launches: Counter | None = None
+    events, on_device: bool, by_kernel: defaultdict[str, Counter] | None = None, launches: Counter | None = None
 ) -> dict[str, float]:
     times = dict.fromkeys(FAMILIES, 0.0)
-    unclaimed = Counter() if unclaimed is None else unclaimed
+    by_kernel = defaultdict(Counter) if by_kernel is None else by_kernel
     launches = Counter() if launches is None else launches
     claimed = Counter()  # kernel name -> microseconds some op's launch accounts for
     for event in events:
@@ -153,9 +153,8 @@ def summarise(
             family = _family(event)
             times[family] += us / 1e3
             launches[family] += len(kernels) if on_device else 1
-            if family == "other":
-                for kernel in kernels if on_device else (event,):
-                    unclaimed[kernel.name] += (kernel.duration if on_device else us) / 1e3
+            for kernel in kernels if on_device else (event,):
+                by_kernel[family][kernel.name] += (kernel.duration if on_device else us) / 1e3
         for kernel in kernels:
             claimed[kernel.name] += kernel.duration
     if on_device:
@@ -171,8 +170,7 @@ def summarise(
                 family = families.get(event.name, "other")
                 times[family] += (us - taken) / 1e3
                 launches[family] += 1
-                if family == "other":
-                    unclaimed[event.name] += (us - taken) / 1e3
+                by_kernel[family][event.name] += (us - taken) / 1e3
     times["total"] = sum(times.values())
     return times
 

@@ -2,7 +2,7 @@
 and how its device profile assigns kernel time to families."""
 
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 from types import SimpleNamespace
 
 import pytest
@@ -70,9 +70,14 @@ def test_device_profile_counts_each_kernel_once_and_unclaimed_triton_kernels_by_
         device("_act_quant_kernel", 20.0),
         device("some_library_kernel", 7.0),
     ]
-    unclaimed, launches = Counter(), Counter()
-    times = summarise(events, on_device=True, unclaimed=unclaimed, launches=launches)
-    assert unclaimed == {"some_library_kernel": pytest.approx(0.007)}
+    by_kernel, launches = defaultdict(Counter), Counter()
+    times = summarise(events, on_device=True, by_kernel=by_kernel, launches=launches)
+    assert by_kernel == {
+        "attention": {"gemm": pytest.approx(0.030)},
+        "MoE": {"_grouped_gemm_kernel": pytest.approx(0.500)},
+        "GEMMs": {"_act_quant_kernel": pytest.approx(0.020)},
+        "other": {"some_library_kernel": pytest.approx(0.007)},
+    }
     assert launches == {"attention": 1, "MoE": 1, "GEMMs": 1, "other": 1}
     assert times["attention"] == pytest.approx(0.030)
     assert times["MoE"] == pytest.approx(0.500)
