@@ -33,6 +33,7 @@ Settings: one table (`_TIERS`), fitted to the device's shared memory (`gemm_plan
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -427,9 +428,32 @@ def gemm_plan(
     return plan
 
 
-def _act_quant(x: torch.Tensor, rows: int, chunk: int) -> torch.Tensor:
-    """act_quant of x's first `rows` rows, dequantised in bf16, columns in the MMA order of K steps of `chunk`."""
-    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+_FITTED: dict[tuple, GemmPlan] = {}
+
+
+def _fitted(plan: GemmPlan, key: tuple, compile_plan, shared_memory: int, mxfp4: bool) -> GemmPlan:
+    """`plan`, or the same with fewer stages, then narrower K steps, until its compiled kernel fits in
+    `shared_memory` bytes: plan_shared_memory counts the pipelined operand tiles only, the compiler adds buffers of
+    its own (the decoded weight tile, layout changes). Compiled once per plan and key (dtypes, device)."""
+    key = (plan, *key)
+    if key not in _FITTED:
+        fitted, min_bk = plan, MXFP4_GROUP if mxfp4 else 16
+        while compile_plan(fitted).metadata.shared > shared_memory:
+            if fitted.stages > 2:
+                fitted = replace(fitted, stages=fitted.stages - 1)
+            elif fitted.bk > min_bk:
+                fitted = replace(fitted, bk=fitted.bk // 2)
+            else:
+                raise RuntimeError(f"no grouped-GEMM plan fits in {shared_memory} bytes of shared memory ({plan})")
+        _FITTED[key] = fitted
+    return _FITTED[key]
+
+
+def _act_quant(x: torch.Tensor, rows: int, chunk: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """act_quant of x's first `rows` rows, dequantised in bf16 (into `out` if given), columns in the MMA order of
+    K steps of `chunk`."""
+    if out is None:
+        out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
     cols = max(ACT_GROUP, chunk)
     block_rows = max(1, _ACT_QUANT_ELEMENTS // cols)
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(x.shape[1], cols))
@@ -441,7 +465,10 @@ def _act_quant(x: torch.Tensor, rows: int, chunk: int) -> torch.Tensor:
     return out
 
 
-def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan):
+def _grouped_gemm(
+    a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan, compile_only=False
+):
+    """One grouped-GEMM pass; compile_only: compile it for `plan` without launching, returning the kernel."""
     gated = up is not None
     mxfp4 = scale is not None
     if mxfp4:  # eight e2m1 codes an int32 word (`_e2m1_tile`)
@@ -452,7 +479,8 @@ def _grouped_gemm(a, order, bounds, w, up, scale, up_scale, route_w, out, n_expe
     rows = order.shape[0]
     dot = tl.float32 if interpreting() or a.dtype == torch.float32 else tl.bfloat16
     grid = (triton.cdiv(n, bn), (rows + min(n_experts, rows) * (plan.bm - 1)) // plan.bm)
-    _grouped_gemm_kernel[grid](
+    launch = functools.partial(_grouped_gemm_kernel.warmup, grid=grid) if compile_only else _grouped_gemm_kernel[grid]
+    return launch(
         a,
         a.stride(0),
         order,
@@ -594,16 +622,31 @@ def routed_experts_triton(
     out = torch.empty(t * k, hidden, dtype=slot_dtype, device=x.device)
     route_w = weights.reshape(-1).float()
     x = x.contiguous()
-    a = _act_quant(x, t, plan1.bk) if experts.mxfp4 else x
-    _grouped_gemm(
-        a, order, bounds, experts.gate, experts.up, experts.gate_scale, experts.up_scale, route_w, h,
-        n_experts, k, limit, plan1,
-    )  # fmt: skip
+    a = torch.empty_like(x, dtype=torch.bfloat16) if experts.mxfp4 else x
+    h_quant = torch.empty_like(h, dtype=torch.bfloat16) if experts.mxfp4 else h
+
+    def gate_up(plan, compile_only=False):
+        return _grouped_gemm(
+            a, order, bounds, experts.gate, experts.up, experts.gate_scale, experts.up_scale, route_w, h,
+            n_experts, k, limit, plan, compile_only,
+        )  # fmt: skip
+
+    def down(plan, compile_only=False):
+        return _grouped_gemm(
+            h_quant, order, bounds, experts.down, None, experts.down_scale, None, route_w, out, n_experts, k, limit,
+            plan, compile_only,
+        )  # fmt: skip
+
+    if not interpreting() and plans is None:
+        key = (experts.mxfp4, x.dtype, slot_dtype, x.device)
+        plan1 = _fitted(plan1, ("gate-up", *key), functools.partial(gate_up, compile_only=True), smem, experts.mxfp4)
+        plan2 = _fitted(plan2, ("down", *key), functools.partial(down, compile_only=True), smem, experts.mxfp4)
     if experts.mxfp4:
-        h = _act_quant(h, t * k, plan2.bk)
-    _grouped_gemm(
-        h, order, bounds, experts.down, None, experts.down_scale, None, route_w, out, n_experts, k, limit, plan2
-    )
+        _act_quant(x, t, plan1.bk, a)
+    gate_up(plan1)
+    if experts.mxfp4:
+        _act_quant(h, t * k, plan2.bk, h_quant)
+    down(plan2)
     return _combine(out, k, shared, out_dtype)
 
 

@@ -2,6 +2,8 @@
 kernels (interpreted) equal the reference under hash and score routing, uneven and empty experts, and
 tokens routed twice to one expert."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton
@@ -13,6 +15,7 @@ from ds4.checkpoint.quant import E2M1_VALUES, mxfp4_dequantize, mxfp4_quantize, 
 from ds4.kernels.fp8_kv import fp8_quant_dequant
 from ds4.kernels.moe import (
     ExpertWeights,
+    GemmPlan,
     act_quant,
     gemm_plan,
     mxfp4_to_float,
@@ -221,3 +224,24 @@ def test_plans_follow_the_device():
     dense = gemm_plan(49152, 256, 2048, 4096, True, False, 2, 188, 101376)
     assert plan_shared_memory(dense, False, 2) <= 101376 and dense.stages >= 2
     assert 96 % gemm_plan(6, 8, 64, 96, False, True, 2, 132, 232448).bk == 0
+
+
+def test_a_plan_whose_compiled_kernel_overflows_shared_memory_steps_down_once():
+    """A plan the compiler's own buffers push past the device's shared memory loses stages (down to two), then
+    halves its K step; the result is kept, so a later call compiles nothing."""
+    compiled = []
+
+    def compile_plan(plan):
+        compiled.append(plan)
+        return SimpleNamespace(metadata=SimpleNamespace(shared=plan.stages * plan.bk * 1000 + 100_000))
+
+    plan = GemmPlan(bm=32, weight_rows=128, bk=256, warps=4, stages=4)
+    fitted = moe_module._fitted(plan, ("test", 1), compile_plan, 260_000, mxfp4=True)
+    assert fitted == GemmPlan(bm=32, weight_rows=128, bk=64, warps=4, stages=2)
+    assert [(p.stages, p.bk) for p in compiled] == [(4, 256), (3, 256), (2, 256), (2, 128), (2, 64)]
+    assert moe_module._fitted(plan, ("test", 1), compile_plan, 260_000, mxfp4=True) == fitted
+    assert len(compiled) == 5
+    roomy = moe_module._fitted(plan, ("test", 2), compile_plan, 10**7, mxfp4=True)
+    assert roomy == plan and len(compiled) == 6
+    with pytest.raises(RuntimeError, match="no grouped-GEMM plan fits"):
+        moe_module._fitted(plan, ("test", 3), compile_plan, 100_000, mxfp4=True)
