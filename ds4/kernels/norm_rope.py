@@ -66,7 +66,7 @@ def pair_block(head_dim: int) -> int:
 
 
 @triton.jit
-def _rounded(x, DTYPE: tl.constexpr):
+def rounded(x, DTYPE: tl.constexpr):
     """fp32 x rounded to DTYPE (to nearest, ties to even), back in fp32."""
     if DTYPE == tl.bfloat16:
         return bf16_bits(x).to(tl.float32, bitcast=True)
@@ -104,14 +104,14 @@ def finish_entries(
     if WEIGHTED:
         even = even * tl.load(w_ptr + 2 * pair, mask=p_ok, other=0.0).to(tl.float32)[None, :]
         odd = odd * tl.load(w_ptr + 2 * pair + 1, mask=p_ok, other=0.0).to(tl.float32)[None, :]
-    even, odd = _rounded(even, DTYPE), _rounded(odd, DTYPE)
+    even, odd = rounded(even, DTYPE), rounded(odd, DTYPE)
     lead = D // 2 - HALF
     k = pair - lead
     is_rope = (k >= 0) & p_ok
     angle = positions.to(tl.float32)[:, None] * tl.load(freq_ptr + k, mask=is_rope, other=0.0)[None, :]
     turned_even, turned_odd = rotate_pairs(even, odd, angle, 1.0)
-    even = tl.where(is_rope[None, :], _rounded(turned_even, DTYPE), even)
-    odd = tl.where(is_rope[None, :], _rounded(turned_odd, DTYPE), odd)
+    even = tl.where(is_rope[None, :], rounded(turned_even, DTYPE), even)
+    odd = tl.where(is_rope[None, :], rounded(turned_odd, DTYPE), odd)
     if FP8:
         store_fp8_entries(out_row, even, odd, pair, row_ok, D - 2 * HALF, 2 * HALF, ROWS, BLOCK_P)
     else:

@@ -54,7 +54,7 @@ class CompressorState:
     """A ring of the last tokens' projections: token p in row p % rows."""
 
     kv: torch.Tensor  # [slots, coff * ratio + spare, coff * head_dim] fp32
-    score: torch.Tensor  # same shape, gate logits with the position bias already added
+    score: torch.Tensor  # same shape, gate logits (the position bias is added when they are pooled)
 
 
 @dataclass
