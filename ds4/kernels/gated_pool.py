@@ -165,9 +165,10 @@ def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=N
         )
     if not form.fits_kernel(head_dim):
         raise ValueError(f"pooled_entries: {form.rope_dim} RoPE dims do not fit entries of {head_dim}")
-    out = pool if pool is not None else torch.empty(n, form.entry_size(head_dim), dtype=form.entry_dtype(), device=kv.device)
-    if pool is not None and (out.shape[1] != form.entry_size(head_dim) or out.dtype != form.entry_dtype()):
-        raise ValueError(f"pooled_entries: pool rows {out.dtype} {list(out.shape)} do not hold these entries")
+    size, dtype = form.entry_size(head_dim), form.entry_dtype()
+    out = pool if pool is not None else torch.empty(n, size, dtype=dtype, device=kv.device)
+    if out.dim() != 2 or out.shape[1] != size or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(f"pooled_entries: pool rows {out.dtype} {list(out.shape)} do not hold entries of {size}")
     if n:
         pooled = torch.empty(n, head_dim, dtype=form.dtype, device=kv.device)
         _pooled_entries_kernel[(n,)](
