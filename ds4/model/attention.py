@@ -31,6 +31,7 @@ from torch import nn
 from ds4.config import CSA, WINDOW, ModelConfig
 from ds4.distributed.parallel import Parallel
 from ds4.kernels.norm_rope import EntryForm, norm_rope
+from ds4.kernels.ring_write import write_rings
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.rope import apply_rope
 from ds4.kernels.sparse_attention import sparse_attention
@@ -198,5 +199,4 @@ class Attention(nn.Module):
         """Each request's ring takes its last tokens at position % rows: every token writes its ring row with the
         kv of its request's last token there (equal values, so the order of writes is moot)."""
         ring = step.cache.window
-        last, where = step.ring_writes(ring.shape[1])
-        ring[where] = kv[last].to(ring.dtype)
+        write_rings([(ring, kv)], *step.ring_writes(ring.shape[1]))

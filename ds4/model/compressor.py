@@ -24,6 +24,7 @@ from torch import nn
 
 from ds4.kernels.gated_pool import pooled_entries, window_rows
 from ds4.kernels.norm_rope import EntryForm
+from ds4.kernels.ring_write import write_rings
 from ds4.model.batch import LayerStep
 from ds4.model.cache import CompressorState, entries_per_page, store_entries
 from ds4.model.linear import Linear, Norm, fp32_param
@@ -95,8 +96,7 @@ class Compressor(nn.Module):
             snapshots.kv[ids] = window_rows(ring[0], kv, rows, 0.0)
             snapshots.score[ids] = window_rows(ring[1], score, rows, float("-inf"))
         # Each token writes its ring row with the kv of its request's last token there (equal values, any order).
-        last, at = step.ring_writes(ring_rows)
-        state.kv[at], state.score[at] = kv[last], score[last]
+        write_rings([(state.kv, kv), (state.score, score)], *step.ring_writes(ring_rows))
 
     def _windows(self, step: LayerStep, ring_rows: int, ring_total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The window index of each token completing a window (decode_only: of every token) and its source rows."""

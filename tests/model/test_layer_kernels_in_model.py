@@ -1,4 +1,5 @@
-"""The model with its layer kernels (mHC, RMSNorm, RoPE, the entries' norm + RoPE + FP8 form, gated pooling) run by
+"""The model with its layer kernels (mHC, RMSNorm, RoPE, the entries' norm + RoPE + FP8 form, gated pooling, ring
+writes) run by
 the Triton interpreter on the CPU gives the logits of their torch references: the kernels fit the model's own calls
 (shapes, strides, dtypes), with either cache dtype."""
 
@@ -13,7 +14,7 @@ import ds4.model.block
 import ds4.model.compressor
 import ds4.model.deepseek_v4
 import ds4.model.indexer
-from ds4.kernels import gated_pool, hyper_connections, norm_rope, rmsnorm, rope
+from ds4.kernels import gated_pool, hyper_connections, norm_rope, ring_write, rmsnorm, rope
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="with CUDA the model runs the kernels (model GPU tests)"
@@ -30,6 +31,8 @@ KERNELS = [
     (ds4.model.indexer, "apply_rope", rope.apply_rope_triton),
     (ds4.model.attention, "norm_rope", norm_rope.norm_rope_triton),
     (ds4.model.compressor, "pooled_entries", gated_pool.pooled_entries_triton),
+    (ds4.model.attention, "write_rings", ring_write.write_rings_triton),
+    (ds4.model.compressor, "write_rings", ring_write.write_rings_triton),
 ]
 
 
