@@ -46,7 +46,7 @@ def gated_pool_reference(
     return (kv * score.softmax(dim=1)).sum(dim=1)
 
 
-@triton.jit(do_not_specialize=["ring_rows", "span", "ratio", "head_dim", "out_stride", "scratch_row"])
+@triton.jit(do_not_specialize=["ring_rows", "span", "ratio", "head_dim", "out_stride"])
 def _pooled_entries_kernel(
     ring_kv_ptr,
     ring_score_ptr,
@@ -62,7 +62,6 @@ def _pooled_entries_kernel(
     out_ptr,
     out_stride,
     target_ptr,
-    scratch_row,
     span,
     ratio,
     head_dim,
@@ -111,8 +110,7 @@ def _pooled_entries_kernel(
     odd = tl.load(pooled_row + 2 * pair + 1, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
     position = tl.load(index_ptr + n + tl.arange(0, 1)) * ratio
     if TARGETS:
-        target = tl.load(target_ptr + n + tl.arange(0, 1)).to(tl.int64)
-        out_row = out_ptr + tl.where(target >= 0, target, scratch_row) * out_stride
+        out_row = out_ptr + tl.load(target_ptr + n + tl.arange(0, 1)).to(tl.int64) * out_stride
     else:
         out_row = out_ptr + n * out_stride + tl.arange(0, 1)
     finish_entries(
@@ -135,18 +133,13 @@ def _pooled_entries_kernel(
     )
 
 
-def _store(pool: torch.Tensor, targets: torch.Tensor, entries: torch.Tensor) -> None:
-    """entries to pool rows targets, -1 to the pool's last row (its scratch)."""
-    pool[torch.where(targets >= 0, targets, pool.shape[0] - 1)] = entries
-
-
 def pooled_entries_reference(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None):
     """The spec of pooled_entries, composed of torch ops."""
     pooled = gated_pool_reference(ring, fresh, ape, rows).to(form.dtype)
     entries = form.reference(pooled, index * ape.shape[0])
     if pool is None:
         return entries
-    _store(pool, targets, entries)
+    pool[targets] = entries
     return None
 
 
@@ -186,7 +179,6 @@ def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=N
             out,
             out.stride(0),
             targets if targets is not None else rows,
-            out.shape[0] - 1,
             span,
             ratio,
             head_dim,
@@ -206,7 +198,7 @@ def pooled_entries(ring, fresh, ape, rows, index, form: EntryForm, pool=None, ta
     """The entries of windows `rows` [N, span] of window index `index` [N]: pooled from ring and fresh (each a
     (kv, score) pair of flat [., width] fp32 rows; see the module) with the position bias ape [ratio, width],
     finished as `form` says at position index * ratio. Returned [N, entry], or written to rows `targets` [N] of
-    `pool` [rows, entry] (-1: its last row, a scratch row) when a pool is given."""
+    `pool` [rows, entry] when a pool is given."""
     if fresh[0].is_cuda and form.fits_kernel(fresh[0].shape[1] // (rows.shape[1] // ape.shape[0])):
         return pooled_entries_triton(ring, fresh, ape, rows, index, form, pool, targets)
     return pooled_entries_reference(ring, fresh, ape, rows, index, form, pool, targets)

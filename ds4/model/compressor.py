@@ -76,15 +76,16 @@ class Compressor(nn.Module):
         # The windows, and where their entries go, depend on the batch alone: layers of one ratio share them.
         shape = (ring_rows, ring[0].shape[0])
         index, rows = batch.shared(("windows", ratio, self.overlap, shape), lambda: self._windows(step, *shape))
-        per_page = entries_per_page(pool)
-        target = batch.shared(("entry rows", ratio, per_page), lambda: self._entry_rows(step, index, per_page))
+        per_page, pages = entries_per_page(pool), pool.shape[0]
+        target = batch.shared(
+            ("entry rows", ratio, per_page, pages), lambda: self._entry_rows(step, index, per_page, pages)
+        )
         direct = self.finish is None
         form = EntryForm(self.norm.weight, step.inv_freq, self.eps, x.dtype, direct and pool.dtype == torch.uint8)
         if direct:
             pooled_entries(ring, (kv, score), self.ape, rows, index, form, pool.view(-1, pool.shape[-1]), target)
         else:
-            entries = self.finish(pooled_entries(ring, (kv, score), self.ape, rows, index, form))
-            store_entries(pool, torch.where(target >= 0, target, (pool.shape[0] - 1) * per_page), entries)
+            store_entries(pool, target, self.finish(pooled_entries(ring, (kv, score), self.ape, rows, index, form)))
 
         if snapshots is not None and batch.snapshots:
             # A snapshot at page end e keeps the overlap: the full window e - ratio .. e - 1, in window order.
@@ -109,9 +110,9 @@ class Compressor(nn.Module):
         rows = self._rows(step, ring_rows, ring_total, step.token_requests[tokens], index)
         return index, rows
 
-    def _entry_rows(self, step: LayerStep, index: torch.Tensor, per_page: int) -> torch.Tensor:
-        """Each window's row in a pool of per_page entries a page; -1 for a decode_only token whose window is
-        unfinished or whose page is unassigned (padding), which the caller sends to the scratch page."""
+    def _entry_rows(self, step: LayerStep, index: torch.Tensor, per_page: int, pages: int) -> torch.Tensor:
+        """Each window's row in a pool of `pages` pages of per_page entries; a decode_only token whose window is
+        unfinished or whose page is unassigned (padding) writes to the last, scratch, page."""
         batch, ratio = step.batch, self.ratio
         if step.decode_only:
             requests, completes = step.token_requests, batch.positions % ratio == ratio - 1
@@ -122,7 +123,7 @@ class Compressor(nn.Module):
             if bool((target < 0).any()):
                 raise ValueError("block table: a compressed entry falls on an unassigned page (-1)")
             return target
-        return torch.where(completes, target, -1)
+        return torch.where(completes & (target >= 0), target, (pages - 1) * per_page)
 
     def _rows(
         self, step: LayerStep, ring: int, ring_total: int, requests: torch.Tensor, window: torch.Tensor
