@@ -155,12 +155,12 @@ class Attention(nn.Module):
         batch, win, req = step.batch, self.window, step.token_requests
         dev = batch.positions.device
         pos = batch.positions[:, None]
-        ctx = batch.context_lens.long()[req][:, None]
+        ctx = batch.context_lens[req][:, None]  # int32 fields gathered as they are: the int64 positions promote
         ring_pos = pos - (win - 1) + torch.arange(win, device=dev)
-        ring_rows = batch.slots.long()[req][:, None] * rows + ring_pos % rows
+        ring_rows = batch.slots[req][:, None] * rows + ring_pos % rows
         fresh_width = min(win, step.longest)
         fresh_pos = pos - (fresh_width - 1) + torch.arange(fresh_width, device=dev)
-        fresh_rows = batch.query_start_loc.long()[req][:, None] + fresh_pos - ctx
+        fresh_rows = batch.query_start_loc[req][:, None] + fresh_pos - ctx
         return (
             torch.where((ring_pos >= 0) & (ring_pos < ctx), ring_rows, -1),
             torch.where(fresh_pos >= ctx, fresh_rows, -1),

@@ -103,11 +103,11 @@ class Compressor(nn.Module):
         """The window index of each token completing a window (decode_only: of every token) and its source rows."""
         pos, ratio = step.batch.positions, self.ratio
         if step.decode_only:
-            tokens = torch.arange(pos.shape[0], device=pos.device)
+            index, requests = pos // ratio, step.token_requests
         else:
             tokens = torch.nonzero(pos % ratio == ratio - 1).flatten()
-        index = pos[tokens] // ratio
-        rows = self._rows(step, ring_rows, ring_total, step.token_requests[tokens], index)
+            index, requests = pos[tokens] // ratio, step.token_requests[tokens]
+        rows = self._rows(step, ring_rows, ring_total, requests, index)
         return index, rows
 
     def _entry_rows(self, step: LayerStep, index: torch.Tensor, per_page: int, pages: int) -> torch.Tensor:
@@ -135,9 +135,10 @@ class Compressor(nn.Module):
         batch, ratio = step.batch, self.ratio
         span = (2 if self.overlap else 1) * ratio
         q = ((window - (span // ratio - 1)) * ratio)[:, None] + torch.arange(span, device=window.device)
-        ctx = batch.context_lens.long()[requests][:, None]
-        start = batch.query_start_loc.long()[requests][:, None]
+        # The batch's int32 fields are gathered as they are (q's int64 promotes the sums: no conversion launches).
+        ctx = batch.context_lens[requests][:, None]
+        start = batch.query_start_loc[requests][:, None]
         end = step.request_ends[requests][:, None]
-        held = batch.slots.long()[requests][:, None] * ring + q % ring
+        held = batch.slots[requests][:, None] * ring + q % ring
         fresh = ring_total + start + q - ctx
         return torch.where((q >= 0) & (q < end), torch.where(q >= ctx, fresh, held), -1)
