@@ -136,9 +136,13 @@ def _e4m3_code(v):
     bits = magnitude.to(tl.int32, bitcast=True)
     # Normal e4m3 (>= 2^-6): drop 20 of fp32's 23 mantissa bits rounding to even, rebias the exponent 127 -> 7.
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - 7) << 3)
-    # Subnormal e4m3: multiples of 2^-9, the count rounded to even by fp32's own rounding at 2^23.
-    subnormal = ((magnitude * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    return tl.where(magnitude >= 0.015625, normal, subnormal) | (sign << 7)
+    # Subnormal e4m3: the count of 2^-9 steps, magnitude * 2^9 = significand * 2^(exponent - 141), rounded to even.
+    significand = (bits & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - ((bits >> 23) & 0xFF), 31)
+    steps = significand >> shift
+    rest, half = significand & ((1 << shift) - 1), 1 << (shift - 1)
+    steps += ((rest > half) | ((rest == half) & ((steps & 1) == 1))).to(tl.int32)
+    return tl.where(magnitude >= 0.015625, normal, steps) | (sign << 7)
 
 
 @triton.jit

@@ -7,12 +7,14 @@ import torch
 
 def exact_rows(rows: int, head_dim: int, rope_dim: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [rows, head_dim] of +-1, fp32 weight [head_dim]): per block of 64 non-RoPE channels, in turn, zeros (the
-    amax floor), an amax of exactly 448 * 2^-3 (no rounding up of the scale), tiny values (e4m3 subnormals), ties
-    between e4m3 values, then random values over twelve decades; random RoPE channels."""
+    amax floor), an amax of exactly 448 * 2^-3 (no rounding up of the scale), e4m3 subnormals and the ties between
+    them (448 and multiples of 2^-10: scale 1, subnormal steps 2^-9), small values, ties between normal e4m3
+    values, then random values over twelve decades; random RoPE channels."""
     nope = head_dim - rope_dim
     blocks = [
         torch.zeros(64),
         torch.linspace(-448, 448, 64) * 2.0**-3,
+        torch.cat([torch.tensor([448.0]), 2.0**-10 * torch.arange(63)]),
         2.0**-20 * torch.arange(64),
         torch.tensor([0.5 + 1 / 32, 0.5 + 3 / 32] * 32) * 2.0**-8,
     ]

@@ -165,6 +165,16 @@ def entry_form(dtype: torch.dtype, fp8: bool, weight: torch.Tensor | None = None
     return norm_rope.EntryForm(weight, inv_freq, 1e-6, dtype, fp8)
 
 
+def assert_rotated_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Normalised, rotated bf16 rows: the norm's (and the pooling's) fp32 sums run in another order, which may move a
+    value across a bf16 rounding boundary, and the rotation mixes that step into both channels of a pair: rare
+    differences, each within a bf16 step of the row's largest value."""
+    got, want = got.float(), want.float()
+    assert (got != want).float().mean() <= 0.01
+    step = want.abs().amax(dim=-1, keepdim=True) * 2**-7
+    assert ((got - want).abs() <= step).all()
+
+
 def entry_fp8() -> norm_rope.EntryForm:
     return entry_form(torch.bfloat16, True, torch.ones(512, device="cuda"))
 
@@ -180,7 +190,7 @@ def test_norm_rope_matches_the_composed_ops(shape, weighted):
     weight = torch.rand(shape[-1], device="cuda", generator=g) + 0.5 if weighted else None
     form = entry_form(torch.bfloat16, False, weight)
     got = norm_rope.norm_rope(x, positions, form)
-    torch.testing.assert_close(got.float(), form.reference(x, positions).float(), **BF16_TOL)
+    assert_rotated_close(got, form.reference(x, positions))
     if weighted:
         stored = norm_rope.norm_rope(x, positions, entry_form(torch.bfloat16, True, weight))
         assert torch.equal(stored, quantize_kv(got, 64))
@@ -227,7 +237,7 @@ def test_pooled_entries_match_the_reference(ratio, overlap, head_dim, entries, f
     args = (ring, fresh, ape, rows, index)
     values = gated_pool.pooled_entries(*args, entry_form(torch.bfloat16, False, weight))
     want = gated_pool.pooled_entries_reference(*args, entry_form(torch.bfloat16, False, weight))
-    torch.testing.assert_close(values.float(), want.float(), **BF16_TOL)
+    assert_rotated_close(values, want)
     form = entry_form(torch.bfloat16, fp8, weight)
     pool = torch.zeros(entries + 5, form.entry_size(head_dim), dtype=form.entry_dtype(), device="cuda")
     targets = torch.randperm(entries + 5, device="cuda", generator=g)[:entries]
