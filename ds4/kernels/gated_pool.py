@@ -20,8 +20,9 @@ import triton.language as tl
 
 from ds4.kernels.norm_rope import EntryForm, finish_entries, pair_block, rounded
 
-# Chosen settings: channels a program pools at a time (holding span x CHANNEL_BLOCK scores and values).
-CHANNEL_BLOCK = 64
+# Chosen settings: scores (and as many values) a program pools at a time (a window's span x a block of channels,
+# at least MIN_CHANNELS of them), and its warps.
+POOL_TILE, MIN_CHANNELS, WARPS = 4096, 16, 8
 
 
 def window_rows(ring: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor, empty: float) -> torch.Tensor:
@@ -62,6 +63,7 @@ def _pooled_entries_kernel(
     out_ptr,
     out_stride,
     target_ptr,
+    skip,
     span,
     ratio,
     head_dim,
@@ -84,8 +86,12 @@ def _pooled_entries_kernel(
     fresh_at = (row - ring_rows)[:, None] * width
     ape_at = (j % ratio)[:, None] * width
     pooled_row = pooled_ptr + n * head_dim
+    target = n
+    if TARGETS:
+        target = tl.load(target_ptr + n).to(tl.int64)
+    live = target != skip  # a window whose entry nothing reads (decode: unfinished, padding) costs no work
     # Pool a block of channels at a time into the pooled row (rounded to the compute dtype, as the entry is)...
-    for start in range(0, head_dim, BLOCK_C):
+    for start in range(0, head_dim * live.to(tl.int32), BLOCK_C):
         c = start + tl.arange(0, BLOCK_C)
         col = c[None, :]
         if OVERLAP:
@@ -109,16 +115,12 @@ def _pooled_entries_kernel(
     even = tl.load(pooled_row + 2 * pair, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
     odd = tl.load(pooled_row + 2 * pair + 1, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
     position = tl.load(index_ptr + n + tl.arange(0, 1)) * ratio
-    if TARGETS:
-        out_row = out_ptr + tl.load(target_ptr + n + tl.arange(0, 1)).to(tl.int64) * out_stride
-    else:
-        out_row = out_ptr + n * out_stride + tl.arange(0, 1)
     finish_entries(
         even,
         odd,
         pair,
-        tl.full((1,), 1, tl.int1),
-        out_row,
+        tl.full((1,), 1, tl.int1) & live,
+        out_ptr + target * out_stride + tl.arange(0, 1),
         w_ptr,
         position,
         freq_ptr,
@@ -133,17 +135,17 @@ def _pooled_entries_kernel(
     )
 
 
-def pooled_entries_reference(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None):
+def pooled_entries_reference(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None, skip=-1):
     """The spec of pooled_entries, composed of torch ops."""
     pooled = gated_pool_reference(ring, fresh, ape, rows).to(form.dtype)
     entries = form.reference(pooled, index * ape.shape[0])
     if pool is None:
         return entries
-    pool[targets] = entries
+    pool[targets] = entries  # the skipped rows too: their content is unspecified (no host sync to leave them out)
     return None
 
 
-def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None):
+def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None, skip=-1):
     """pooled_entries_reference in one launch (CUDA, or the CPU under TRITON_INTERPRET=1)."""
     (ring_kv, ring_score), (kv, score) = ring, fresh
     n, span = rows.shape
@@ -179,6 +181,7 @@ def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=N
             out,
             out.stride(0),
             targets if targets is not None else rows,
+            skip,
             span,
             ratio,
             head_dim,
@@ -188,17 +191,20 @@ def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=N
             FP8=form.fp8,
             HALF=form.inv_freq.numel(),
             SPAN=triton.next_power_of_2(span),
-            BLOCK_C=CHANNEL_BLOCK,
+            BLOCK_C=max(MIN_CHANNELS, min(triton.next_power_of_2(head_dim), POOL_TILE // triton.next_power_of_2(span))),
             BLOCK_P=pair_block(head_dim),
+            num_warps=WARPS,
         )
     return None if pool is not None else out
 
 
-def pooled_entries(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None):
+def pooled_entries(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None, skip=-1):
     """The entries of windows `rows` [N, span] of window index `index` [N]: pooled from ring and fresh (each a
     (kv, score) pair of flat [., width] fp32 rows; see the module) with the position bias ape [ratio, width],
     finished as `form` says at position index * ratio. Returned [N, entry], or written to rows `targets` [N] of
-    `pool` [rows, entry] when a pool is given."""
+    `pool` [rows, entry] when a pool is given; windows whose target is `skip` (a scratch row nothing reads) are
+    neither pooled nor written by the kernel, so that row's content is unspecified."""
+    args = (ring, fresh, ape, rows, index, form, pool, targets, skip)
     if fresh[0].is_cuda and form.fits_kernel(fresh[0].shape[1] // (rows.shape[1] // ape.shape[0])):
-        return pooled_entries_triton(ring, fresh, ape, rows, index, form, pool, targets)
-    return pooled_entries_reference(ring, fresh, ape, rows, index, form, pool, targets)
+        return pooled_entries_triton(*args)
+    return pooled_entries_reference(*args)

@@ -83,7 +83,9 @@ class Compressor(nn.Module):
         direct = self.finish is None
         form = EntryForm(self.norm.weight, step.inv_freq, self.eps, x.dtype, direct and pool.dtype == torch.uint8)
         if direct:
-            pooled_entries(ring, (kv, score), self.ape, rows, index, form, pool.view(-1, pool.shape[-1]), target)
+            scratch = (pages - 1) * per_page  # what _entry_rows sends nowhere: not even pooled
+            flat = pool.view(-1, pool.shape[-1])
+            pooled_entries(ring, (kv, score), self.ape, rows, index, form, flat, target, scratch)
         else:
             store_entries(pool, target, self.finish(pooled_entries(ring, (kv, score), self.ape, rows, index, form)))
 

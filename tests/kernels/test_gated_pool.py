@@ -63,8 +63,10 @@ def test_matches_reference(pool, ratio, overlap, head_dim, rope, dtype, fp8):
     torch.testing.assert_close(got.float(), pool.pooled_entries_reference(*args, values).float(), **tol)
     want = quantize_kv(got, rope) if fp8 else got
     assert torch.equal(pool.pooled_entries_triton(*args, form), want)
-    # Written into pool rows: the other rows keep what they held.
+    # Written into pool rows: the other rows keep what they held, and a window sent to the skipped (scratch) row 9
+    # is not even pooled.
     targets = torch.tensor([3, 9, 0, 7, 5, 2])
     cache = torch.full((10, want.shape[1]), 7, dtype=want.dtype)
-    assert pool.pooled_entries_triton(*args, form, cache, targets) is None
-    assert torch.equal(cache[targets], want) and (cache[[1, 4, 6, 8]] == 7).all()
+    assert pool.pooled_entries_triton(*args, form, cache, targets, skip=9) is None
+    kept = targets != 9
+    assert torch.equal(cache[targets[kept]], want[kept]) and (cache[[1, 4, 6, 8, 9]] == 7).all()
