@@ -8,7 +8,7 @@ OUT=${OUT:-.out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_layer_kernels_gpu.py \
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_layer_kernels_gpu.py \
   tests/model/test_model_gpu.py tests/engine/test_engine_gpu.py > "$OUT/gpu_tests.log" 2>&1
 tests=$?
 timeout 130 python3 -m ds4.cli bench model --config flash --layers 4 --load-format dummy --context 2048 \
