@@ -4,7 +4,8 @@ An attention entry is finished this way (kv = RoPE(RMSNorm(wkv(x))), then the ca
 a query (without a norm weight, kept in the compute dtype). The reference composes the two ops and quantize_kv;
 on CUDA one launch does all three (torch's path is a dozen elementwise kernels and quantize_kv's twenty). The
 kernel rounds to the compute dtype where the composed ops return it (after the norm, after the rotation), so it
-differs from them only in the order of the norm's fp32 sum, and the FP8 bytes are quantize_kv's of its values.
+differs from them only in the order of the norm's fp32 sum (and, as the rope kernel, in fused multiply-adds of the
+rotation), and the FP8 bytes are quantize_kv's of its values.
 
 `finish_entries` is that computation on rows already in registers, shared with the compressor's pooling kernel.
 """
