@@ -47,7 +47,7 @@ def gated_pool_reference(
     return (kv * score.softmax(dim=1)).sum(dim=1)
 
 
-@triton.jit(do_not_specialize=["ring_rows", "span", "ratio", "head_dim", "out_stride"])
+@triton.jit(do_not_specialize=["ring_rows", "skip", "span", "ratio", "head_dim", "out_stride"])
 def _pooled_entries_kernel(
     ring_kv_ptr,
     ring_score_ptr,
