@@ -18,7 +18,7 @@ import torch
 import triton
 
 from ds4.bench.ceilings import copy_bandwidth, gemm_rate, graph_ms, kernel_ms
-from ds4.kernels import gated_pool, rmsnorm, rope, topk_triton
+from ds4.kernels import gated_pool, norm_rope, rmsnorm, rope, topk_triton
 from ds4.kernels import hyper_connections as mhc
 from ds4.kernels import indexer as ix
 from ds4.kernels import topk as tk
@@ -214,7 +214,8 @@ MHC_HC, MHC_HIDDEN, MHC_ITERS, MHC_HEADS, MHC_HEAD_DIM = 4, 4096, 20, 64, 512  #
 
 def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, object]]:
     """(op, bytes it must move, ds4 call, torch reference call) at Flash shapes with bf16 streams; "rope q" is the
-    rotation of the attention queries [T, heads, head_dim]."""
+    rotation of the attention queries [T, heads, head_dim], "kv entry" the kv's norm, rotation and FP8 entry, "pool
+    csa" CSA's compressor entries (pooled, finished, FP8) from its rings and fresh rows."""
     hc, d, e, dev = MHC_HC, MHC_HIDDEN, 2, g.device
     mix = (2 + hc) * hc
     h = torch.randn(tokens, hc, d, device=dev, generator=g).to(torch.bfloat16)
@@ -226,9 +227,14 @@ def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, ob
     q = torch.randn(tokens, MHC_HEADS, MHC_HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
     positions = torch.randint(0, 1 << 16, (tokens,), device=dev, generator=g)
     inv_freq = rope.rope_inv_freq(64, 10000.0).to(dev)
+    kv = torch.randn(tokens, MHC_HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
+    entry = norm_rope.EntryForm(norm_weight.float()[:MHC_HEAD_DIM], inv_freq, 1e-6, torch.bfloat16, fp8=True)
     # CSA's compressor: every token pools its overlapping window of 8 rows (decode), fp32 kv and score of 2 x 512
     pool_kv, pool_score = torch.randn(2, tokens * 4 + 8, 1024, device=dev, generator=g)
-    pool_rows = torch.randint(0, tokens * 4 + 8, (tokens, 8), device=dev, generator=g)
+    ring, fresh = (pool_kv, pool_score), (pool_kv[:tokens], pool_score[:tokens])
+    ape = torch.zeros(4, 1024, device=dev)
+    pool_rows = torch.randint(0, tokens * 5 + 8, (tokens, 8), device=dev, generator=g)
+    pool_args = (ring, fresh, ape, pool_rows, positions // 4, entry)
     _, post, comb = mhc.hc_pre_reference(h, fn, scale, base, hc, MHC_ITERS, 1e-6, 1e-6)
     gates = tokens * (hc + hc * hc) * 4
     streams, one = tokens * hc * d * e, tokens * d * e
@@ -245,9 +251,10 @@ def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, ob
          lambda: rmsnorm.rms_norm_reference(out, norm_weight, 1e-6)),
         ("rope q", 2 * q.numel() * e, lambda: rope.apply_rope(q, positions, inv_freq),
          lambda: rope.apply_rope_reference(q, positions, inv_freq)),
-        ("pool csa", tokens * (8 * 512 * 2 * 4 + 512 * 4 + 8 * 8),
-         lambda: gated_pool.gated_pool(pool_kv, pool_score, pool_rows, True),
-         lambda: gated_pool.gated_pool_reference(pool_kv, pool_score, pool_rows, True)),
+        ("kv entry", tokens * (MHC_HEAD_DIM * e + 584), lambda: norm_rope.norm_rope(kv, positions, entry),
+         lambda: entry.reference(kv, positions)),
+        ("pool csa", tokens * (8 * 512 * 2 * 4 + 584 + 8 * 8), lambda: gated_pool.pooled_entries(*pool_args),
+         lambda: gated_pool.pooled_entries_reference(*pool_args)),
     ]  # fmt: skip
 
 
@@ -453,7 +460,8 @@ def main(argv: list[str]) -> int:
             "mhc expand": mhc._expand_kernel,
             "rms_norm": rmsnorm._rms_norm_kernel,
             "rope": rope._rope_kernel,
-            "gated_pool": gated_pool._gated_pool_kernel,
+            "norm_rope": norm_rope._norm_rope_kernel,
+            "pooled_entries": gated_pool._pooled_entries_kernel,
         }
     )
     _print_table(report)

@@ -43,6 +43,8 @@ _KERNEL_MODULES = (
     ("ds4.kernels.hyper_connections", "mHC"),
     ("ds4.kernels.rmsnorm", "norms"),
     ("ds4.kernels.rope", "attention"),
+    ("ds4.kernels.norm_rope", "attention"),
+    ("ds4.kernels.ring_write", "attention"),  # the window rings' writes, and the compressors' (one name for both)
     ("ds4.kernels.sparse_attention", "attention"),
     ("ds4.kernels.gated_pool", "compressor"),  # most rotations are attention's (q, kv, inverse on o)
 )

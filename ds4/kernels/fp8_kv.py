@@ -15,17 +15,26 @@ DeepSeek-V4 (512 = 448 + 64): 448 + 128 + 7 + 1 = 584 bytes, vLLM's entry size. 
 after all its entries' data; ds4 keeps each entry in one row, so that the window ring, the compressed pages
 and the boundary snapshots stay pools of rows that the same code writes, copies and gathers for either cache
 dtype, and a kernel reads a key's bytes from one place (rows are 8-byte aligned).
+
+`quantize_kv` is the spec (and the CPU path); `store_fp8_entries` writes the same bytes inside a Triton kernel
+(the kernels that finish entries end with it), with the exponent and the e4m3 rounding (to nearest, ties to an
+even mantissa) taken from the fp32 bits, so that it is bit-exact on every GPU and in the interpreter.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 E4M3_MAX = 448.0
 KV_QUANT_BLOCK = 64
 _AMAX_FLOOR = 1e-4
 _ENTRY_ALIGN = 8
 _EXPONENT_BIAS = 127
+# The same, as Triton kernels read them.
+_MAX_K, _BLOCK_K, _FLOOR_K = tl.constexpr(E4M3_MAX), tl.constexpr(KV_QUANT_BLOCK), tl.constexpr(_AMAX_FLOOR)
+_ALIGN_K, _BIAS_K = tl.constexpr(_ENTRY_ALIGN), tl.constexpr(_EXPONENT_BIAS)
 
 
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -102,3 +111,72 @@ def dequantize_kv(packed: torch.Tensor, head_dim: int, rope_dim: int, dtype: tor
     scale = torch.ldexp(torch.ones_like(values[..., :1]), exponents.unsqueeze(-1).float())
     rope = packed[..., nope:rope_end].contiguous().view(torch.bfloat16).float()
     return torch.cat(((values * scale).flatten(-2), rope), dim=-1).to(dtype)
+
+
+@triton.jit
+def _ceil_log2_bits(x):
+    """ceil(log2(x)) of positive normal fp32 x, from its bits (the _ceil_log2 of the spec)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - _BIAS_K + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def bf16_bits(x):
+    """The bf16 nearest to finite fp32 x (ties to even), as an int32 holding its 16 bits in the high half (a cast
+    would do, but the interpreter's truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+
+
+@triton.jit
+def _e4m3_code(v):
+    """The e4m3fn byte (as int32) nearest to fp32 v in [-448, 448], ties to an even mantissa."""
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    magnitude = tl.abs(v)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    # Normal e4m3 (>= 2^-6): drop 20 of fp32's 23 mantissa bits rounding to even, rebias the exponent 127 -> 7.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # Subnormal e4m3: the count of 2^-9 steps, magnitude * 2^9 = significand * 2^(exponent - 141), rounded to even.
+    significand = (bits & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - ((bits >> 23) & 0xFF), 31)
+    steps = significand >> shift
+    rest, half = significand & ((1 << shift) - 1), 1 << (shift - 1)
+    steps += ((rest > half) | ((rest == half) & ((steps & 1) == 1))).to(tl.int32)
+    return tl.where(magnitude >= 0.015625, normal, steps) | (sign << 7)
+
+
+@triton.jit
+def store_fp8_entries(row_ptr, even, odd, pair, row_ok, nope, rope_dim, ROWS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Writes entries as quantize_kv does: row_ptr [ROWS] the uint8 rows, even / odd [ROWS, BLOCK_P] fp32 their
+    channels 2 * pair and 2 * pair + 1 (pair = tl.arange(0, BLOCK_P); BLOCK_P a multiple of KV_QUANT_BLOCK / 2)."""
+    GROUPS: tl.constexpr = BLOCK_P // (_BLOCK_K // 2)
+    is_nope = (pair < nope // 2)[None, :]
+    magnitude = tl.where(is_nope, tl.maximum(tl.abs(even), tl.abs(odd)), 0.0)
+    amax = tl.max(tl.reshape(magnitude, (ROWS, GROUPS, _BLOCK_K // 2)), axis=2)
+    exponent = _ceil_log2_bits(tl.maximum(amax, _FLOOR_K) * (1.0 / _MAX_K))
+    # x / 2^e equals x * 2^-e (a power of two, exact): 2^-e built from its bits.
+    inverse = ((-exponent + _BIAS_K) << 23).to(tl.float32, bitcast=True)
+    inverse = tl.reshape(tl.broadcast_to(inverse[:, :, None], (ROWS, GROUPS, _BLOCK_K // 2)), (ROWS, BLOCK_P))
+    ok = row_ok[:, None] & is_nope
+    row = row_ptr[:, None]
+    at = row + 2 * pair[None, :]
+    even_code = _e4m3_code(tl.minimum(tl.maximum(even * inverse, -_MAX_K), _MAX_K))
+    odd_code = _e4m3_code(tl.minimum(tl.maximum(odd * inverse, -_MAX_K), _MAX_K))
+    tl.store(at, even_code.to(tl.uint8), mask=ok)
+    tl.store(at + 1, odd_code.to(tl.uint8), mask=ok)
+    # The RoPE channels as bf16, little-endian: channel c at byte nope + 2 (c - nope).
+    ok = row_ok[:, None] & (pair >= nope // 2)[None, :] & (pair < (nope + rope_dim) // 2)[None, :]
+    at = row + nope + 4 * (pair - nope // 2)[None, :]
+    even_bits, odd_bits = bf16_bits(even), bf16_bits(odd)
+    tl.store(at, ((even_bits >> 16) & 0xFF).to(tl.uint8), mask=ok)
+    tl.store(at + 1, ((even_bits >> 24) & 0xFF).to(tl.uint8), mask=ok)
+    tl.store(at + 2, ((odd_bits >> 16) & 0xFF).to(tl.uint8), mask=ok)
+    tl.store(at + 3, ((odd_bits >> 24) & 0xFF).to(tl.uint8), mask=ok)
+    # The exponent bytes, then zeros up to the entry's end.
+    scales = nope + 2 * rope_dim
+    group = tl.arange(0, GROUPS)[None, :]
+    tl.store(row + scales + group, (exponent + _BIAS_K).to(tl.uint8), mask=row_ok[:, None] & (group < nope // _BLOCK_K))
+    padding = scales + nope // _BLOCK_K
+    gap = tl.arange(0, _ALIGN_K)[None, :]
+    end = (padding + _ALIGN_K - 1) // _ALIGN_K * _ALIGN_K
+    tl.store(row + padding + gap, tl.zeros((ROWS, _ALIGN_K), tl.uint8), mask=row_ok[:, None] & (padding + gap < end))

@@ -1,10 +1,15 @@
 """The compressor's gated pooling: one entry from a window of token projections, a per-channel softmax of their
-scores weighting their values.
+scores (plus the position bias `ape` of each token's place in its block of `ratio`) weighting their values.
 
-Windows are rows of flat sources (kv and score [R, width], fp32) named by an index [N, span]. With overlap (CSA)
-the window spans two blocks of `ratio` tokens: the first block gives the first half of the channels
-(width = 2 * head_dim), the second block the second half. On CUDA one launch reads the rows in place (torch's
-path gathers every window into new tensors, splits and joins the halves, then softmax, product and sum).
+Window rows name rows of two sources, each kv and score [., width] fp32: the per-slot rings (flat, slot * ring
+rows + row) first, then the step's fresh projections; -1 names an empty row (kv 0, score -inf). With overlap (CSA)
+a window spans two blocks of `ratio` tokens: the first block gives the first half of the channels
+(width = 2 * head_dim), the second block the second half.
+
+The pooled entries are then finished like every attention entry (ds4.kernels.norm_rope: RMSNorm, RoPE at the
+window's first position, the cache's form) and written to their pool rows. On CUDA one launch does it all,
+reading the rows in place (torch's path gathers every window into new tensors, splits and joins the halves,
+then softmax, product and sum, and the finish's ops after).
 """
 
 from __future__ import annotations
@@ -13,78 +18,193 @@ import torch
 import triton
 import triton.language as tl
 
-# Chosen settings: channels per program (each program holds span x CHANNEL_BLOCK scores and values).
-CHANNEL_BLOCK = 64
+from ds4.kernels.norm_rope import EntryForm, finish_entries, pair_block, rounded
+
+# Chosen settings: scores (and as many values) a program pools at a time (a window's span x a block of channels,
+# at least MIN_CHANNELS of them), and its warps.
+POOL_TILE, MIN_CHANNELS, WARPS = 4096, 16, 8
 
 
-def gated_pool_reference(kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor, overlap: bool) -> torch.Tensor:
-    """kv, score [R, width] and window rows [N, span] -> entries [N, head_dim] (width, or width / 2 with overlap)."""
-    kv, score = kv[rows], score[rows]
-    if overlap:
-        d, r = kv.shape[-1] // 2, rows.shape[1] // 2
-        kv = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), dim=1)
-        score = torch.cat((score[:, :r, :d], score[:, r:, d:]), dim=1)
+def window_rows(ring: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor, empty: float) -> torch.Tensor:
+    """The rows `rows` of ring [S, width] then fresh [T, width]; -1 gives a row of `empty`."""
+    return torch.cat((ring, fresh, ring.new_full((1, ring.shape[1]), empty)))[rows]
+
+
+def gated_pool_reference(
+    ring: tuple[torch.Tensor, torch.Tensor], fresh: tuple[torch.Tensor, torch.Tensor], ape: torch.Tensor, rows
+) -> torch.Tensor:
+    """(kv, score) of the rings and of the fresh rows, ape [ratio, width], window rows [N, span] -> entries
+    [N, head_dim] fp32 (head_dim = width, or width / 2 when span is two blocks: overlap)."""
+    ratio = ape.shape[0]
+    kv = window_rows(ring[0], fresh[0], rows, 0.0)
+    score = window_rows(ring[1], fresh[1], rows, float("-inf"))
+    span = rows.shape[1]
+    score = score + ape[torch.arange(span, device=rows.device) % ratio]
+    if span > ratio:
+        d = kv.shape[-1] // 2
+        kv = torch.cat((kv[:, :ratio, :d], kv[:, ratio:, d:]), dim=1)
+        score = torch.cat((score[:, :ratio, :d], score[:, ratio:, d:]), dim=1)
     return (kv * score.softmax(dim=1)).sum(dim=1)
 
 
-@triton.jit(do_not_specialize=["span", "head_dim", "kv_stride", "score_stride"])
-def _gated_pool_kernel(
-    kv_ptr,
-    kv_stride,
-    score_ptr,
-    score_stride,
+@triton.jit(do_not_specialize=["ring_rows", "skip", "span", "ratio", "head_dim", "out_stride"])
+def _pooled_entries_kernel(
+    ring_kv_ptr,
+    ring_score_ptr,
+    fresh_kv_ptr,
+    fresh_score_ptr,
+    ring_rows,
+    ape_ptr,
     rows_ptr,
+    index_ptr,
+    pooled_ptr,
+    w_ptr,
+    freq_ptr,
     out_ptr,
+    out_stride,
+    target_ptr,
+    skip,
     span,
+    ratio,
     head_dim,
+    eps,
     OVERLAP: tl.constexpr,
+    TARGETS: tl.constexpr,
+    FP8: tl.constexpr,
+    HALF: tl.constexpr,
     SPAN: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
+    width = (2 if OVERLAP else 1) * head_dim
     j = tl.arange(0, SPAN)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row = tl.load(rows_ptr + n * span + j, mask=j < span, other=0)
-    col = c[None, :]
-    if OVERLAP:
-        col += (j >= span // 2).to(tl.int32)[:, None] * head_dim
-    ok = (j < span)[:, None] & (c < head_dim)[None, :]
-    score = tl.load(score_ptr + row[:, None] * score_stride + col, mask=ok, other=0.0)
-    score = tl.where((j < span)[:, None], score, float("-inf"))  # padding rows weigh nothing
-    kv = tl.load(kv_ptr + row[:, None] * kv_stride + col, mask=ok, other=0.0)
-    e = tl.exp(score - tl.max(score, axis=0)[None, :])
-    weight = e / tl.sum(e, axis=0)[None, :]
-    tl.store(out_ptr + n * head_dim + c, tl.sum(kv * weight, axis=0), mask=c < head_dim)
+    row = tl.load(rows_ptr + n * span + j, mask=j < span, other=-1).to(tl.int64)
+    in_ring = (row >= 0) & (row < ring_rows)
+    in_fresh = row >= ring_rows
+    ring_at = row[:, None] * width
+    fresh_at = (row - ring_rows)[:, None] * width
+    ape_at = (j % ratio)[:, None] * width
+    pooled_row = pooled_ptr + n * head_dim
+    target = n
+    if TARGETS:
+        target = tl.load(target_ptr + n).to(tl.int64)
+    live = target != skip  # a window whose entry nothing reads (decode: unfinished, padding) costs no work
+    # Pool a block of channels at a time into the pooled row (rounded to the compute dtype, as the entry is)...
+    for start in range(0, head_dim * live.to(tl.int32), BLOCK_C):
+        c = start + tl.arange(0, BLOCK_C)
+        col = c[None, :]
+        if OVERLAP:
+            col += (j >= span // 2).to(tl.int32)[:, None] * head_dim
+        ok = (c < head_dim)[None, :]
+        from_ring, from_fresh = ok & in_ring[:, None], ok & in_fresh[:, None]
+        score = tl.load(ring_score_ptr + ring_at + col, mask=from_ring, other=0.0)
+        score = tl.where(from_fresh, tl.load(fresh_score_ptr + fresh_at + col, mask=from_fresh, other=0.0), score)
+        score = score + tl.load(ape_ptr + ape_at + col, mask=ok & (j < span)[:, None], other=0.0)
+        score = tl.where(from_ring | from_fresh, score, float("-inf"))  # empty rows and padding weigh nothing
+        kv = tl.load(ring_kv_ptr + ring_at + col, mask=from_ring, other=0.0)
+        kv = tl.where(from_fresh, tl.load(fresh_kv_ptr + fresh_at + col, mask=from_fresh, other=0.0), kv)
+        e = tl.exp(score - tl.max(score, axis=0)[None, :])
+        weight = e / tl.sum(e, axis=0)[None, :]
+        pooled = rounded(tl.sum(kv * weight, axis=0), pooled_ptr.dtype.element_ty)
+        tl.store(pooled_row + c, pooled.to(pooled_ptr.dtype.element_ty), mask=c < head_dim)
+    # ... then finish the whole row, read back by the program's other threads.
+    tl.debug_barrier()
+    pair = tl.arange(0, BLOCK_P)
+    p_ok = pair < head_dim // 2
+    even = tl.load(pooled_row + 2 * pair, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+    odd = tl.load(pooled_row + 2 * pair + 1, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+    position = tl.load(index_ptr + n + tl.arange(0, 1)) * ratio
+    finish_entries(
+        even,
+        odd,
+        pair,
+        tl.full((1,), 1, tl.int1) & live,
+        out_ptr + target * out_stride + tl.arange(0, 1),
+        w_ptr,
+        position,
+        freq_ptr,
+        head_dim,
+        eps,
+        True,
+        FP8,
+        HALF,
+        1,
+        BLOCK_P,
+        pooled_ptr.dtype.element_ty,
+    )
 
 
-def gated_pool_triton(kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor, overlap: bool) -> torch.Tensor:
-    """gated_pool_reference in one launch (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+def pooled_entries_reference(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None, skip=-1):
+    """The spec of pooled_entries, composed of torch ops."""
+    pooled = gated_pool_reference(ring, fresh, ape, rows).to(form.dtype)
+    entries = form.reference(pooled, index * ape.shape[0])
+    if pool is None:
+        return entries
+    pool[targets] = entries  # the skipped rows too: their content is unspecified (no host sync to leave them out)
+    return None
+
+
+def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None, skip=-1):
+    """pooled_entries_reference in one launch (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    (ring_kv, ring_score), (kv, score) = ring, fresh
     n, span = rows.shape
-    width = kv.shape[1]
+    ratio, width = ape.shape
+    overlap = span > ratio
     head_dim = width // 2 if overlap else width
-    if score.shape != kv.shape or kv.stride(1) != 1 or score.stride(1) != 1 or (overlap and span % 2):
-        raise ValueError(f"gated_pool: kv {list(kv.shape)}, score {list(score.shape)}, rows {list(rows.shape)}")
-    out = torch.empty(n, head_dim, dtype=torch.float32, device=kv.device)
-    if n:
-        grid = (n, triton.cdiv(head_dim, CHANNEL_BLOCK))
-        _gated_pool_kernel[grid](
-            kv,
-            kv.stride(0),
-            score,
-            score.stride(0),
-            rows.contiguous(),
-            out,
-            span,
-            head_dim,
-            OVERLAP=overlap,
-            SPAN=triton.next_power_of_2(span),
-            BLOCK_C=CHANNEL_BLOCK,
+    tensors = (ring_kv, ring_score, kv, score, ape)
+    if any(t.dim() != 2 or t.shape[1] != width or not t.is_contiguous() for t in tensors) or span % ratio:
+        raise ValueError(
+            f"pooled_entries: rings {list(ring_kv.shape)}, fresh {list(kv.shape)}, ape {list(ape.shape)} and rows "
+            f"{list(rows.shape)} do not fit contiguous rows of {width}"
         )
-    return out
+    if not form.fits_kernel(head_dim):
+        raise ValueError(f"pooled_entries: {form.rope_dim} RoPE dims do not fit entries of {head_dim}")
+    size, dtype = form.entry_size(head_dim), form.entry_dtype()
+    out = pool if pool is not None else torch.empty(n, size, dtype=dtype, device=kv.device)
+    if out.dim() != 2 or out.shape[1] != size or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(f"pooled_entries: pool rows {out.dtype} {list(out.shape)} do not hold entries of {size}")
+    if n:
+        pooled = torch.empty(n, head_dim, dtype=form.dtype, device=kv.device)
+        _pooled_entries_kernel[(n,)](
+            ring_kv,
+            ring_score,
+            kv,
+            score,
+            ring_kv.shape[0],
+            ape,
+            rows.contiguous(),
+            index,
+            pooled,
+            form.weight,
+            form.inv_freq.to(device=kv.device, dtype=torch.float32).contiguous(),
+            out,
+            out.stride(0),
+            targets if targets is not None else rows,
+            skip,
+            span,
+            ratio,
+            head_dim,
+            form.eps,
+            OVERLAP=overlap,
+            TARGETS=pool is not None,
+            FP8=form.fp8,
+            HALF=form.inv_freq.numel(),
+            SPAN=triton.next_power_of_2(span),
+            BLOCK_C=max(MIN_CHANNELS, min(triton.next_power_of_2(head_dim), POOL_TILE // triton.next_power_of_2(span))),
+            BLOCK_P=pair_block(head_dim),
+            num_warps=WARPS,
+        )
+    return None if pool is not None else out
 
 
-def gated_pool(kv: torch.Tensor, score: torch.Tensor, rows: torch.Tensor, overlap: bool) -> torch.Tensor:
-    """Entries [N, head_dim] (fp32) of the windows `rows` [N, span] of kv and score [R, width]; see the module."""
-    if kv.is_cuda:
-        return gated_pool_triton(kv, score, rows, overlap)
-    return gated_pool_reference(kv, score, rows, overlap)
+def pooled_entries(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None, skip=-1):
+    """The entries of windows `rows` [N, span] of window index `index` [N]: pooled from ring and fresh (each a
+    (kv, score) pair of flat [., width] fp32 rows; see the module) with the position bias ape [ratio, width],
+    finished as `form` says at position index * ratio. Returned [N, entry], or written to rows `targets` [N] of
+    `pool` [rows, entry] when a pool is given; windows whose target is `skip` (a scratch row nothing reads) are
+    neither pooled nor written by the kernel, so that row's content is unspecified."""
+    args = (ring, fresh, ape, rows, index, form, pool, targets, skip)
+    if fresh[0].is_cuda and form.fits_kernel(fresh[0].shape[1] // (rows.shape[1] // ape.shape[0])):
+        return pooled_entries_triton(*args)
+    return pooled_entries_reference(*args)

@@ -25,6 +25,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
     return y.to(x.dtype)
 
 
+@triton.jit
+def inverse_rms(sum_of_squares, D, eps):
+    """1 / sqrt(mean(x^2) + eps) of rows of D values whose squares sum to sum_of_squares (fp32)."""
+    return 1.0 / tl.sqrt(sum_of_squares / D + eps)
+
+
 # D and the row strides are the model's (few variants): specialised, so that rows load as wide vectors.
 @triton.jit(do_not_specialize=["rows"])
 def _rms_norm_kernel(
@@ -44,7 +50,7 @@ def _rms_norm_kernel(
     d = tl.arange(0, BLOCK_D)
     ok = (r < rows)[:, None] & (d < D)[None, :]
     x = tl.load(x_ptr + r[:, None] * x_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+    y = x * inverse_rms(tl.sum(x * x, axis=1), D, eps)[:, None]
     if WEIGHTED:
         y = y * tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + r[:, None] * y_stride + d[None, :], y.to(y_ptr.dtype.element_ty), mask=ok)

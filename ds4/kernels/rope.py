@@ -68,6 +68,13 @@ def apply_rope_reference(
     return torch.cat((x[..., :-rope_dim], rotated.to(x.dtype)), dim=-1)
 
 
+@triton.jit
+def rotate_pairs(even, odd, angle, SIGN: tl.constexpr):
+    """Channel pairs (even, odd) turned by angle (SIGN -1.0: back), in fp32."""
+    cos, sin = tl.cos(angle), SIGN * tl.sin(angle)
+    return even * cos - odd * sin, even * sin + odd * cos
+
+
 # D and the row strides are the model's (few variants): specialised, so that rows load as wide vectors.
 @triton.jit(do_not_specialize=["rows", "heads"])
 def _rope_kernel(
@@ -98,13 +105,13 @@ def _rope_kernel(
     angle = (
         tl.load(pos_ptr + r // heads, mask=r_ok, other=0).to(tl.float32)[:, None] * tl.load(freq_ptr + pair)[None, :]
     )
-    cos, sin = tl.cos(angle), SIGN * tl.sin(angle)
     even_at = lead + 2 * pair[None, :]
     ok = r_ok[:, None]
     even = tl.load(x_row + even_at, mask=ok, other=0.0).to(tl.float32)
     odd = tl.load(x_row + even_at + 1, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_row + even_at, (even * cos - odd * sin).to(y_ptr.dtype.element_ty), mask=ok)
-    tl.store(y_row + even_at + 1, (even * sin + odd * cos).to(y_ptr.dtype.element_ty), mask=ok)
+    even, odd = rotate_pairs(even, odd, angle, SIGN)
+    tl.store(y_row + even_at, even.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_row + even_at + 1, odd.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def apply_rope_triton(

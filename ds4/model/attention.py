@@ -6,7 +6,8 @@ RoPE channels are rotated back to the query position before the grouped low-rank
 
 Entries are stored as the cache keeps them (with the FP8 cache: the reference's e4m3 + bf16 RoPE entries, so the
 step's own keys are rounded exactly as the ring will hold them); ds4.kernels.sparse_attention reads them in place
-(its Triton kernel on CUDA, its torch reference elsewhere).
+(its Triton kernel on CUDA, its torch reference elsewhere). A query's heads and the kv are normalised, rotated
+and (kv) put in the cache's form by ds4.kernels.norm_rope, one launch each on CUDA.
 
 A token's window keys come from two places: its request's ring (positions before the step) and the step's
 fresh kv (positions in it); the ring takes the step's tokens afterwards (row position % rows). The same
@@ -24,14 +25,13 @@ caches are replicated: one KV head cannot be split by heads, and every rank's he
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from ds4.config import CSA, WINDOW, ModelConfig
 from ds4.distributed.parallel import Parallel
-from ds4.kernels.fp8_kv import quantize_kv
+from ds4.kernels.norm_rope import EntryForm, norm_rope
+from ds4.kernels.ring_write import write_rings
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.rope import apply_rope
 from ds4.kernels.sparse_attention import sparse_attention
@@ -88,9 +88,7 @@ class Attention(nn.Module):
         self.heads, self.groups = split.heads.stop - split.heads.start, split.groups.stop - split.groups.start
         heads, olr = self.heads, self.o_lora_rank
         self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
-        fp8_kv = kv_cache_dtype == FP8
-        # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
-        self.stored = functools.partial(quantize_kv, rope_dim=self.rope_dim) if fp8_kv else nn.Identity()
+        self.dtype, self.fp8_kv = dtype, kv_cache_dtype == FP8
         self.wq_a = Linear(d, cfg.q_lora_rank, dtype, device, fp8)
         self.q_norm = Norm(cfg.q_lora_rank, device)
         self.wq_b = Linear(cfg.q_lora_rank, heads * hd, dtype, device, fp8, rows=split.scaled(split.heads, hd))
@@ -104,9 +102,9 @@ class Attention(nn.Module):
         self.attn_sink = hold(fp32_param(heads, device=device), split.scaled(split.heads, 1))
         self.register_buffer("inv_freq", layer_inv_freq(cfg, layer).to(device), persistent=False)
         if self.kind != WINDOW:
-            self.compressor = Compressor(d, self.ratio, hd, self.kind == CSA, self.eps, device, self.stored, dtype)
+            self.compressor = Compressor(d, self.ratio, hd, self.kind == CSA, self.eps, device, dtype)
         if self.kind == CSA:
-            self.indexer = Indexer(cfg, self.ratio, dtype, device, fp8_kv, weight_format)
+            self.indexer = Indexer(cfg, self.ratio, dtype, device, self.fp8_kv, weight_format)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, layout: StepLayout | None, cache: LayerCache
@@ -115,10 +113,9 @@ class Attention(nn.Module):
         step = LayerStep(batch, layout, cache, self.inv_freq)
         t, pos = x.shape[0], batch.positions
         qr = rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
-        q = rms_norm(self.wq_b(qr).view(t, self.heads, self.head_dim), None, self.eps)
-        q = apply_rope(q, pos, self.inv_freq)
-        kv = rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
-        kv = self.stored(apply_rope(kv, pos, self.inv_freq))
+        q = norm_rope(self.wq_b(qr).view(t, self.heads, self.head_dim), pos, self._form(None, False))
+        # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
+        kv = norm_rope(self.wkv(x), pos, self._form(self.kv_norm.weight, self.fp8_kv))
 
         key_sets = self._window_keys(kv, step)
         if self.kind != WINDOW:
@@ -143,6 +140,9 @@ class Attention(nn.Module):
         o = apply_rope(o, pos, self.inv_freq, inverse=True).flatten(1)
         return self.parallel.all_reduce(self.wo_b(self.wo_a(o)))
 
+    def _form(self, weight: torch.Tensor | None, fp8: bool) -> EntryForm:
+        return EntryForm(weight, self.inv_freq, self.eps, self.dtype, fp8)
+
     def _window_keys(self, kv: torch.Tensor, step: LayerStep) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each token's last `window` positions: [(ring pool, rows of the positions before the step),
         (fresh kv, rows of the positions in it)], -1 elsewhere."""
@@ -155,12 +155,12 @@ class Attention(nn.Module):
         batch, win, req = step.batch, self.window, step.token_requests
         dev = batch.positions.device
         pos = batch.positions[:, None]
-        ctx = batch.context_lens.long()[req][:, None]
+        ctx = batch.context_lens[req][:, None]  # int32 fields gathered as they are: the int64 positions promote
         ring_pos = pos - (win - 1) + torch.arange(win, device=dev)
-        ring_rows = batch.slots.long()[req][:, None] * rows + ring_pos % rows
+        ring_rows = batch.slots[req][:, None] * rows + ring_pos % rows
         fresh_width = min(win, step.longest)
         fresh_pos = pos - (fresh_width - 1) + torch.arange(fresh_width, device=dev)
-        fresh_rows = batch.query_start_loc.long()[req][:, None] + fresh_pos - ctx
+        fresh_rows = batch.query_start_loc[req][:, None] + fresh_pos - ctx
         return (
             torch.where((ring_pos >= 0) & (ring_pos < ctx), ring_rows, -1),
             torch.where(fresh_pos >= ctx, fresh_rows, -1),
@@ -199,5 +199,4 @@ class Attention(nn.Module):
         """Each request's ring takes its last tokens at position % rows: every token writes its ring row with the
         kv of its request's last token there (equal values, so the order of writes is moot)."""
         ring = step.cache.window
-        last, where = step.ring_writes(ring.shape[1])
-        ring[where] = kv[last].to(ring.dtype)
+        write_rings([(ring, kv)], *step.ring_writes(ring.shape[1]))

@@ -175,7 +175,9 @@ class LayerStep:
 
         def writes():
             pos, req = self.batch.positions, self.token_requests
-            last = torch.arange(pos.shape[0], device=pos.device) + rows * ((self.request_ends[req] - 1 - pos) // rows)
-            return last, (self.batch.slots.long()[req], pos % rows)
+            last = torch.arange(pos.shape[0], device=pos.device)
+            if not self.decode_only:  # decode_only: fewer tokens a request than ring rows, each its own last
+                last = last + rows * ((self.request_ends[req] - 1 - pos) // rows)
+            return last, (self.batch.slots[req], pos % rows)
 
         return self.batch.shared(("ring writes", rows), writes)

@@ -31,7 +31,8 @@ them directly for page ends inside a prefill chunk (ForwardBatch.snapshots).
 
 Every paged pool has one page more than num_pages: the last page (index num_pages) is a scratch page
 that no block table names. The decode path writes there what must go nowhere (entries of windows that
-did not complete, padding rows of a CUDA-graph batch), so its writes need no data-dependent shapes.
+did not complete, padding rows of a CUDA-graph batch), so its writes need no data-dependent shapes (the
+compressor's kernel skips such windows altogether: the page's content is unspecified).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class CompressorState:
     """A ring of the last tokens' projections: token p in row p % rows."""
 
     kv: torch.Tensor  # [slots, coff * ratio + spare, coff * head_dim] fp32
-    score: torch.Tensor  # same shape, gate logits with the position bias already added
+    score: torch.Tensor  # same shape, gate logits (the position bias is added when they are pooled)
 
 
 @dataclass

@@ -5,11 +5,14 @@ window i (2 * ratio tokens, stride ratio). Entries get RMSNorm and RoPE at posit
 windows wait in a per-slot fp32 ring of the last tokens' projections (token p in row p % rows, see
 ds4.model.cache), so chunks may end anywhere and tokens written past what a request keeps need no undo.
 
-A step reads window rows from one flat source: every request's ring, then the step's fresh projections,
-then an empty row (kv 0, score -inf) for positions before 0 or past the request's end. The entry of a
-token completing a window and the snapshot at a page end are the same gather from it. A decode_only batch
-pools every token's window (fixed shapes; the entries of unfinished windows go to the pool's scratch
-page); the general path pools only the finished ones.
+A step reads window rows from two places: the rings of the request's slot (positions before the step) and the
+step's fresh projections; positions before 0 or past the request's end read an empty row (kv 0, score -inf).
+The rings keep the raw gate logits; the position bias is added as windows are pooled. The entry of a token
+completing a window and the snapshot at a page end are the same gather. A decode_only batch pools every token's
+window (fixed shapes; the entries of unfinished windows go to the pool's scratch page); the general path pools
+only the finished ones. Pooling, RMSNorm, RoPE and the cache's form are one launch on CUDA
+(ds4.kernels.gated_pool), writing each entry into its pool row, except where the entries take a further step
+(`finish`, the indexer's FP8-mode rounding) before the pool's own store.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ds4.kernels.gated_pool import gated_pool
-from ds4.kernels.rmsnorm import rms_norm
-from ds4.kernels.rope import apply_rope
+from ds4.kernels.gated_pool import pooled_entries, window_rows
+from ds4.kernels.norm_rope import EntryForm
+from ds4.kernels.ring_write import write_rings
 from ds4.model.batch import LayerStep
 from ds4.model.cache import CompressorState, entries_per_page, store_entries
 from ds4.model.linear import Linear, Norm, fp32_param
@@ -37,11 +40,12 @@ class Compressor(nn.Module):
         overlap: bool,
         eps: float,
         device: torch.device,
-        finish: Callable[[torch.Tensor], torch.Tensor],
         dtype: torch.dtype,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
-        """finish: normalised, rotated entries -> the form `pool` takes (FP8 attention entries, the indexer's fp4
-        simulation, or as they are). dtype: the model's, which the projections' weights are held in."""
+        """dtype: the model's, which the projections' weights are held in. finish: None when entries go to `pool`
+        in its own form (rows of the compute dtype, or FP8 attention entries in a uint8 pool), else what
+        normalised, rotated entries take before the pool's store (the indexer's fp4 simulation)."""
         super().__init__()
         self.ratio, self.head_dim, self.overlap, self.eps, self.finish = ratio, head_dim, overlap, eps, finish
         width = (2 if overlap else 1) * head_dim
@@ -65,47 +69,52 @@ class Compressor(nn.Module):
 
         `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots (overlap only)."""
         batch, ratio = step.batch, self.ratio
-        pos, slots = batch.positions, batch.slots.long()
-        kv, score = self.wkv(x), self.wgate(x) + self.ape[pos % ratio]
-        width, ring_rows = kv.shape[1], state.kv.shape[1]
-        source_kv = torch.cat((state.kv[slots].flatten(0, 1), kv, kv.new_zeros(1, width)))
-        source_score = torch.cat((state.score[slots].flatten(0, 1), score, score.new_full((1, width), float("-inf"))))
+        kv, score = self.wkv(x), self.wgate(x)
+        ring_rows, width = state.kv.shape[1], kv.shape[1]
+        ring = (state.kv.view(-1, width), state.score.view(-1, width))
 
         # The windows, and where their entries go, depend on the batch alone: layers of one ratio share them.
-        index, rows = batch.shared(("windows", ratio, self.overlap, ring_rows), lambda: self._windows(step, ring_rows))
-        entries = gated_pool(source_kv, source_score, rows, self.overlap)
-        entries = rms_norm(entries.to(x.dtype), self.norm.weight, self.eps)
-        entries = self.finish(apply_rope(entries, index * ratio, step.inv_freq))
-        per_page = entries_per_page(pool)
-        target = batch.shared(("entry rows", ratio, per_page), lambda: self._entry_rows(step, index, per_page))
-        store_entries(pool, torch.where(target >= 0, target, (pool.shape[0] - 1) * per_page), entries)
+        shape = (ring_rows, ring[0].shape[0])
+        index, rows = batch.shared(("windows", ratio, self.overlap, shape), lambda: self._windows(step, *shape))
+        per_page, pages = entries_per_page(pool), pool.shape[0]
+        target = batch.shared(
+            ("entry rows", ratio, per_page, pages), lambda: self._entry_rows(step, index, per_page, pages)
+        )
+        direct = self.finish is None
+        form = EntryForm(self.norm.weight, step.inv_freq, self.eps, x.dtype, direct and pool.dtype == torch.uint8)
+        if direct:
+            scratch = (pages - 1) * per_page  # what _entry_rows sends nowhere: not even pooled
+            flat = pool.view(-1, pool.shape[-1])
+            pooled_entries(ring, (kv, score), self.ape, rows, index, form, flat, target, scratch)
+        else:
+            store_entries(pool, target, self.finish(pooled_entries(ring, (kv, score), self.ape, rows, index, form)))
 
         if snapshots is not None and batch.snapshots:
             # A snapshot at page end e keeps the overlap: the full window e - ratio .. e - 1, in window order.
-            dev, snaps = pos.device, batch.snapshots
+            dev, snaps = kv.device, batch.snapshots
             ends = torch.tensor([s.position for s in snaps], device=dev)
             requests = torch.tensor([s.request for s in snaps], device=dev)
-            rows = self._rows(step, ring_rows, requests, ends // ratio)[:, :ratio]
+            rows = self._rows(step, *shape, requests, ends // ratio)[:, :ratio]
             ids = torch.tensor([s.snapshot for s in snaps], device=dev)
-            snapshots.kv[ids], snapshots.score[ids] = source_kv[rows], source_score[rows]
+            snapshots.kv[ids] = window_rows(ring[0], kv, rows, 0.0)
+            snapshots.score[ids] = window_rows(ring[1], score, rows, float("-inf"))
         # Each token writes its ring row with the kv of its request's last token there (equal values, any order).
-        last, ring = step.ring_writes(ring_rows)
-        state.kv[ring], state.score[ring] = kv[last], score[last]
+        write_rings([(state.kv, kv), (state.score, score)], *step.ring_writes(ring_rows))
 
-    def _windows(self, step: LayerStep, ring_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, step: LayerStep, ring_rows: int, ring_total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The window index of each token completing a window (decode_only: of every token) and its source rows."""
         pos, ratio = step.batch.positions, self.ratio
         if step.decode_only:
-            tokens = torch.arange(pos.shape[0], device=pos.device)
+            index, requests = pos // ratio, step.token_requests
         else:
             tokens = torch.nonzero(pos % ratio == ratio - 1).flatten()
-        index = pos[tokens] // ratio
-        rows = self._rows(step, ring_rows, step.token_requests[tokens], index)
+            index, requests = pos[tokens] // ratio, step.token_requests[tokens]
+        rows = self._rows(step, ring_rows, ring_total, requests, index)
         return index, rows
 
-    def _entry_rows(self, step: LayerStep, index: torch.Tensor, per_page: int) -> torch.Tensor:
-        """Each window's row in a pool of per_page entries a page; -1 for a decode_only token whose window is
-        unfinished or whose page is unassigned (padding), which the caller sends to the scratch page."""
+    def _entry_rows(self, step: LayerStep, index: torch.Tensor, per_page: int, pages: int) -> torch.Tensor:
+        """Each window's row in a pool of `pages` pages of per_page entries; a decode_only token whose window is
+        unfinished or whose page is unassigned (padding) writes to the last, scratch, page."""
         batch, ratio = step.batch, self.ratio
         if step.decode_only:
             requests, completes = step.token_requests, batch.positions % ratio == ratio - 1
@@ -116,19 +125,22 @@ class Compressor(nn.Module):
             if bool((target < 0).any()):
                 raise ValueError("block table: a compressed entry falls on an unassigned page (-1)")
             return target
-        return torch.where(completes, target, -1)
+        return torch.where(completes & (target >= 0), target, (pages - 1) * per_page)
 
-    def _rows(self, step: LayerStep, ring: int, requests: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        """[N, (2 if overlap else 1) * ratio]: the source rows of window `window` of each request (with overlap,
-        window - 1 first). Positions before the request's context come from its ring, which still holds them:
-        a window reaches back at most 2 * ratio - 1 positions."""
+    def _rows(
+        self, step: LayerStep, ring: int, ring_total: int, requests: torch.Tensor, window: torch.Tensor
+    ) -> torch.Tensor:
+        """[N, (2 if overlap else 1) * ratio]: the rows (as ds4.kernels.gated_pool reads them: slot * ring + row
+        of the flat rings, ring_total + token of the fresh ones, -1 empty) of window `window` of each request
+        (with overlap, window - 1 first). Positions before the request's context come from its slot's ring, which
+        still holds them: a window reaches back at most 2 * ratio - 1 positions."""
         batch, ratio = step.batch, self.ratio
         span = (2 if self.overlap else 1) * ratio
         q = ((window - (span // ratio - 1)) * ratio)[:, None] + torch.arange(span, device=window.device)
-        ctx = batch.context_lens.long()[requests][:, None]
-        start = batch.query_start_loc.long()[requests][:, None]
+        # The batch's int32 fields are gathered as they are (q's int64 promotes the sums: no conversion launches).
+        ctx = batch.context_lens[requests][:, None]
+        start = batch.query_start_loc[requests][:, None]
         end = step.request_ends[requests][:, None]
-        held = requests[:, None] * ring + q % ring
-        fresh = batch.num_requests * ring + start + q - ctx
-        empty = batch.num_requests * ring + batch.num_tokens
-        return torch.where((q >= 0) & (q < end), torch.where(q >= ctx, fresh, held), empty)
+        held = batch.slots[requests][:, None] * ring + q % ring
+        fresh = ring_total + start + q - ctx
+        return torch.where((q >= 0) & (q < end), torch.where(q >= ctx, fresh, held), -1)

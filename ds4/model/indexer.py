@@ -66,8 +66,10 @@ class Indexer(nn.Module):
         fp8 = kept_fp8_block(cfg, weight_format)
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.head_dim, dtype, device, fp8)
         self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype, device)
+        # Without fp8 the keys go straight into their pool; with it, through the rounding, then the packed store.
+        finish = self.finish if fp8_kv else None
         self.compressor = Compressor(
-            cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device, self.finish, dtype
+            cfg.hidden_size, ratio, self.head_dim, True, cfg.rms_norm_eps, device, dtype, finish
         )
         self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5
 

@@ -1,15 +1,19 @@
-"""mHC, RMSNorm, RoPE and gated-pooling kernels on the GPU at DeepSeek-V4 Flash shapes (hc 4, hidden 4096, 64
-heads of 512 with 64 RoPE dims, compressor ratios 4 and 128) against their torch references on the same device,
-graph replay equal to eager, one compilation over many token counts.
+"""mHC, RMSNorm, RoPE, the entries' norm + RoPE + FP8 form, the compressor's entries and ring-write kernels on the
+GPU at DeepSeek-V4 Flash shapes (hc 4, hidden 4096, 64 heads of 512 with 64 RoPE dims, compressor ratios 4 and
+128) against their torch references on the same device, graph replay equal to eager, one compilation over many
+token counts. FP8 entries are compared byte for byte with quantize_kv of the kernel's own values (and with the
+reference's bytes on rows whose normalised values are exact).
 
 Tolerances: the gates and comb to 1e-5 (fp32 sums of 16384 products in another order; measured ~1e-6), the
 bf16 outputs to one bf16 step (an fp32 value that lands near a rounding boundary may round the other way)."""
 
 import pytest
 import torch
+from entry_cases import exact_rows
 
-from ds4.kernels import gated_pool, rmsnorm, rope
+from ds4.kernels import gated_pool, norm_rope, ring_write, rmsnorm, rope
 from ds4.kernels import hyper_connections as mhc
+from ds4.kernels.fp8_kv import quantize_kv
 
 pytestmark = pytest.mark.gpu
 
@@ -96,7 +100,9 @@ def test_one_compilation_over_token_counts():
         mhc._expand_kernel,
         rmsnorm._rms_norm_kernel,
         rope._rope_kernel,
-        gated_pool._gated_pool_kernel,
+        gated_pool._pooled_entries_kernel,
+        norm_rope._norm_rope_kernel,
+        ring_write._write_rings_kernel,
     )
 
     def variants():
@@ -105,6 +111,7 @@ def test_one_compilation_over_token_counts():
     g = torch.Generator(device="cuda").manual_seed(2)
     fn, scale, base = weights((2 + HC) * HC, g)
     inv_freq = rope.rope_inv_freq(64, 10000.0).cuda()
+    form, ape = entry_fp8(), torch.zeros(4, 1024, device="cuda")
     before = variants()
     for tokens in list(range(1, 40)) + [63, 65, 127, 1000, 4097]:
         h = streams(tokens, torch.bfloat16, g)
@@ -112,8 +119,13 @@ def test_one_compilation_over_token_counts():
         mhc.hc_post(x, h, post, comb)
         rmsnorm.rms_norm(x, None, 1e-6)
         rope.apply_rope(x, torch.arange(tokens, device="cuda"), inv_freq)
-        rows = torch.randint(0, tokens, (tokens, 8), device="cuda", generator=g)
-        gated_pool.gated_pool(x[:, :1024].float(), x[:, 1024:2048].float(), rows, True)
+        rows = torch.randint(-1, 2 * tokens, (tokens, 8), device="cuda", generator=g)
+        fresh = (x[:, :1024].float(), x[:, 1024:2048].float())
+        gated_pool.pooled_entries(fresh, fresh, ape, rows, rows[:, 0], form)
+        entries = norm_rope.norm_rope(x[:, :512], torch.arange(tokens, device="cuda"), form)
+        ring = torch.empty(tokens, 3, entries.shape[1], dtype=torch.uint8, device="cuda")
+        picked = rows[:, :3].clamp(0, tokens - 1)
+        ring_write.write_rings([(ring, entries)], picked[:, 0], (picked[:, 1], picked[:, 2] % 3))
     added = [after - start for after, start in zip(variants(), before)]
     assert added[0] <= 2 and max(added[1:]) <= 1, added  # the projection: a small- and a large-batch token tile
 
@@ -148,19 +160,135 @@ def test_rope_matches_reference(shape, dtype, inverse):
         torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+def entry_form(dtype: torch.dtype, fp8: bool, weight: torch.Tensor | None = None) -> norm_rope.EntryForm:
+    inv_freq = rope.rope_inv_freq(64, 160000.0, 16.0, 65536).cuda()
+    return norm_rope.EntryForm(weight, inv_freq, 1e-6, dtype, fp8)
+
+
+def assert_rotated_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Normalised, rotated bf16 rows: the norm's (and the pooling's) fp32 sums run in another order, which may move a
+    value across a bf16 rounding boundary, and the rotation mixes that step into both channels of a pair: rare
+    differences, each within a bf16 step of the row's largest value."""
+    got, want = got.float(), want.float()
+    assert (got != want).float().mean() <= 0.01
+    step = want.abs().amax(dim=-1, keepdim=True) * 2**-7
+    assert ((got - want).abs() <= step).all()
+
+
+def entry_fp8() -> norm_rope.EntryForm:
+    return entry_form(torch.bfloat16, True, torch.ones(512, device="cuda"))
+
+
+@pytest.mark.parametrize(
+    "shape,weighted", [((1, 512), True), ((64, 512), True), ((8192, 512), True), ((1, 64, 512), False),
+                       ((64, 64, 512), False), ((5, 64, 128), False)]
+)  # fmt: skip
+def test_norm_rope_matches_the_composed_ops(shape, weighted):
+    g = torch.Generator(device="cuda").manual_seed(shape[0])
+    x = (torch.randn(shape, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    positions = torch.randint(0, 1 << 20, (shape[0],), device="cuda", generator=g)
+    weight = torch.rand(shape[-1], device="cuda", generator=g) + 0.5 if weighted else None
+    form = entry_form(torch.bfloat16, False, weight)
+    got = norm_rope.norm_rope(x, positions, form)
+    assert_rotated_close(got, form.reference(x, positions))
+    if weighted:
+        stored = norm_rope.norm_rope(x, positions, entry_form(torch.bfloat16, True, weight))
+        assert torch.equal(stored, quantize_kv(got, 64))
+
+
+@pytest.mark.parametrize("head_dim", [512, 192])
+def test_fp8_entries_are_bit_exact_with_the_reference(head_dim):
+    x, weight = exact_rows(300, head_dim, 64, torch.Generator().manual_seed(head_dim))
+    form = norm_rope.EntryForm(weight.cuda(), rope.rope_inv_freq(64, 10000.0).cuda(), 0.0, torch.float32, fp8=True)
+    positions = torch.zeros(300, dtype=torch.long, device="cuda")
+    want = quantize_kv(x * weight, 64)
+    assert torch.equal(norm_rope.norm_rope(x.cuda(), positions, form).cpu(), want)
+    pooled = x.cuda().repeat(1, 2)  # windows of one fresh row each: the pool is that row
+    rows = torch.arange(300, device="cuda")[:, None]
+    got = gated_pool.pooled_entries(
+        (pooled[:0], pooled[:0]),
+        (pooled, pooled),
+        torch.zeros(1, 2 * head_dim, device="cuda"),
+        rows[:, :1].expand(300, 2).contiguous(),
+        torch.zeros(300, dtype=torch.long, device="cuda"),
+        form,
+    )
+    assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize(
     "ratio,overlap,head_dim,entries",
     [(4, True, 512, 1), (4, True, 512, 2048), (4, True, 128, 64), (128, False, 512, 64)],
 )
-def test_gated_pool_matches_reference(ratio, overlap, head_dim, entries):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_pooled_entries_match_the_reference(ratio, overlap, head_dim, entries, fp8):
     g = torch.Generator(device="cuda").manual_seed(ratio + entries)
     width, span = (2 if overlap else 1) * head_dim, (2 if overlap else 1) * ratio
-    sources = entries * ratio + 2 * ratio
-    kv = torch.randn(sources, width, device="cuda", generator=g)
-    score = torch.randn(sources, width, device="cuda", generator=g) * 3
-    score[-1] = float("-inf")
-    rows = torch.randint(0, sources, (entries, span), device="cuda", generator=g)
-    rows[0, : span // 2] = sources - 1
-    got = gated_pool.gated_pool(kv, score, rows, overlap)
-    want = gated_pool.gated_pool_reference(kv, score, rows, overlap)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ring = tuple(
+        torch.randn(2, entries * ratio + 2 * ratio, width, device="cuda", generator=g)
+        * torch.tensor([1.0, 3.0], device="cuda")[:, None, None]
+    )
+    fresh = tuple(torch.randn(2, entries + 3, width, device="cuda", generator=g))
+    ape = torch.randn(ratio, width, device="cuda", generator=g)
+    rows = torch.randint(-1, ring[0].shape[0] + entries + 3, (entries, span), device="cuda", generator=g)
+    rows[0, : span // 2] = -1
+    index = torch.randint(0, 1 << 15, (entries,), device="cuda", generator=g)
+    weight = torch.rand(head_dim, device="cuda", generator=g) + 0.5
+    args = (ring, fresh, ape, rows, index)
+    values = gated_pool.pooled_entries(*args, entry_form(torch.bfloat16, False, weight))
+    want = gated_pool.pooled_entries_reference(*args, entry_form(torch.bfloat16, False, weight))
+    assert_rotated_close(values, want)
+    form = entry_form(torch.bfloat16, fp8, weight)
+    pool = torch.zeros(entries + 5, form.entry_size(head_dim), dtype=form.entry_dtype(), device="cuda")
+    targets = torch.randperm(entries + 5, device="cuda", generator=g)[:entries]
+    skip = int(targets[-1])  # its window is not pooled: the row keeps its zeros
+    gated_pool.pooled_entries(*args, form, pool, targets, skip)
+    stored = quantize_kv(values, 64) if fp8 else values
+    assert torch.equal(pool[targets[:-1]], stored[:-1]) and not pool[skip].any()
+
+
+def test_ring_writes_match_the_reference():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rings = [
+        (torch.randn(64, 12, 1024, device="cuda", generator=g), torch.randn(64, 1024, device="cuda", generator=g))
+        for _ in range(2)
+    ]
+    want = [(ring.clone(), values) for ring, values in rings]
+    last, at = (
+        torch.arange(64, device="cuda"),
+        (torch.randperm(64, device="cuda", generator=g), torch.arange(64, device="cuda") % 12),
+    )
+    ring_write.write_rings_reference(want, last, at)
+    ring_write.write_rings(rings, last, at)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(rings, want))
+    window = torch.zeros(8, 130, 584, dtype=torch.uint8, device="cuda")
+    entries = torch.randint(0, 256, (8, 584), dtype=torch.uint8, device="cuda", generator=g)
+    ring_write.write_rings([(window, entries)], last[:8], (at[0][:8] % 8, at[1][:8]))
+    assert torch.equal(window[at[0][:8] % 8, at[1][:8]], entries)
+
+
+def test_entry_kernels_replay_in_a_graph():
+    g = torch.Generator(device="cuda").manual_seed(6)
+    kv = torch.randn(64, 512, device="cuda", generator=g).to(torch.bfloat16)
+    positions = torch.arange(64, device="cuda")
+    ring = torch.zeros(64, 8, 584, dtype=torch.uint8, device="cuda")
+    fresh = tuple(torch.randn(2, 64, 1024, device="cuda", generator=g))
+    rows = torch.randint(-1, 64, (64, 8), device="cuda", generator=g)
+    pool = torch.zeros(65, 584, dtype=torch.uint8, device="cuda")
+    form, ape = entry_fp8(), torch.zeros(4, 1024, device="cuda")
+
+    def step():
+        entries = norm_rope.norm_rope(kv, positions, form)
+        ring_write.write_rings([(ring, entries)], positions, (positions, positions % 8))
+        gated_pool.pooled_entries(fresh, fresh, ape, rows, positions, form, pool, positions)
+        return entries
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    kv.copy_(torch.randn(64, 512, device="cuda", generator=g))
+    fresh[0].copy_(torch.randn(64, 1024, device="cuda", generator=g))
+    graph.replay()
+    saved = captured.clone(), ring.clone(), pool.clone()
+    assert all(torch.equal(a, b) for a, b in zip(saved, (step(), ring, pool)))

@@ -1,5 +1,7 @@
-"""The model with its layer kernels (mHC, RMSNorm, RoPE, gated pooling) run by the Triton interpreter on the CPU
-gives the logits of their torch references: the kernels fit the model's own calls (shapes, strides, dtypes)."""
+"""The model with its layer kernels (mHC, RMSNorm, RoPE, the entries' norm + RoPE + FP8 form, gated pooling, ring
+writes) run by
+the Triton interpreter on the CPU gives the logits of their torch references: the kernels fit the model's own calls
+(shapes, strides, dtypes), with either cache dtype."""
 
 from collections import Counter
 
@@ -12,7 +14,8 @@ import ds4.model.block
 import ds4.model.compressor
 import ds4.model.deepseek_v4
 import ds4.model.indexer
-from ds4.kernels import gated_pool, hyper_connections, rmsnorm, rope
+from ds4.kernels import gated_pool, hyper_connections, norm_rope, ring_write, rmsnorm, rope
+from ds4.model.batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="with CUDA the model runs the kernels (model GPU tests)"
@@ -24,22 +27,38 @@ KERNELS = [
     (ds4.model.deepseek_v4, "hc_head", hyper_connections.hc_head_triton),
     (ds4.model.block, "rms_norm", rmsnorm.rms_norm_triton),
     (ds4.model.attention, "rms_norm", rmsnorm.rms_norm_triton),
-    (ds4.model.compressor, "rms_norm", rmsnorm.rms_norm_triton),
     (ds4.model.deepseek_v4, "rms_norm", rmsnorm.rms_norm_triton),
     (ds4.model.attention, "apply_rope", rope.apply_rope_triton),
-    (ds4.model.compressor, "apply_rope", rope.apply_rope_triton),
     (ds4.model.indexer, "apply_rope", rope.apply_rope_triton),
-    (ds4.model.compressor, "gated_pool", gated_pool.gated_pool_triton),
+    (ds4.model.attention, "norm_rope", norm_rope.norm_rope_triton),
+    (ds4.model.compressor, "pooled_entries", gated_pool.pooled_entries_triton),
+    (ds4.model.attention, "write_rings", ring_write.write_rings_triton),
+    (ds4.model.compressor, "write_rings", ring_write.write_rings_triton),
 ]
 
 
-def test_interpreted_layer_kernels_give_the_reference_logits(monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp8"])
+def test_interpreted_layer_kernels_give_the_reference_logits(monkeypatch, kv_cache_dtype):
     cfg = tiny_config("mixed_hca8")  # hc 4; CSA (overlapping windows of 4) and HCA (8) layers
-    model = ds4_model(cfg, official_tensors(transformers_model(cfg)))
-    ids = torch.randint(0, cfg.vocab_size, (14,), generator=torch.Generator().manual_seed(4))
+    model = ds4_model(cfg, official_tensors(transformers_model(cfg)), kv_cache_dtype)
+    ids = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(4))
+    table = torch.arange(8).flip(0)
 
     def run():
-        return run_in_chunks(model, model.new_cache(2, 8, 16), ids, [9, 1, 4], slot=1, table=torch.arange(8).flip(0))
+        cache = model.new_cache(2, 8, 16)
+        logits = [run_in_chunks(model, cache, ids[:14], [9, 1, 4], slot=1, table=table)]
+        for p in (14, 15):  # decode_only steps beside a padding row: a window left unfinished, then completed
+            batch = ForwardBatch(
+                torch.stack([ids[p], ids[0]]),
+                torch.tensor([p, 0]),
+                torch.tensor([0, 1, 2]),
+                torch.tensor([p, 0]),
+                torch.tensor([1, 0]),
+                torch.stack([table, torch.full_like(table, -1)]),
+                decode_only=True,
+            )
+            logits.append(model.compute_logits(model(batch, cache))[:1])
+        return torch.cat(logits)
 
     want = run()
     calls = Counter()

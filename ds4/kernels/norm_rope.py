@@ -1,0 +1,213 @@
+"""RMSNorm then RoPE at each row's position, kept in the compute dtype or written as FP8 cache entries.
+
+An attention entry is finished this way (kv = RoPE(RMSNorm(wkv(x))), then the cache's form) and so is each head of
+a query (without a norm weight, kept in the compute dtype). The reference composes the two ops and quantize_kv;
+on CUDA one launch does all three (torch's path is a dozen elementwise kernels and quantize_kv's twenty). The
+kernel rounds to the compute dtype where the composed ops return it (after the norm, after the rotation), so it
+differs from them only in the order of the norm's fp32 sum (and, as the rope kernel, in fused multiply-adds of the
+rotation), and the FP8 bytes are quantize_kv's of its values.
+
+`finish_entries` is that computation on rows already in registers, shared with the compressor's pooling kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, bf16_bits, kv_entry_bytes, quantize_kv, store_fp8_entries
+from ds4.kernels.rmsnorm import inverse_rms, rms_norm_reference
+from ds4.kernels.rope import apply_rope_reference, rotate_pairs
+
+# Chosen settings: elements of a program's tile (rows x the row length rounded up to a power of two).
+ROW_TILE = 4096
+
+
+@dataclass(frozen=True)
+class EntryForm:
+    """How raw rows become entries: RMSNorm (fp32 `weight` or None, `eps`), RoPE of the last 2 * len(inv_freq)
+    channels, each rounded to `dtype`; then FP8 cache entries (`fp8`) or kept in `dtype`."""
+
+    weight: torch.Tensor | None
+    inv_freq: torch.Tensor
+    eps: float
+    dtype: torch.dtype
+    fp8: bool = False
+
+    @property
+    def rope_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def fits_kernel(self, head_dim: int) -> bool:
+        """Whether the Triton kernels take rows of head_dim: a power-of-two count of frequencies (32 and 64 in
+        DeepSeek-V4) that fits, on whole channel pairs."""
+        half = self.inv_freq.numel()
+        return half & (half - 1) == 0 and 2 * half <= head_dim and head_dim % 2 == 0
+
+    def reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The spec: the composed torch ops."""
+        y = rms_norm_reference(x.to(self.dtype), self.weight, self.eps)
+        y = apply_rope_reference(y, positions, self.inv_freq)
+        return quantize_kv(y, self.rope_dim) if self.fp8 else y
+
+    def entry_size(self, head_dim: int) -> int:
+        """Elements (FP8: bytes) of one finished row."""
+        return kv_entry_bytes(head_dim, self.rope_dim) if self.fp8 else head_dim
+
+    def entry_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.fp8 else self.dtype
+
+
+def pair_block(head_dim: int) -> int:
+    """The pairs of a row's tile: a power of two, whole FP8 quantisation blocks."""
+    return max(KV_QUANT_BLOCK // 2, triton.next_power_of_2(head_dim // 2))
+
+
+@triton.jit
+def rounded(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE (to nearest, ties to even), back in fp32."""
+    if DTYPE == tl.bfloat16:
+        return bf16_bits(x).to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float32:
+        return x
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def finish_entries(
+    even,
+    odd,
+    pair,
+    row_ok,
+    out_row,
+    w_ptr,
+    positions,
+    freq_ptr,
+    D,
+    eps,
+    WEIGHTED: tl.constexpr,
+    FP8: tl.constexpr,
+    HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Rows [ROWS] of channels 2 * pair (even) and 2 * pair + 1 (odd), fp32 [ROWS, BLOCK_P] (0 past D) at
+    `positions` [ROWS]: normalised, rotated and written to out_row [ROWS] (pointers to the rows: FP8 entries,
+    or values of out_row's type)."""
+    p_ok = pair < D // 2
+    inverse = inverse_rms(tl.sum(even * even, axis=1) + tl.sum(odd * odd, axis=1), D, eps)[:, None]
+    even, odd = even * inverse, odd * inverse
+    if WEIGHTED:
+        even = even * tl.load(w_ptr + 2 * pair, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+        odd = odd * tl.load(w_ptr + 2 * pair + 1, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+    even, odd = rounded(even, DTYPE), rounded(odd, DTYPE)
+    lead = D // 2 - HALF
+    k = pair - lead
+    is_rope = (k >= 0) & p_ok
+    angle = positions.to(tl.float32)[:, None] * tl.load(freq_ptr + k, mask=is_rope, other=0.0)[None, :]
+    turned_even, turned_odd = rotate_pairs(even, odd, angle, 1.0)
+    even = tl.where(is_rope[None, :], rounded(turned_even, DTYPE), even)
+    odd = tl.where(is_rope[None, :], rounded(turned_odd, DTYPE), odd)
+    if FP8:
+        store_fp8_entries(out_row, even, odd, pair, row_ok, D - 2 * HALF, 2 * HALF, ROWS, BLOCK_P)
+    else:
+        ok = row_ok[:, None] & p_ok[None, :]
+        at = out_row[:, None] + 2 * pair[None, :]
+        tl.store(at, even.to(out_row.dtype.element_ty), mask=ok)
+        tl.store(at + 1, odd.to(out_row.dtype.element_ty), mask=ok)
+
+
+# D and the row strides are the model's (few variants): specialised, so that rows load as wide vectors.
+@triton.jit(do_not_specialize=["rows", "heads"])
+def _norm_rope_kernel(
+    x_ptr,
+    x_stride,
+    w_ptr,
+    pos_ptr,
+    freq_ptr,
+    y_ptr,
+    y_stride,
+    rows,
+    heads,
+    D,
+    eps,
+    WEIGHTED: tl.constexpr,
+    FP8: tl.constexpr,
+    HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row_ok = r < rows
+    pair = tl.arange(0, BLOCK_P)
+    ok = row_ok[:, None] & (pair < D // 2)[None, :]
+    x_row = x_ptr + r[:, None] * x_stride + 2 * pair[None, :]
+    even = tl.load(x_row, mask=ok, other=0.0).to(tl.float32)
+    odd = tl.load(x_row + 1, mask=ok, other=0.0).to(tl.float32)
+    positions = tl.load(pos_ptr + r // heads, mask=row_ok, other=0)
+    finish_entries(
+        even,
+        odd,
+        pair,
+        row_ok,
+        y_ptr + r * y_stride,
+        w_ptr,
+        positions,
+        freq_ptr,
+        D,
+        eps,
+        WEIGHTED,
+        FP8,
+        HALF,
+        ROWS,
+        BLOCK_P,
+        x_ptr.dtype.element_ty,
+    )
+
+
+def norm_rope_triton(x: torch.Tensor, positions: torch.Tensor, form: EntryForm) -> torch.Tensor:
+    """form.reference(x, positions) in one launch (CUDA, or the CPU under TRITON_INTERPRET=1); x in form.dtype."""
+    d, tokens = x.shape[-1], x.shape[0]
+    if x.dtype != form.dtype or not form.fits_kernel(d) or positions.shape != (tokens,):
+        raise ValueError(
+            f"norm_rope: x {x.dtype} {list(x.shape)}, positions {list(positions.shape)} do not fit {form.rope_dim} "
+            f"RoPE dims in {form.dtype}"
+        )
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape[0], form.entry_size(d), dtype=form.entry_dtype(), device=x.device)
+    if rows.shape[0]:
+        block_p = pair_block(d)
+        per_program = max(1, ROW_TILE // (2 * block_p))
+        _norm_rope_kernel[(triton.cdiv(rows.shape[0], per_program),)](
+            rows,
+            rows.stride(0),
+            form.weight if form.weight is not None else rows,
+            positions,
+            form.inv_freq.to(device=x.device, dtype=torch.float32).contiguous(),
+            y,
+            y.stride(0),
+            rows.shape[0],
+            rows.shape[0] // max(tokens, 1),
+            d,
+            form.eps,
+            WEIGHTED=form.weight is not None,
+            FP8=form.fp8,
+            HALF=form.inv_freq.numel(),
+            ROWS=per_program,
+            BLOCK_P=block_p,
+        )
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def norm_rope(x: torch.Tensor, positions: torch.Tensor, form: EntryForm) -> torch.Tensor:
+    """Rows x [T, ..., D] normalised and rotated at positions [T], in the form `form` names (see the module)."""
+    if x.is_cuda and form.fits_kernel(x.shape[-1]):
+        return norm_rope_triton(x.to(form.dtype), positions, form)
+    return form.reference(x, positions)

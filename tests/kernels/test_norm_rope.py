@@ -1,0 +1,53 @@
+"""The entries' RMSNorm + RoPE (+ FP8 form) kernel (interpreted on the CPU) against the composed torch ops it
+replaces, and its FP8 bytes against quantize_kv bit for bit."""
+
+import pytest
+import torch
+from entry_cases import exact_rows
+from interpreted import interpreted
+
+import ds4.kernels.fp8_kv
+import ds4.kernels.norm_rope
+import ds4.kernels.rmsnorm
+import ds4.kernels.rope
+from ds4.kernels.fp8_kv import quantize_kv
+from ds4.kernels.rope import rope_inv_freq
+
+
+@pytest.fixture(scope="module")
+def nr():
+    deps = (ds4.kernels.fp8_kv, ds4.kernels.rmsnorm, ds4.kernels.rope)
+    return interpreted(ds4.kernels.norm_rope, "_norm_rope_kernel", *deps)
+
+
+@pytest.mark.parametrize(
+    "shape,rope,weighted,dtype",
+    [((6, 80), 16, True, torch.float32), ((5, 512), 64, True, torch.bfloat16), ((3, 4, 128), 64, False, torch.bfloat16),
+     ((0, 128), 64, True, torch.bfloat16)],
+)  # fmt: skip
+def test_matches_the_composed_ops(nr, shape, rope, weighted, dtype):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=g) * 10.0 ** torch.randint(-3, 3, shape[:1] + (1,) * (len(shape) - 1))).to(dtype)
+    positions = torch.randint(0, 1 << 17, shape[:1], generator=g)
+    weight = torch.rand(shape[-1], generator=g) + 0.5 if weighted else None
+    form = nr.EntryForm(weight, rope_inv_freq(rope, 160000.0, 16.0, 65536), 1e-6, dtype)
+    got, want = nr.norm_rope_triton(x, positions, form), form.reference(x, positions)
+    assert got.shape == x.shape and got.dtype == dtype
+    # The norm's fp32 sum runs in another order: an fp32 ulp, or a bf16 step where that crosses a rounding boundary.
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    if weighted and (shape[-1] - rope) % 64 == 0:
+        fp8 = nr.EntryForm(weight, form.inv_freq, form.eps, dtype, fp8=True)
+        stored = nr.norm_rope_triton(x, positions, fp8)
+        assert torch.equal(stored, quantize_kv(got, rope))
+
+
+@pytest.mark.parametrize("head_dim,rope", [(512, 64), (80, 16)])
+def test_fp8_entries_are_bit_exact_with_quantize_kv(nr, head_dim, rope):
+    g = torch.Generator().manual_seed(head_dim)
+    x, weight = exact_rows(9, head_dim, rope, g)
+    form = nr.EntryForm(weight, rope_inv_freq(rope, 10000.0), 0.0, torch.float32, fp8=True)
+    positions = torch.zeros(9, dtype=torch.long)
+    want = quantize_kv(x * weight, rope)
+    assert torch.equal(form.reference(x, positions), want)  # the rows do hold what exact_rows says
+    assert torch.equal(nr.norm_rope_triton(x, positions, form), want)
