@@ -416,7 +416,7 @@ def _prefill_rates(rates: dict) -> dict:
 
 
 def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
-    """Time the prefill of one prompt of each length (after a warm-up prompt); profile the shortest."""
+    """Time the prefill of one prompt of each length (after a warm-up prompt of the longest); profile the shortest."""
     per_kind = _prefill_rates(rates)
 
     def prefill(length: int, name: str) -> tuple[float, dict]:
@@ -434,7 +434,11 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
                 bar.update(engine.stats().prompt_tokens - before)
         return time.perf_counter() - t0, {"steps": steps, **traffic.per_step(steps)}
 
-    prefill(min(min(args.prefill_lengths), args.prefill_chunk), "prefill-warm-up")
+    # The longest prompt first: its chunks reach every context length the timed prompts do, so kernels compiled
+    # for a new context size are not in the times.
+    warm_up = max(args.prefill_lengths)
+    seconds, _ = prefill(warm_up, "prefill-warm-up")
+    progress(f"warm-up prompt of {warm_up} tokens: {seconds:.1f} s (kernels compiled on first use included)")
     rows = []
     for length in sorted(set(args.prefill_lengths)):
         seconds, traffic = prefill(length, f"prefill-{length}")
