@@ -229,6 +229,7 @@ def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, ob
     inv_freq = rope.rope_inv_freq(64, 10000.0).to(dev)
     kv = torch.randn(tokens, MHC_HEAD_DIM, device=dev, generator=g).to(torch.bfloat16)
     entry = norm_rope.EntryForm(norm_weight.float()[:MHC_HEAD_DIM], inv_freq, 1e-6, torch.bfloat16, fp8=True)
+    q_form = norm_rope.EntryForm(None, inv_freq, 1e-6, torch.bfloat16)
     # CSA's compressor: every token pools its overlapping window of 8 rows (decode), fp32 kv and score of 2 x 512
     pool_kv, pool_score = torch.randn(2, tokens * 4 + 8, 1024, device=dev, generator=g)
     ring, fresh = (pool_kv, pool_score), (pool_kv[:tokens], pool_score[:tokens])
@@ -251,6 +252,8 @@ def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, ob
          lambda: rmsnorm.rms_norm_reference(out, norm_weight, 1e-6)),
         ("rope q", 2 * q.numel() * e, lambda: rope.apply_rope(q, positions, inv_freq),
          lambda: rope.apply_rope_reference(q, positions, inv_freq)),
+        ("q norm_rope", 2 * q.numel() * e, lambda: norm_rope.norm_rope(q, positions, q_form),
+         lambda: q_form.reference(q, positions)),
         ("kv entry", tokens * (MHC_HEAD_DIM * e + 584), lambda: norm_rope.norm_rope(kv, positions, entry),
          lambda: entry.reference(kv, positions)),
         ("pool csa", tokens * (8 * 512 * 2 * 4 + 584 + 8 * 8), lambda: gated_pool.pooled_entries(*pool_args),

@@ -115,11 +115,11 @@ def finish_entries(
     odd = tl.where(is_rope[None, :], rounded(turned_odd, DTYPE), odd)
     if FP8:
         store_fp8_entries(out_row, even, odd, pair, row_ok, D - 2 * HALF, 2 * HALF, ROWS, BLOCK_P)
-    else:
-        ok = row_ok[:, None] & p_ok[None, :]
-        at = out_row[:, None] + 2 * pair[None, :]
-        tl.store(at, even.to(out_row.dtype.element_ty), mask=ok)
-        tl.store(at + 1, odd.to(out_row.dtype.element_ty), mask=ok)
+    else:  # the pairs interleaved back into whole rows: one contiguous store
+        channel = tl.arange(0, 2 * BLOCK_P)
+        rows = tl.reshape(tl.join(even, odd), (ROWS, 2 * BLOCK_P))
+        ok = row_ok[:, None] & (channel < D)[None, :]
+        tl.store(out_row[:, None] + channel[None, :], rows.to(out_row.dtype.element_ty), mask=ok)
 
 
 # D and the row strides are the model's (few variants): specialised, so that rows load as wide vectors.
@@ -145,10 +145,11 @@ def _norm_rope_kernel(
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = r < rows
     pair = tl.arange(0, BLOCK_P)
-    ok = row_ok[:, None] & (pair < D // 2)[None, :]
-    x_row = x_ptr + r[:, None] * x_stride + 2 * pair[None, :]
-    even = tl.load(x_row, mask=ok, other=0.0).to(tl.float32)
-    odd = tl.load(x_row + 1, mask=ok, other=0.0).to(tl.float32)
+    channel = tl.arange(0, 2 * BLOCK_P)
+    ok = row_ok[:, None] & (channel < D)[None, :]
+    # Whole rows in one contiguous load, split into the channel pairs in registers.
+    x = tl.load(x_ptr + r[:, None] * x_stride + channel[None, :], mask=ok, other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, (ROWS, BLOCK_P, 2)))
     positions = tl.load(pos_ptr + r // heads, mask=row_ok, other=0)
     finish_entries(
         even,
