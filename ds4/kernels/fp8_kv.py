@@ -157,20 +157,21 @@ def store_fp8_entries(row_ptr, even, odd, pair, row_ok, nope, rope_dim, ROWS: tl
     # x / 2^e equals x * 2^-e (a power of two, exact): 2^-e built from its bits.
     inverse = ((-exponent + _BIAS_K) << 23).to(tl.float32, bitcast=True)
     inverse = tl.reshape(tl.broadcast_to(inverse[:, :, None], (ROWS, GROUPS, _BLOCK_K // 2)), (ROWS, BLOCK_P))
+    ok = row_ok[:, None] & is_nope
     row = row_ptr[:, None]
-    # Each part as whole rows of bytes (the pairs interleaved in registers): contiguous stores.
-    channel = tl.arange(0, 2 * BLOCK_P)[None, :]
+    at = row + 2 * pair[None, :]
     even_code = _e4m3_code(tl.minimum(tl.maximum(even * inverse, -_MAX_K), _MAX_K))
     odd_code = _e4m3_code(tl.minimum(tl.maximum(odd * inverse, -_MAX_K), _MAX_K))
-    codes = tl.reshape(tl.join(even_code, odd_code), (ROWS, 2 * BLOCK_P)).to(tl.uint8)
-    tl.store(row + channel, codes, mask=row_ok[:, None] & (channel < nope))
-    # The RoPE channels as bf16, little-endian: channel c at byte nope + 2 (c - nope), pair p's four bytes at
-    # nope + 4 (p - nope / 2).
-    halves = tl.reshape(tl.join(bf16_bits(even) >> 16, bf16_bits(odd) >> 16), (ROWS, 2 * BLOCK_P))
-    pair_bytes = tl.reshape(tl.join(halves & 0xFF, (halves >> 8) & 0xFF), (ROWS, 4 * BLOCK_P)).to(tl.uint8)
-    byte = tl.arange(0, 4 * BLOCK_P)[None, :]
-    ok = row_ok[:, None] & (byte >= 2 * nope) & (byte < 2 * (nope + rope_dim))
-    tl.store(row + byte - nope, pair_bytes, mask=ok)
+    tl.store(at, even_code.to(tl.uint8), mask=ok)
+    tl.store(at + 1, odd_code.to(tl.uint8), mask=ok)
+    # The RoPE channels as bf16, little-endian: channel c at byte nope + 2 (c - nope).
+    ok = row_ok[:, None] & (pair >= nope // 2)[None, :] & (pair < (nope + rope_dim) // 2)[None, :]
+    at = row + nope + 4 * (pair - nope // 2)[None, :]
+    even_bits, odd_bits = bf16_bits(even), bf16_bits(odd)
+    tl.store(at, ((even_bits >> 16) & 0xFF).to(tl.uint8), mask=ok)
+    tl.store(at + 1, ((even_bits >> 24) & 0xFF).to(tl.uint8), mask=ok)
+    tl.store(at + 2, ((odd_bits >> 16) & 0xFF).to(tl.uint8), mask=ok)
+    tl.store(at + 3, ((odd_bits >> 24) & 0xFF).to(tl.uint8), mask=ok)
     # The exponent bytes, then zeros up to the entry's end.
     scales = nope + 2 * rope_dim
     group = tl.arange(0, GROUPS)[None, :]
