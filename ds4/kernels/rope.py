@@ -88,6 +88,7 @@ def _rope_kernel(
     heads,
     D,
     SIGN: tl.constexpr,
+    COPY_LEAD: tl.constexpr,
     HALF: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -97,37 +98,41 @@ def _rope_kernel(
     x_row = x_ptr + r[:, None] * x_stride
     y_row = y_ptr + r[:, None] * y_stride
     lead = D - 2 * HALF
-    for start in range(0, lead, BLOCK_D):
-        d = start + tl.arange(0, BLOCK_D)
-        ok = r_ok[:, None] & (d < lead)[None, :]
-        tl.store(y_row + d[None, :], tl.load(x_row + d[None, :], mask=ok), mask=ok)
+    if COPY_LEAD:
+        for start in range(0, lead, BLOCK_D):
+            d = start + tl.arange(0, BLOCK_D)
+            ok = r_ok[:, None] & (d < lead)[None, :]
+            tl.store(y_row + d[None, :], tl.load(x_row + d[None, :], mask=ok), mask=ok)
     pair = tl.arange(0, HALF)
     angle = (
         tl.load(pos_ptr + r // heads, mask=r_ok, other=0).to(tl.float32)[:, None] * tl.load(freq_ptr + pair)[None, :]
     )
-    even_at = lead + 2 * pair[None, :]
+    # The rotated channels in one contiguous load and store, split into pairs in registers.
+    channel = lead + tl.arange(0, 2 * HALF)[None, :]
     ok = r_ok[:, None]
-    even = tl.load(x_row + even_at, mask=ok, other=0.0).to(tl.float32)
-    odd = tl.load(x_row + even_at + 1, mask=ok, other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(tl.load(x_row + channel, mask=ok, other=0.0).to(tl.float32), (ROWS, HALF, 2)))
     even, odd = rotate_pairs(even, odd, angle, SIGN)
-    tl.store(y_row + even_at, even.to(y_ptr.dtype.element_ty), mask=ok)
-    tl.store(y_row + even_at + 1, odd.to(y_ptr.dtype.element_ty), mask=ok)
+    rotated = tl.reshape(tl.join(even, odd), (ROWS, 2 * HALF))
+    tl.store(y_row + channel, rotated.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def apply_rope_triton(
-    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, in_place: bool = False
 ) -> torch.Tensor:
     """apply_rope_reference in one launch (CUDA, or the CPU under TRITON_INTERPRET=1); len(inv_freq) must be a
-    power of two (32 and 64 in DeepSeek-V4)."""
+    power of two (32 and 64 in DeepSeek-V4). in_place: x's rotated channels are overwritten (the leading ones
+    neither read nor written) and x is returned."""
     half, d, tokens = inv_freq.numel(), x.shape[-1], x.shape[0]
     if half & (half - 1) or 2 * half > d or positions.shape != (tokens,):
         raise ValueError(
             f"apply_rope: {half} frequencies, x {list(x.shape)}, positions {list(positions.shape)} do not fit"
         )
     rows = x.reshape(-1, d)
-    if rows.stride(-1) != 1:
+    if rows.stride(-1) != 1 or (in_place and rows.data_ptr() != x.data_ptr()):
+        if in_place:
+            return x.copy_(apply_rope_triton(x, positions, inv_freq, inverse))
         rows = rows.contiguous()
-    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    y = rows if in_place else torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         block_d = triton.next_power_of_2(d)
         per_program = max(1, ROW_TILE // block_d)
@@ -142,16 +147,21 @@ def apply_rope_triton(
             rows.shape[0] // tokens,
             d,
             SIGN=-1.0 if inverse else 1.0,
+            COPY_LEAD=not in_place,
             HALF=half,
             ROWS=per_program,
             BLOCK_D=block_d,
         )
-    return y.view(x.shape)
+    return x if in_place else y.view(x.shape)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last 2 * len(inv_freq) channels of x [T, ..., D] at positions [T]; returns a new tensor."""
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, in_place: bool = False
+) -> torch.Tensor:
+    """Rotate the last 2 * len(inv_freq) channels of x [T, ..., D] at positions [T]; returns a new tensor, or x
+    itself rotated with in_place (for a fresh x nothing else reads: the leading channels stay where they are)."""
     half = inv_freq.numel()
     if x.is_cuda and half & (half - 1) == 0:
-        return apply_rope_triton(x, positions, inv_freq, inverse)
-    return apply_rope_reference(x, positions, inv_freq, inverse)
+        return apply_rope_triton(x, positions, inv_freq, inverse, in_place)
+    y = apply_rope_reference(x, positions, inv_freq, inverse)
+    return x.copy_(y) if in_place else y

@@ -137,7 +137,7 @@ class Attention(nn.Module):
         self._snapshot_windows(kv, step)
         self._store_window(kv, step)
 
-        o = apply_rope(o, pos, self.inv_freq, inverse=True).flatten(1)
+        o = apply_rope(o, pos, self.inv_freq, inverse=True, in_place=True).flatten(1)
         return self.parallel.all_reduce(self.wo_b(self.wo_a(o)))
 
     def _form(self, weight: torch.Tensor | None, fp8: bool) -> EntryForm:

@@ -40,6 +40,22 @@ def test_matches_reference(rope, shape, dtype, inverse):
     assert torch.equal(got[..., :-32], x[..., :-32])
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_in_place_rotates_x_itself(rope, layout):
+    """in_place writes the rotated channels into x (strided x: through a copy) and returns x; the leading
+    channels are untouched, the rotated ones the reference's."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 4, 96, generator=g)
+    x = base if layout == "contiguous" else base.transpose(0, 1).contiguous().transpose(0, 1)
+    positions = torch.randint(0, 1 << 20, (6,), generator=g)
+    inv_freq = rope.rope_inv_freq(32, 10000.0)
+    want = rope.apply_rope_reference(x, positions, inv_freq, inverse=True)
+    got = rope.apply_rope_triton(x, positions, inv_freq, inverse=True, in_place=True)
+    assert got is x
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x[..., :-32], base[..., :-32])
+
+
 def test_int32_positions_and_yarn_frequencies(rope):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 2, 64, generator=g)
