@@ -58,7 +58,7 @@ class PackedExperts(nn.Module):
 def moe_layer(cfg: ModelConfig) -> MoE:
     """A score-routed MoE layer with random weights, packed routed experts and a bf16 shared expert."""
     layer = MoE(cfg, hashed=False, dtype=torch.bfloat16, device=torch.device("meta"))
-    layer.gate = Gate(cfg, hashed=False, device=torch.device("cuda"))
+    layer.gate = Gate(cfg, hashed=False, device=torch.device("cuda"), dtype=torch.bfloat16)
     layer.gate.weight.normal_(0.0, cfg.hidden_size**-0.5)
     layer.experts = PackedExperts(cfg)
     if layer.shared_experts is not None:

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ds4.kernels.fp32_product import fp32_product
+
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it softplus(x) is x
 # Logits a routing program holds (tokens x padded experts) in ROUTE_WARPS warps: more spill registers, and one
@@ -51,9 +53,9 @@ class Routes:
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [T, E] = x.float() @ weight.T (weight fp32 [E, D])."""
+    """fp32 logits [T, E] = x.float() @ weight.float().T (weight [E, D] in x's dtype or fp32)."""
     if not x.is_cuda or x.shape[0] > LOGITS_TOKENS:
-        return F.linear(x.float(), weight)
+        return fp32_product(x, weight)
     return router_logits_triton(x, weight)
 
 
@@ -62,7 +64,8 @@ def _router_logits_kernel(
     x_ptr, stride_x, w_ptr, stride_w, out_ptr, stride_out, T, n_experts, K,
     BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """out[t, e] = sum over k of fp32(x[t, k]) * w[e, k] for BT tokens and BE experts, fp32 products and sums."""
+    """out[t, e] = sum over k of fp32(x[t, k]) * fp32(w[e, k]) for BT tokens and BE experts, fp32 products and
+    sums."""
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
     e_ok, t_ok = e < n_experts, t < T
@@ -71,7 +74,7 @@ def _router_logits_kernel(
         k = k0 + tl.arange(0, BK)
         a = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + k[None, :], mask=t_ok[:, None], other=0.0)
         w = tl.load(w_ptr + e.to(tl.int64)[:, None] * stride_w + k[None, :], mask=e_ok[:, None], other=0.0)
-        acc += tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     dest = out_ptr + t.to(tl.int64)[:, None] * stride_out + e[None, :]
     tl.store(dest, acc, mask=t_ok[:, None] & e_ok[None, :])
 

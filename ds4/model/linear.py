@@ -14,6 +14,7 @@ from torch import nn
 from ds4.checkpoint.quant import e8m0_to_float, fp8_block_dequantize
 from ds4.config import ModelConfig
 from ds4.kernels.fp8_linear import QUANT_BLOCK, fp8_linear
+from ds4.kernels.fp32_product import fp32_product
 from ds4.model.shard import cut, hold, read, read_grouped, region_of
 
 CHECKPOINT, DEQUANTIZED = "checkpoint", "dequantized"
@@ -86,16 +87,6 @@ class Linear(nn.Module):
             return F.linear(x, self.weight)
         w = self.weight.view(self.groups, -1, self.weight.shape[1])
         return torch.einsum("tgd,grd->tgr", x.view(x.shape[0], self.groups, -1), w).flatten(1)
-
-
-def fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T in fp32, as x.float() @ W.float().T. The product of two bf16 (or fp16) values is exact in fp32, so on
-    CUDA a half-precision GEMM that accumulates into an fp32 output is the same sum in another order, on tensor
-    cores and reading the weight as stored (an fp32 GEMM runs on FMA units: ~15x slower at prefill)."""
-    half = (torch.bfloat16, torch.float16)
-    if x.is_cuda and x.dtype == weight.dtype and x.dtype in half and x.dim() == 2:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return F.linear(x.float(), weight.float())
 
 
 class Norm(nn.Module):

@@ -24,12 +24,14 @@ from ds4.model.shard import Region, cut, read, read_grouped, stored_dtype
 class Gate(nn.Module):
     """Routing: hash layers take experts from tid2eid[token], others the top-k of score + bias; weights from score."""
 
-    def __init__(self, cfg: ModelConfig, hashed: bool, device: torch.device):
+    def __init__(self, cfg: ModelConfig, hashed: bool, device: torch.device, dtype: torch.dtype):
+        """The weight is held in the compute dtype (bf16 on CUDA, as the checkpoint stores it): the logits are
+        fp32 products of it (fp32_product)."""
         super().__init__()
         self.topk, self.score_func = cfg.num_experts_per_tok, cfg.scoring_func
         self.route_scale = cfg.routed_scaling_factor
         self.weight = nn.Parameter(
-            torch.empty(cfg.n_routed_experts, cfg.hidden_size, device=device), requires_grad=False
+            torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.topk, dtype=torch.long, device=device))
@@ -174,7 +176,7 @@ class MoE(nn.Module):
         super().__init__()
         self.parallel = parallel or Parallel.single()
         self.limit = cfg.swiglu_limit
-        self.gate = Gate(cfg, hashed, device)
+        self.gate = Gate(cfg, hashed, device, dtype)
         self.experts = Experts(cfg, dtype, device, weight_format, self.parallel)
         self.held_experts = self.experts.held_experts
         shared = cfg.n_shared_experts

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds4.distributed.parallel import Parallel
-from ds4.model.linear import fp32_product
+from ds4.kernels.fp32_product import fp32_product
 from ds4.model.shard import hold
 
 
