@@ -6,9 +6,8 @@ import random
 
 import pytest
 from test_engine import greedy, random_prompts, reference_greedy
-from test_padded_decode import use_eager_graphs
 from test_speculative import run_with_drafts, spec_engine
-from tiny_model import load_tiny_model
+from tiny_model import load_tiny_model, use_eager_graphs
 
 from ds4.engine.sampling_params import SamplingParams
 

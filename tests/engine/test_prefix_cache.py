@@ -229,7 +229,7 @@ def test_flags_turn_prefix_caching_on_by_default_and_off_on_request(model):
 def test_pages_and_snapshots_of_the_cuda_graph_decode_path_serve_later_requests(model):
     """Decode steps through DecodeGraphs' padded decode_only batches (run eagerly) fill pages whose page-end
     snapshots are copied after the step; a later conversation resumes from them."""
-    from test_padded_decode import EagerDecodeGraphs
+    from tiny_model import EagerDecodeGraphs
 
     eng = engine(model, max_num_seqs=2, max_num_batched_tokens=48, long_prefill_token_threshold=16)
     cache = model.new_cache(eng.plan.num_slots + 1, eng.plan.num_pages, PAGE, eng.plan.num_snapshots)
