@@ -5,6 +5,19 @@ engine.add_request("a", prompt_token_ids, SamplingParams(max_tokens=16))
 while engine.has_unfinished_requests():
     for out in engine.step():
         ...  # out.new_token_ids, out.new_text, out.finished, out.finish_reason
+
+Async decode (`async_decode`, on by default; it acts where CUDA graphs replay): a step is launched (its model calls
+and sampling queued on the device) and then finished (its tokens read back, the host's wait for the device). When
+the step just launched is a plain decode step, the next one is scheduled and launched before it is finished: each
+request one token further, its input the launched step's sampled token, taken on the device. The device then
+computes step N + 1 while the host postprocesses step N (tokens appended, stop checks, detokenisation, prefix-cache
+commits), and `step()` returns N's outputs. A step runs ahead only if it equals what the synchronous engine would
+run (LLMEngine._chunks_ahead, Scheduler.schedule_ahead): the same requests (none finished, none admitted or
+preempted), one rank, no speculative decoding, sampling that needs no earlier token on the host (no grammar, bias,
+min_tokens, penalties, logprobs), no prefix-cache snapshot in it; otherwise the step in flight is finished first
+and the engine schedules as usual. A request that finishes at N (EOS, max_tokens, a stop string, an abort) has run
+one row too many in N + 1: that row is dropped unread. Its pages and slot go back at once, but no scheduling happens
+while a step is in flight, so nothing reuses them before N + 1 has completed (and the device runs steps in order).
 """
 
 from __future__ import annotations
@@ -69,6 +82,7 @@ class EngineStats:
     generation_tokens: int  # tokens sampled since start
     num_steps: int
     num_finished: int
+    num_steps_ahead: int = 0  # of num_steps, those launched before the previous step's tokens were read (async decode)
     # Prefix caching: pages kept under a hash (held by requests or reclaimable), and since start the tokens
     # of admitted requests, of those the tokens taken from the cache, and the cached pages evicted.
     num_cached_pages: int = 0
@@ -122,7 +136,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._ahead: LaunchedStep | None = None  # a step launched ahead of the last one's tokens (async decode)
-        self._prompt_tokens = self._generation_tokens = self._steps = self._finished = 0
+        self._prompt_tokens = self._generation_tokens = self._steps = self._steps_ahead = self._finished = 0
 
     @classmethod
     def from_pretrained(
@@ -265,6 +279,7 @@ class LLMEngine:
         chunks = self._chunks_ahead(launched)
         if chunks is not None:
             self._ahead = self.runner.launch(chunks, after=launched)
+            self._steps_ahead += 1
         return self.runner.finish(launched)
 
     def _chunks_ahead(self, launched: LaunchedStep) -> list[ScheduledChunk] | None:
@@ -336,6 +351,7 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             num_steps=self._steps,
+            num_steps_ahead=self._steps_ahead,
             num_finished=self._finished,
             num_cached_pages=cached.num_cached_pages if cached is not None else 0,
             prefix_cache_queried_tokens=cached.stats.queried_tokens if cached is not None else 0,

@@ -181,9 +181,42 @@ def test_greedy_under_continuous_batching_equals_each_request_alone(model, graph
     got = run_all(eng, prompts, lens)
     for i, prompt in enumerate(prompts):
         assert reference_greedy(model, prompt, lens[i]).disagreement(got[i]) is None, f"request r{i}"
-    if graphs:
-        assert calls["replays"] > 5
+    if graphs:  # decode steps launched ahead of the previous one's tokens (async decode) among them
+        assert calls["replays"] > 5 and eng.stats().num_steps_ahead > 5
     assert eng.allocator.num_free_pages == eng.allocator.num_pages
+
+
+def test_async_decode_on_cuda_graphs_equals_the_synchronous_engine(model):
+    """The same requests through the CUDA-graph engine with async decode on and off: the same steps in the same
+    batches (every request runs to the same max_tokens, so no row is dropped), hence the same tokens exactly,
+    greedy and seeded."""
+    flags = dict(
+        page_size=PAGE,
+        max_model_len=128,
+        max_num_seqs=6,
+        max_num_batched_tokens=48,
+        long_prefill_token_threshold=16,
+        kv_cache_memory=1 << 26,
+    )
+    prompts = random_prompts(5, seed=3)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
+    ]
+    tokens, steps_ahead = [], []
+    for async_decode in (False, True):
+        eng = LLMEngine(model, EngineConfig(async_decode=async_decode, **flags), seed=0)
+        for i, prompt in enumerate(prompts):
+            eng.add_request(f"r{i}", prompt, params[i % 2])
+        got = {f"r{i}": [] for i in range(len(prompts))}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                got[out.request_id] += out.new_token_ids
+        tokens.append(got)
+        steps_ahead.append(eng.stats().num_steps_ahead)
+        assert eng.allocator.num_free_pages == eng.allocator.num_pages
+    assert tokens[1] == tokens[0]
+    assert steps_ahead[0] == 0 and steps_ahead[1] > 20
 
 
 def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
