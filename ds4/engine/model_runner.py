@@ -92,17 +92,16 @@ class ModelRunner:
             raise ValueError("a step launched ahead runs on one rank: the other ranks would not get its token ids")
         input_ids = after.sampled.token_ids if after is not None else None
         batch, hidden, logits = self._mirrored(lambda message: self.execute(message, input_ids), step)
-        launched = LaunchedStep(chunks, step, first_rows, batch, hidden, logits, sample_rows, prompt_rows)
-        plain, row = [], 0
+        launched = LaunchedStep(chunks, step, first_rows, batch, hidden, logits, sample_rows, prompt_rows, len(rows))
+        plain_rows, row = [], 0
         for _, i in sample_rows:
             if not chunks[i].draft_token_ids:
-                plain.append(i)
-                launched.plain_rows.append(row)
+                launched.plain.append(i)
+                plain_rows.append(row)
             row += _num_sample_rows(chunks[i])
-        if plain:
-            requests = [chunks[i].seq.sampling for i in plain]
-            launched.sampled = self.sampler.sample(_select_rows(logits[: len(rows)], launched.plain_rows), requests)
-            launched.plain = plain
+        if launched.plain:
+            requests = [chunks[i].seq.sampling for i in launched.plain]
+            launched.sampled = self.sampler.sample(_select_rows(logits, plain_rows), requests)
         return launched
 
     def finish(self, launched: LaunchedStep) -> list[ChunkResult]:
@@ -115,7 +114,7 @@ class ModelRunner:
             for i, token_id, entry in zip(launched.plain, tokens, logprobs):
                 results[i].token_ids = [token_id]
                 results[i].logprobs = None if entry is None else [entry]
-        num_sample_rows = sum(_num_sample_rows(chunks[i]) for _, i in launched.sample_rows)
+        num_sample_rows = launched.num_sample_rows
         drafted = [i for _, i in launched.sample_rows if chunks[i].draft_token_ids]
         if drafted:
             self._verify(chunks, drafted, launched.sample_rows, logits[:num_sample_rows], results)
@@ -302,10 +301,12 @@ class LaunchedStep:
     hidden: torch.Tensor
     logits: torch.Tensor | None  # the sample rows' (chunk by chunk), then the prompt-logprob rows'
     sample_rows: list[tuple[int, int]]  # (first row, chunk), see logit_rows
-    prompt_rows: list[tuple[int, int, int]]
-    plain: list[int] = field(default_factory=list)  # the chunks that sample one token (no drafts) ...
-    plain_rows: list[int] = field(default_factory=list)  # ... from these rows of logits
-    sampled: SamplerOutput | None = None  # ... their tokens, on the device
+    prompt_rows: list[tuple[int, int, int]]  # (row, chunk, target token)
+    num_sample_rows: int
+    plain: list[int] = field(default_factory=list)  # the chunks that sample one token (no drafts)
+    # Their tokens, on the device, in that order (of a step of plain decodes: one per chunk, the input of the
+    # step launched after it).
+    sampled: SamplerOutput | None = None
 
 
 @dataclass
