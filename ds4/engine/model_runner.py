@@ -71,9 +71,6 @@ class ModelRunner:
         self.drafter = drafter
         self.channel = channel
 
-    def run(self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None = None) -> list[ChunkResult]:
-        return self.finish(self.launch(chunks, snapshots))
-
     def launch(
         self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None = None, after: LaunchedStep | None = None
     ) -> LaunchedStep:

@@ -124,18 +124,21 @@ class Scheduler:
         scheduled before those tokens are known: each request one token further, its input the token in flight
         (pages grown to hold it). None unless schedule() would give the same once they are known and none of the
         requests finished: no waiting request could take a seat, and every request grows without preempting."""
-        if len(chunks) != len(self.running) or any(c.seq.status is not SequenceStatus.RUNNING for c in chunks):
+        if len(chunks) != len(self.running) or (self.waiting and len(self.running) < self.config.max_num_seqs):
             return None
-        if any(c.num_tokens != 1 or c.draft_token_ids or not c.samples for c in chunks):
-            return None
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
-            return None
-        allocator = self.allocator
-        missing = sum(max(allocator.pages_for(c.start + 2) - len(c.seq.page_table), 0) for c in chunks)
-        if missing > allocator.num_free_pages:
-            return None
+        growing, missing = [], 0
         for c in chunks:
-            allocator.grow(c.seq.page_table, c.start + 2)
+            seq = c.seq
+            if seq.status is not SequenceStatus.RUNNING or c.num_tokens != 1 or c.draft_token_ids or not c.samples:
+                return None
+            pages = self.allocator.pages_for(c.start + 2) - len(seq.page_table)
+            if pages > 0:
+                growing.append(c)
+                missing += pages
+        if missing > self.allocator.num_free_pages:
+            return None
+        for c in growing:
+            self.allocator.grow(c.seq.page_table, c.start + 2)
         return [ScheduledChunk(c.seq, c.start + 1, 1, ahead=True) for c in chunks]
 
     def _drafts(self, seq: Sequence, spare: int) -> list[int]:

@@ -20,14 +20,14 @@ def model():
 def record_drafts(eng):
     """Every step's drafts per request, as the runner returns them."""
     drafts = []
-    run = eng.runner.run
+    finish = eng.runner.finish
 
-    def recorded(chunks, snapshots=None):
-        results = run(chunks, snapshots)
-        drafts.append({c.seq.request_id: r.draft_token_ids for c, r in zip(chunks, results)})
+    def recorded(launched):
+        results = finish(launched)
+        drafts.append({c.seq.request_id: r.draft_token_ids for c, r in zip(launched.chunks, results)})
         return results
 
-    eng.runner.run = recorded
+    eng.runner.finish = recorded
     return drafts
 
 

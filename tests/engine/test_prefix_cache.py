@@ -5,6 +5,7 @@ cache). The tiny model has CSA ratio 4, HCA ratio 16 and a sliding window of 16 
 """
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,12 +170,16 @@ def test_preemption_and_eviction_under_shared_prefixes_change_no_output(model):
 
 
 class ScriptedRunner:
-    """Stands in for the model: each sampling chunk yields a token that depends only on the request's tokens."""
+    """Stands in for the model runner: each sampling chunk yields a token that depends only on the request's tokens.
+    Its steps replay no CUDA graph, so none runs ahead."""
 
-    def run(self, chunks, snapshots=None):
+    def launch(self, chunks, snapshots=None, after=None):
+        return SimpleNamespace(chunks=chunks, step=SimpleNamespace(graph_key=None))
+
+    def finish(self, launched):
         return [
             ChunkResult(token_ids=[2 + hash(tuple(c.seq.token_ids(0, c.seq.num_tokens))) % 1000] if c.samples else [])
-            for c in chunks
+            for c in launched.chunks
         ]
 
 
