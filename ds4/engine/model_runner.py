@@ -10,6 +10,11 @@ drafts run eagerly.
 With speculative decoding (ds4.engine.speculative), chunks with drafts are verified instead of sampled,
 and the MTP layer then follows every chunk over the positions it kept and drafts for the next step.
 
+A step is launched (`launch`: the batch uploaded, the model calls and the plain chunks' sampling queued on the
+device, no wait) and then finished (`finish`: the sampled tokens read back, which waits for the device, then what
+needs them on the host: verification, logprobs, the MTP drafts). Between the two the engine may launch the next
+step, its input ids the launched step's sampled tensor (async decode, ds4.engine.engine).
+
 The model calls of a step go through `execute` (snapshot restores, the forward or its graph, the logits) and
 `draft` (the MTP layer, then snapshot saves), from host data alone (`Step`, `DraftInputs`): on a tensor-parallel
 engine rank 0 sends those to the other ranks first (ds4.engine.step_channel), which make the same calls.
