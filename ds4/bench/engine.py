@@ -260,7 +260,7 @@ class _stubbed:
 
 def _loaded(graphs, batch, key, hidden: torch.Tensor) -> torch.Tensor:
     """A stubbed graph replay: the batch still copied into the graph's inputs (host work), no forward."""
-    graphs.inputs.load(batch, key)
+    graphs.inputs.load(batch)
     return hidden[: batch.num_tokens]
 
 

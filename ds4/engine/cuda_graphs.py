@@ -85,9 +85,9 @@ class DecodeInputs:
         # of host time each on the H200, so padding is rewritten only where an earlier step wrote a request).
         self._tokens = self._requests = self._width = 0
 
-    def load(self, batch: ForwardBatch, key: GraphKey) -> ForwardBatch:
-        """Copy a decode batch of key.tokens_per_request tokens a request into the first rows, pad the rest up to
-        key.size requests; the padded batch (a view)."""
+    def load(self, batch: ForwardBatch) -> None:
+        """Copy a decode batch into the first rows; every row after them is padding (`view(key)`: the padded
+        batch of a graph's shape)."""
         r, t, width = batch.num_requests, batch.num_tokens, batch.block_tables.shape[1]
         self.input_ids[:t] = batch.input_ids
         self.positions[:t] = batch.positions
@@ -104,7 +104,6 @@ class DecodeInputs:
             self.slots[r : self._requests] = self.padding_slot
             self.block_tables[r : self._requests] = -1
         self._tokens, self._requests, self._width = t, r, width
-        return self.view(key)
 
     def load_draft(self, next_ids: torch.Tensor, last_rows: torch.Tensor, key: GraphKey) -> None:
         """The MTP step's inputs for the first len(last_rows) requests (padding requests draft from their first row)."""
@@ -172,7 +171,7 @@ class DecodeGraphs:
 
     def run(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
         """The streams of a decode batch of key.tokens_per_request tokens a request (the model's forward)."""
-        self.inputs.load(batch, key)
+        self.inputs.load(batch)
         if self.eager:
             self.outputs[key] = self._forward(key)
         else:

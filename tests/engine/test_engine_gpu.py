@@ -269,7 +269,7 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
             eager = model.forward(batch, eager_cache)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        inputs.load(batch, key)
+        inputs.load(batch)
         graph.replay()
         assert torch.allclose(out[:2], eager, rtol=1e-5, atol=1e-5), f"step {step}"
         tokens = model.compute_logits(eager).argmax(dim=-1).tolist()
