@@ -14,10 +14,11 @@ computes step N + 1 while the host postprocesses step N (tokens appended, stop c
 commits), and `step()` returns N's outputs. A step runs ahead only if it equals what the synchronous engine would
 run (LLMEngine._chunks_ahead, Scheduler.schedule_ahead): the same requests (none finished, none admitted or
 preempted), one rank, no speculative decoding, sampling that needs no earlier token on the host (no grammar, bias,
-min_tokens, penalties, logprobs), no prefix-cache snapshot in it; otherwise the step in flight is finished first
-and the engine schedules as usual. A request that finishes at N (EOS, max_tokens, a stop string, an abort) has run
-one row too many in N + 1: that row is dropped unread. Its pages and slot go back at once, but no scheduling happens
-while a step is in flight, so nothing reuses them before N + 1 has completed (and the device runs steps in order).
+min_tokens, penalties, logprobs); otherwise the step in flight is finished first and the engine schedules as usual.
+A page end the step reaches keeps its prefix-cache snapshot as usual, keyed only once the page's tokens are known. A
+request that finishes at N (EOS, max_tokens, a stop string, an abort) has run one row too many in N + 1: that row is
+dropped unread. Its pages and slot go back at once, but no scheduling happens while a step is in flight, so nothing
+reuses them before N + 1 has completed (and the device runs steps in order).
 """
 
 from __future__ import annotations
@@ -278,23 +279,22 @@ class LLMEngine:
         """Launch the next step when it may run ahead of `launched`'s tokens, then wait for those."""
         chunks = self._chunks_ahead(launched)
         if chunks is not None:
-            self._ahead = self.runner.launch(chunks, after=launched)
+            snapshots = self.prefix_cache.plan_step(chunks) if self.prefix_cache is not None else None
+            self._ahead = self.runner.launch(chunks, snapshots, after=launched)
             self._steps_ahead += 1
         return self.runner.finish(launched)
 
     def _chunks_ahead(self, launched: LaunchedStep) -> list[ScheduledChunk] | None:
         """The next step's chunks, scheduled now, if it may run ahead: async decode on, one rank, no speculative
         decoding; `launched` replays a CUDA graph, its requests sampling one token each from the logits alone (no
-        grammar, bias, min_tokens, penalties, logprobs); the next step keeps no prefix-cache snapshot (its page
-        key would hash the token in flight); the scheduler would run the same requests (schedule_ahead)."""
+        grammar, bias, min_tokens, penalties, logprobs); the scheduler would run the same requests
+        (schedule_ahead)."""
         if not self.config.async_decode or self.workers is not None or self.spec_decode is not None:
             return None
         chunks = launched.chunks
         if launched.step.graph_key is None or not all(
             c.seq.prompt_logprobs is None and samples_from_logits_alone(c.seq.sampling) for c in chunks
         ):
-            return None
-        if self.prefix_cache is not None and any((c.start + 2) % self.plan.page_size == 0 for c in chunks):
             return None
         return self.scheduler.schedule_ahead(chunks)
 

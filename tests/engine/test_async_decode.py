@@ -35,15 +35,16 @@ def prompts(n, seed):
 
 
 class Recorder:
-    """Counts the engine's steps launched ahead, and those among them that ran a row of a request that had
-    finished (or was aborted) by the time they were read back."""
+    """Counts the engine's steps launched ahead, those among them that keep a page-end snapshot, and those that ran
+    a row of a request that had finished (or was aborted) by the time they were read back."""
 
     def __init__(self, eng):
-        self.ahead = self.dropped_rows = 0
+        self.ahead = self.ahead_snapshots = self.dropped_rows = 0
         launch, finish = eng.runner.launch, eng.runner.finish
 
         def launched(chunks, snapshots=None, after=None):
             self.ahead += after is not None
+            self.ahead_snapshots += after is not None and snapshots is not None and bool(snapshots.save_slots)
             return launch(chunks, snapshots, after)
 
         def finished(step):
@@ -53,15 +54,19 @@ class Recorder:
         eng.runner.launch, eng.runner.finish = launched, finished
 
 
-def run(model, async_decode, arrivals, tokenizer=None, aborts=None, eos=None, **flags):
-    """arrivals: {step: [(request_id, prompt, params)]}, aborts: {request_id: abort once it has this many tokens};
-    the engine, every output of each request in order, and its Recorder."""
+def new_engine(model, async_decode, tokenizer=None, eos=None, **flags):
+    """An engine on the CUDA-graph decode path run eagerly; `eos` replaces the model's EOS token."""
     config = dict(page_size=PAGE, max_model_len=96, max_num_seqs=6, kv_cache_memory=1 << 24) | flags
     eng = LLMEngine(model, EngineConfig(async_decode=async_decode, **config), tokenizer=tokenizer, seed=0)
     use_eager_graphs(eng, model, 8)
     if eos is not None:
         eng.sampler.eos_token_ids = (eos,)
-    recorder = Recorder(eng)
+    return eng
+
+
+def run_on(eng, arrivals, aborts=None):
+    """arrivals: {step: [(request_id, prompt, params)]}, aborts: {request_id: abort once it has this many tokens};
+    every output of each request, in order."""
     outs, step = {}, 0
     while step <= max(arrivals) or eng.has_unfinished_requests():
         for rid, prompt, params in arrivals.get(step, []):
@@ -71,16 +76,24 @@ def run(model, async_decode, arrivals, tokenizer=None, aborts=None, eos=None, **
             outs[out.request_id].append(out)
         for rid, n in (aborts or {}).items():
             if rid in eng.requests and sum(len(o.new_token_ids) for o in outs[rid]) >= n:
-                assert not async_decode or eng._ahead is not None, "the abort should land while a step runs ahead"
+                assert not eng.config.async_decode or eng._ahead is not None, "the abort should land while ahead"
                 eng.abort(rid)
         step += 1
     for rid, request_outs in outs.items():
         # Exactly one finished output per request, the last: nothing is emitted after a finish.
         assert [o.finished for o in request_outs] == [False] * (len(request_outs) - 1) + [True], rid
-    stats = eng.stats()
+    stats, cache = eng.stats(), eng.prefix_cache
     assert stats.num_free_pages == stats.num_pages and stats.num_running == stats.num_waiting == 0
     assert eng.allocator.num_free_slots == eng.allocator.num_slots
-    return eng, outs, recorder
+    assert cache.num_kept_snapshots + cache.num_free_snapshots == cache.num_snapshots
+    return outs
+
+
+def run(model, async_decode, arrivals, tokenizer=None, aborts=None, eos=None, **flags):
+    """A new engine's outputs for these arrivals (see run_on), the engine and its Recorder."""
+    eng = new_engine(model, async_decode, tokenizer, eos, **flags)
+    recorder = Recorder(eng)
+    return eng, run_on(eng, arrivals, aborts), recorder
 
 
 def summary(outs):
@@ -154,3 +167,20 @@ def test_decode_steps_wait_for_their_tokens_while_a_request_needs_its_history(mo
     assert [o.new_logprobs for o in overlapped["logprobs"]] == [o.new_logprobs for o in sync["logprobs"]]
     # Only "plain" decodes alone after the others end (at 8 and 10 tokens): those steps run ahead.
     assert 0 < recorder.ahead <= 2
+
+
+def test_page_end_snapshots_of_steps_launched_ahead_serve_later_requests(model):
+    """Decode steps launched ahead reach page ends and keep their states (keyed once the page's last token is
+    known); a later request resumes from one, with the outputs of the synchronous engine."""
+    donor, fresh = prompts(2, seed=3)
+    first = {0: [("donor", donor[:5], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))]}
+    results = []
+    for async_decode in (False, True):
+        eng, outs, recorder = run(model, async_decode, first)
+        conversation = donor[:5] + summary(outs)["donor"][0][:30] + fresh[:3]
+        second = {0: [("turn2", conversation, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))]}
+        outs2 = run_on(eng, second)
+        results.append((summary(outs), summary(outs2), eng.stats().prefix_cache_hit_tokens))
+    assert results[1] == results[0]
+    assert results[0][2] == 32  # resumed at the page end of token 32, which a decode step reached
+    assert recorder.ahead_snapshots == 2  # the page ends at 16 and 32, both reached by steps launched ahead
