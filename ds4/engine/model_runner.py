@@ -104,6 +104,12 @@ class ModelRunner:
         if launched.plain:
             requests = [chunks[i].seq.sampling for i in launched.plain]
             launched.sampled = self.sampler.sample(_select_rows(logits, plain_rows), requests)
+            # Copied now, so that finish waits for this copy alone: a blocking read would wait for everything queued
+            # on the stream by then, a step launched ahead included.
+            launched.tokens_on_host = launched.sampled.token_ids.to("cpu", non_blocking=True)
+            if self.device.type == "cuda":
+                launched.tokens_copied = torch.cuda.Event()
+                launched.tokens_copied.record()
         return launched
 
     def finish(self, launched: LaunchedStep) -> list[ChunkResult]:
@@ -112,7 +118,9 @@ class ModelRunner:
         chunks, logits = launched.chunks, launched.logits
         results = [ChunkResult() for _ in chunks]
         if launched.sampled is not None:
-            tokens, logprobs = launched.sampled.token_ids.tolist(), launched.sampled.logprobs
+            if launched.tokens_copied is not None:
+                launched.tokens_copied.synchronize()
+            tokens, logprobs = launched.tokens_on_host.tolist(), launched.sampled.logprobs
             for i, token_id, entry in zip(launched.plain, tokens, logprobs):
                 results[i].token_ids = [token_id]
                 results[i].logprobs = None if entry is None else [entry]
@@ -307,8 +315,10 @@ class LaunchedStep:
     num_sample_rows: int
     plain: list[int] = field(default_factory=list)  # the chunks that sample one token (no drafts)
     # Their tokens, on the device, in that order (of a step of plain decodes: one per chunk, the input of the
-    # step launched after it).
+    # step launched after it), and their copy to the host (pinned on CUDA; readable once tokens_copied is done).
     sampled: SamplerOutput | None = None
+    tokens_on_host: torch.Tensor | None = None
+    tokens_copied: torch.cuda.Event | None = None
 
 
 @dataclass
