@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ds4.bench.driver import shrink, step
+from ds4.bench.driver import shrink, step, timed_steps
 from ds4.bench.report import environment, int_list, progress, write_json
 
 STUB_VOCAB = 256
@@ -101,12 +101,12 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
             ids = shrink(engine, ids, batch)
             timer.step_ms()
             steps_ahead = engine.stats().num_steps_ahead
-            step_ms = _timed_steps(engine, args.steps, timer)
+            step_ms = timed_steps(engine, args.steps, timer.end_step)
             model_ms = timer.step_ms()
             ahead = (engine.stats().num_steps_ahead - steps_ahead) / args.steps
             with _stubbed(engine):
                 step(engine)
-                host_ms = _timed_steps(engine, args.steps)
+                host_ms = timed_steps(engine, args.steps)
                 if args.cprofile and batch == batches[0]:
                     _print_profile(engine, args.steps, args.cprofile)
             if any(i not in engine.requests for i in ids):
@@ -157,21 +157,6 @@ def table(result: dict) -> str:
             f"{r['ahead']:.0%}"
         )
     return "\n".join(lines)
-
-
-def _timed_steps(engine, steps: int, timer: _ModelTimer | None = None) -> list[float]:
-    """The wall time of each of `steps` engine steps run back to back (a sync before the first only: one between
-    steps would let the device finish a step launched ahead outside the timing)."""
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step(engine)
-        times.append((time.perf_counter() - start) * 1e3)
-        if timer is not None:
-            timer.end_step()
-    return times
 
 
 def _median(values: list[float]) -> float:

@@ -277,3 +277,32 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
         assert torch.allclose(eager_layer.window[:2], graph_layer.window[:2], rtol=1e-5, atol=1e-5)
         if eager_layer.compressed is not None:
             assert torch.allclose(eager_layer.compressed[:8], graph_layer.compressed[:8], rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_returns_its_tokens_while_the_step_launched_ahead_still_runs(model):
+    """The host reads a decode step's tokens without waiting for the step launched ahead of it: with a second of
+    GPU spin queued behind that step, step() still returns before the spin is over."""
+    eng = LLMEngine(model, EngineConfig(page_size=PAGE, max_model_len=128, max_num_seqs=4, kv_cache_memory=1 << 26))
+    for i, prompt in enumerate(random_prompts(2, seed=4)):
+        eng.add_request(f"r{i}", prompt, greedy(40))
+    while eng.stats().num_steps_ahead < 3:
+        eng.step()
+    launch, spins = eng.runner.launch, []
+
+    def launch_then_spin(chunks, snapshots=None, after=None):
+        launched = launch(chunks, snapshots, after)
+        if after is not None:
+            torch.cuda._sleep(2_000_000_000)  # about a second at the H200's clock
+            spins.append(torch.cuda.Event())
+            spins[-1].record()
+        return launched
+
+    eng.runner.launch = launch_then_spin
+    outs = eng.step()
+    assert spins and not spins[-1].query(), "step() waited for the step launched ahead"
+    assert len(outs) == 2 and all(len(out.new_token_ids) == 1 for out in outs)
+    torch.cuda.synchronize()
+    eng.runner.launch = launch
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.allocator.num_free_pages == eng.allocator.num_pages
