@@ -184,3 +184,14 @@ def test_page_end_snapshots_of_steps_launched_ahead_serve_later_requests(model):
     assert results[1] == results[0]
     assert results[0][2] == 32  # resumed at the page end of token 32, which a decode step reached
     assert recorder.ahead_snapshots == 2  # the page ends at 16 and 32, both reached by steps launched ahead
+
+
+def test_async_decode_is_on_by_default_and_off_by_flag():
+    import argparse
+
+    from ds4.engine.config import add_engine_args, engine_flags_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineConfig().async_decode and engine_flags_from_args(parser.parse_args([]))["async_decode"] is True
+    assert engine_flags_from_args(parser.parse_args(["--no-async-decode"]))["async_decode"] is False
