@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The engine's own time per decode step on the GPU, in one device call, on the built-in tiny
-# model: the gpu-marked engine tests, `ds4 bench engine` at 1 and 64 running requests (greedy, then temperature
-# 1 with the costliest host functions), and `ds4 bench model`'s tiny decode at 64 (9.3 ms at f79f037).
-# With BEFORE_TREE set to a copy of an older tree (no .git needed), the same `ds4 bench engine` runs on its
-# engine too, for a before/after on one machine. Logs and JSON go to $OUT (default .out/); tables print last.
+# model: the gpu-marked engine tests, `ds4 bench engine` at 1 and 64 running requests (greedy with async decode
+# on and off, then temperature 1 with the costliest host functions), and `ds4 bench model`'s tiny decode at 64.
+# With BEFORE_TREE set to a copy of an older tree (no .git needed), that tree's own `ds4 bench engine` runs too,
+# for a before/after on one machine. Logs and JSON go to $OUT (default .out/); tables print last.
 # Needs the wheels from tools/fetch_device_wheels.sh carried in .whl/ (the engine imports xgrammar).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,10 +26,10 @@ bench() {  # name, tree, extra args
 }
 : > "$OUT/rc.txt"
 bench greedy "$PWD"
+bench greedy_no_async "$PWD" --no-async-decode
 bench temperature1 "$PWD" --temperature 1 --cprofile 30
 if [ -n "${BEFORE_TREE:-}" ]; then
   BEFORE_TREE=$(realpath "$BEFORE_TREE")
-  cp ds4/bench/engine.py "$BEFORE_TREE/ds4/bench/engine.py"
   bench before_greedy "$BEFORE_TREE"
   bench before_temperature1 "$BEFORE_TREE" --temperature 1 --cprofile 30
 fi

@@ -1,9 +1,11 @@
 """Driving an engine through a benchmark: the model its flags name, steps that fail the benchmark on a request's
-error, and a running batch shrunk between measurements."""
+error, steps timed as a server runs them, and a running batch shrunk between measurements."""
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,22 @@ def step(engine) -> list:
         if out.error is not None:
             raise SystemExit(f"engine step failed for {out.request_id}: {out.error}")
     return outputs
+
+
+def timed_steps(engine, steps: int, after_step: Callable[[], None] | None = None) -> list[float]:
+    """The wall ms of each of `steps` engine steps run back to back, the device synchronised before the first only.
+    With async decode a step launches the next before it waits for its own tokens: a sync between steps would let
+    the device finish that next step outside the timing. after_step, if given, runs untimed after each step."""
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step(engine)
+        times.append((time.perf_counter() - start) * 1e3)
+        if after_step is not None:
+            after_step()
+    return times
 
 
 def shrink(engine, request_ids: list[str], batch: int) -> list[str]:

@@ -2,16 +2,21 @@
 
 R requests (each of `--batch-sizes`, default 64) of `--input-len` random prompt tokens are prefilled, then
 decode together (greedy, or `--temperature`; EOS ignored) through `LLMEngine.step`; the batch shrinks by
-aborting requests, largest first. Per batch size, medians over `--steps` steps:
-  - step ms: one `LLMEngine.step` (schedule, batch upload, forward or CUDA-graph replay, logits, sampling,
-    detokenisation and stop checks); it returns with the step's tokens on the host.
-  - model ms: the model's forward (a CUDA graph's replay, with the copies into its inputs) and logits within
-    those same steps, timed on the device by CUDA events around them (wall time on CPU): the ceiling, a step
-    can be no faster.
+aborting requests, largest first. The `--steps` steps of a measurement run back to back, the device synchronised
+only before the first, as a server runs them. Per batch size, medians over those steps:
+  - step ms: one `LLMEngine.step` call, which returns one step's tokens on the host (schedule, batch upload,
+    forward or CUDA-graph replay, logits, sampling, detokenisation and stop checks). With async decode (on by
+    default with CUDA graphs) a call launches the next step before it waits for this one's tokens, so the host
+    work of one step runs while the device computes the next: step ms is then the time between two returned
+    steps, what a request waits per token; `ahead` is the share of the timed steps that were launched so.
+  - model ms: the model's forward (a CUDA graph's replay, with the copies into its inputs) and logits of one
+    step, timed on the device by CUDA events around them (wall time on CPU): the ceiling, a step can be no
+    faster.
   - host ms: the same steps with the forward and logits replaced by stubs that return ready tensors (logits
     over a 256-token vocabulary, so the sampler's device work is ~0 too): the engine's own work per step.
   - exposed ms = step - model: what the engine adds to the model's time. Host work that overlaps the
-    device's work costs nothing here; with none overlapped, exposed ~ host.
+    device's work costs nothing here: with async decode, exposed ~ max(host - model, 0) plus the launch gap;
+    with none overlapped (--no-async-decode), exposed ~ host.
 `--cprofile N` prints the N functions with the most own time in the host-only steps (stderr).
 """
 
@@ -27,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ds4.bench.driver import shrink, step
+from ds4.bench.driver import shrink, step, timed_steps
 from ds4.bench.report import environment, int_list, progress, write_json
 
 STUB_VOCAB = 256
@@ -94,14 +99,14 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
         for batch in batches:
             progress(f"decode batch {batch}: {args.steps} steps, then as many with the model stubbed")
             ids = shrink(engine, ids, batch)
-            timer.elapsed_ms()
-            step_ms, model_ms = [], []
-            for _ in range(args.steps):
-                step_ms.append(_timed_step(engine))
-                model_ms.append(timer.elapsed_ms())
+            timer.step_ms()
+            steps_ahead = engine.stats().num_steps_ahead
+            step_ms = timed_steps(engine, args.steps, timer.end_step)
+            model_ms = timer.step_ms()
+            ahead = (engine.stats().num_steps_ahead - steps_ahead) / args.steps
             with _stubbed(engine):
                 step(engine)
-                host_ms = [_timed_step(engine) for _ in range(args.steps)]
+                host_ms = timed_steps(engine, args.steps)
                 if args.cprofile and batch == batches[0]:
                     _print_profile(engine, args.steps, args.cprofile)
             if any(i not in engine.requests for i in ids):
@@ -114,6 +119,7 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
                     "model_ms": model_med,
                     "host_ms": host_med,
                     "exposed_ms": step_med - model_med,
+                    "ahead": ahead,
                 }
             )
         return {
@@ -123,6 +129,7 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
             "steps": args.steps,
             "temperature": args.temperature,
             "cuda_graphs": engine.runner.graphs is not None,
+            "async_decode": engine.config.async_decode,
             "prefix_caching": engine.prefix_cache is not None,
             "detokenizing": engine.tokenizer is not None,
             "engine": engine_flags,
@@ -138,24 +145,18 @@ def table(result: dict) -> str:
     lines = [
         f"engine decode step, {result['model']} on {result['device']}, input {result['input_len']} tokens, "
         f"temperature {result['temperature']}, CUDA graphs {result['cuda_graphs']}, "
+        f"async decode {result['async_decode']}, "
         f"prefix caching {result['prefix_caching']}, detokenizing {result['detokenizing']}; "
         f"medians of {result['steps']} steps",
-        "batch | step ms | model ms | exposed ms (step - model) | host ms (model stubbed)",
-        "---|---|---|---|---",
+        "batch | step ms | model ms | exposed ms (step - model) | host ms (model stubbed) | ahead",
+        "---|---|---|---|---|---",
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['batch']} | {r['step_ms']:.3f} | {r['model_ms']:.3f} | {r['exposed_ms']:.3f} | {r['host_ms']:.3f}"
+            f"{r['batch']} | {r['step_ms']:.3f} | {r['model_ms']:.3f} | {r['exposed_ms']:.3f} | {r['host_ms']:.3f} | "
+            f"{r['ahead']:.0%}"
         )
     return "\n".join(lines)
-
-
-def _timed_step(engine) -> float:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    start = time.perf_counter()
-    step(engine)
-    return (time.perf_counter() - start) * 1e3
 
 
 def _median(values: list[float]) -> float:
@@ -164,12 +165,14 @@ def _median(values: list[float]) -> float:
 
 class _ModelTimer:
     """Times the model's forward (eager or graph replay) and logits inside engine steps, without syncing:
-    CUDA events around each call, read after the step (whose end waits for its tokens anyway). Only the
-    outermost call counts (an eager graph run calls the forward)."""
+    CUDA events around each call, read once the measurement is over. Only the outermost call counts (an eager
+    graph run calls the forward). With async decode, the calls made in one engine step are those of the step
+    it launches ahead: the same work, one step later."""
 
     def __init__(self, engine):
         self.cuda = engine.device.type == "cuda"
         self.spans: list = []
+        self.steps: list[list] = []
         self._depth = 0
         model, graphs = engine.model, engine.runner.graphs
         self._wrap(model, "forward")
@@ -201,13 +204,18 @@ class _ModelTimer:
 
         setattr(owner, name, timed)
 
-    def elapsed_ms(self) -> float:
-        """The time of the calls since the last reading."""
-        spans, self.spans = self.spans, []
+    def end_step(self) -> None:
+        """The calls since the last end_step belong to one engine step."""
+        self.steps.append(self.spans)
+        self.spans = []
+
+    def step_ms(self) -> list[float]:
+        """The time of the calls of each step ended since the last reading (the calls of no step are dropped)."""
+        steps, self.steps, self.spans = self.steps, [], []
         if self.cuda:
             torch.cuda.synchronize()
-            return sum(start.elapsed_time(end) for start, end in spans)
-        return sum(spans)
+            return [sum(start.elapsed_time(end) for start, end in spans) for spans in steps]
+        return [sum(spans) for spans in steps]
 
 
 class _stubbed:
@@ -237,7 +245,7 @@ class _stubbed:
 
 def _loaded(graphs, batch, key, hidden: torch.Tensor) -> torch.Tensor:
     """A stubbed graph replay: the batch still copied into the graph's inputs (host work), no forward."""
-    graphs.inputs.load(batch, key)
+    graphs.inputs.load(batch)
     return hidden[: batch.num_tokens]
 
 

@@ -81,6 +81,11 @@ class EngineConfig:
     )
     page_size: int = _flag(256, "tokens per cache page; a multiple of every compression ratio of the model")
     enforce_eager: bool = _flag(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    async_decode: bool = _flag(
+        True,
+        "CUDA graphs: launch a plain decode step before the previous one's tokens reach the host, so the engine's "
+        "host work per step overlaps the GPU's (--no-async-decode: each step waits for its tokens first)",
+    )
     enable_prefix_caching: bool = _flag(
         True, "keep full pages of prompts and outputs under a hash of their tokens; requests reuse cached prefixes"
     )

@@ -81,24 +81,29 @@ class DecodeInputs:
         # The MTP graph's inputs: the token after each row, each request's last kept row.
         self.next_ids = torch.zeros(t, dtype=torch.long, device=device)
         self.last_rows = torch.zeros(n, dtype=torch.long, device=device)
+        # Past these tokens, requests and block-table columns every row is padding (a step's copies cost ~5-10 us
+        # of host time each on the H200, so padding is rewritten only where an earlier step wrote a request).
+        self._tokens = self._requests = self._width = 0
 
-    def load(self, batch: ForwardBatch, key: GraphKey) -> ForwardBatch:
-        """Copy a decode batch of key.tokens_per_request tokens a request into the first rows, pad the rest up to
-        key.size requests; the padded batch (a view)."""
+    def load(self, batch: ForwardBatch) -> None:
+        """Copy a decode batch into the first rows; every row after them is padding (`view(key)`: the padded
+        batch of a graph's shape)."""
         r, t, width = batch.num_requests, batch.num_tokens, batch.block_tables.shape[1]
-        end = key.size * key.tokens_per_request
         self.input_ids[:t] = batch.input_ids
         self.positions[:t] = batch.positions
         self.context_lens[:r] = batch.context_lens
         self.slots[:r] = batch.slots
         self.block_tables[:r, :width] = batch.block_tables
-        self.block_tables[:r, width:] = -1
-        self.input_ids[t:end] = 0
-        self.positions[t:end] = 0
-        self.context_lens[r : key.size] = 0
-        self.slots[r : key.size] = self.padding_slot
-        self.block_tables[r : key.size] = -1
-        return self.view(key)
+        if self._width > width:
+            self.block_tables[:r, width : self._width] = -1
+        if self._tokens > t:
+            self.input_ids[t : self._tokens] = 0
+            self.positions[t : self._tokens] = 0
+        if self._requests > r:
+            self.context_lens[r : self._requests] = 0
+            self.slots[r : self._requests] = self.padding_slot
+            self.block_tables[r : self._requests] = -1
+        self._tokens, self._requests, self._width = t, r, width
 
     def load_draft(self, next_ids: torch.Tensor, last_rows: torch.Tensor, key: GraphKey) -> None:
         """The MTP step's inputs for the first len(last_rows) requests (padding requests draft from their first row)."""
@@ -166,7 +171,7 @@ class DecodeGraphs:
 
     def run(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
         """The streams of a decode batch of key.tokens_per_request tokens a request (the model's forward)."""
-        self.inputs.load(batch, key)
+        self.inputs.load(batch)
         if self.eager:
             self.outputs[key] = self._forward(key)
         else:

@@ -5,6 +5,20 @@ engine.add_request("a", prompt_token_ids, SamplingParams(max_tokens=16))
 while engine.has_unfinished_requests():
     for out in engine.step():
         ...  # out.new_token_ids, out.new_text, out.finished, out.finish_reason
+
+Async decode (`async_decode`, on by default; it acts where CUDA graphs replay): a step is launched (its model calls
+and sampling queued on the device) and then finished (its tokens read back, the host's wait for the device). When
+the step just launched is a plain decode step, the next one is scheduled and launched before it is finished: each
+request one token further, its input the launched step's sampled token, taken on the device. The device then
+computes step N + 1 while the host postprocesses step N (tokens appended, stop checks, detokenisation, prefix-cache
+commits), and `step()` returns N's outputs. A step runs ahead only if it equals what the synchronous engine would
+run (LLMEngine._chunks_ahead, Scheduler.schedule_ahead): the same requests (none finished, none admitted or
+preempted), one rank, no speculative decoding, sampling that needs no earlier token on the host (no grammar, bias,
+min_tokens, penalties, logprobs); otherwise the step in flight is finished first and the engine schedules as usual.
+A page end the step reaches keeps its prefix-cache snapshot as usual, keyed only once the page's tokens are known. A
+request that finishes at N (EOS, max_tokens, a stop string, an abort) has run one row too many in N + 1: that row is
+dropped unread. Its pages and slot go back at once, but no scheduling happens while a step is in flight, so nothing
+reuses them before N + 1 has completed (and the device runs steps in order).
 """
 
 from __future__ import annotations
@@ -18,12 +32,12 @@ import torch
 
 from ds4.engine.config import EngineConfig, EngineConfigError
 from ds4.engine.detokenizer import IncrementalDetokenizer, TokenBytes
-from ds4.engine.model_runner import ChunkResult, build_runner
+from ds4.engine.model_runner import ChunkResult, LaunchedStep, build_runner
 from ds4.engine.page_allocator import PageAllocator
 from ds4.engine.prefix_cache import PrefixCache
-from ds4.engine.sampler import Sampler, TokenLogprobs
+from ds4.engine.sampler import Sampler, TokenLogprobs, samples_from_logits_alone
 from ds4.engine.sampling_params import SamplingParams
-from ds4.engine.scheduler import RequestRejected, Scheduler
+from ds4.engine.scheduler import RequestRejected, ScheduledChunk, Scheduler
 from ds4.engine.sequence import Sequence
 from ds4.engine.speculative import SpecDecodeStats
 from ds4.engine.step_channel import RanksOutOfStep
@@ -69,6 +83,7 @@ class EngineStats:
     generation_tokens: int  # tokens sampled since start
     num_steps: int
     num_finished: int
+    num_steps_ahead: int = 0  # of num_steps, those launched before the previous step's tokens were read (async decode)
     # Prefix caching: pages kept under a hash (held by requests or reclaimable), and since start the tokens
     # of admitted requests, of those the tokens taken from the cache, and the cached pages evicted.
     num_cached_pages: int = 0
@@ -121,7 +136,8 @@ class LLMEngine:
         self._spec_logged_at, self._spec_logged_drafts = time.monotonic(), 0
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
-        self._prompt_tokens = self._generation_tokens = self._steps = self._finished = 0
+        self._ahead: LaunchedStep | None = None  # a step launched ahead of the last one's tokens (async decode)
+        self._prompt_tokens = self._generation_tokens = self._steps = self._steps_ahead = self._finished = 0
 
     @classmethod
     def from_pretrained(
@@ -234,37 +250,84 @@ class LLMEngine:
         self._aborted.append(self._output(seq, [], "", None))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._aborted)
+        return bool(self.requests) or bool(self._aborted) or self._ahead is not None
 
     def step(self) -> list[RequestOutput]:
-        """Raises RanksOutOfStep when a rank of a tensor-parallel engine failed: no step can run any more."""
+        """The outputs of one model step. With async decode (see the module docstring) a plain decode step launches
+        the next one before it waits for its own tokens; that step's outputs come from the next call.
+
+        Raises RanksOutOfStep when a rank of a tensor-parallel engine failed: no step can run any more."""
         if self.workers is not None and self.workers.fault is not None:
             raise RanksOutOfStep(self.workers.fault)
         outputs, self._aborted = self._aborted, []
-        scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return outputs
-        snapshots = self.prefix_cache.plan_step(scheduled.chunks) if self.prefix_cache is not None else None
+        launched, self._ahead = self._ahead, None
+        if launched is None:
+            scheduled = self.scheduler.schedule()
+            if scheduled.is_empty:
+                return outputs
+            chunks = scheduled.chunks
+            snapshots = self.prefix_cache.plan_step(chunks) if self.prefix_cache is not None else None
+            launched = self._attempt(outputs, chunks, lambda: self.runner.launch(chunks, snapshots))
+            if launched is None:
+                return outputs
+        results = self._attempt(outputs, launched.chunks, lambda: self._launch_ahead_and_finish(launched))
+        if results is not None:
+            self._postprocess_step(launched.chunks, results, outputs)
+        return outputs
+
+    def _launch_ahead_and_finish(self, launched: LaunchedStep) -> list[ChunkResult]:
+        """Launch the next step when it may run ahead of `launched`'s tokens, then wait for those."""
+        chunks = self._chunks_ahead(launched)
+        if chunks is not None:
+            snapshots = self.prefix_cache.plan_step(chunks) if self.prefix_cache is not None else None
+            self._ahead = self.runner.launch(chunks, snapshots, after=launched)
+            self._steps_ahead += 1
+        return self.runner.finish(launched)
+
+    def _chunks_ahead(self, launched: LaunchedStep) -> list[ScheduledChunk] | None:
+        """The next step's chunks, scheduled now, if it may run ahead: async decode on, one rank, no speculative
+        decoding; `launched` replays a CUDA graph, its requests sampling one token each from the logits alone (no
+        grammar, bias, min_tokens, penalties, logprobs); the scheduler would run the same requests
+        (schedule_ahead)."""
+        if not self.config.async_decode or self.workers is not None or self.spec_decode is not None:
+            return None
+        chunks = launched.chunks
+        if launched.step.graph_key is None or not all(
+            c.seq.prompt_logprobs is None and samples_from_logits_alone(c.seq.sampling) for c in chunks
+        ):
+            return None
+        return self.scheduler.schedule_ahead(chunks)
+
+    def _attempt(self, outputs: list[RequestOutput], chunks: list[ScheduledChunk], call):
+        """call(); if it fails, the chunks' requests fail (a failed step fails its requests, not the engine): None."""
         try:
-            results = self.runner.run(scheduled.chunks, snapshots)
+            return call()
         except RanksOutOfStep as e:
             self.workers.fail(str(e))
             raise
-        except Exception as e:  # a failed step fails its requests, not the engine
+        except Exception as e:
             logger.exception("engine step failed")
-            for chunk in scheduled.chunks:
-                outputs.append(self._fail(chunk.seq, f"{type(e).__name__}: {e}"))
+            self._ahead = None  # it would run the same requests
+            for chunk in chunks:
+                if not chunk.seq.is_finished:
+                    outputs.append(self._fail(chunk.seq, f"{type(e).__name__}: {e}"))
             if self.prefix_cache is not None:
                 self.prefix_cache.end_step()
-            return outputs
+            return None
+
+    def _postprocess_step(
+        self, chunks: list[ScheduledChunk], results: list[ChunkResult], outputs: list[RequestOutput]
+    ) -> None:
         self._steps += 1
-        for chunk in scheduled.chunks:
+        # A request that finished (or was aborted) while the step, launched ahead, ran: its row is dropped.
+        done = [(chunk, result) for chunk, result in zip(chunks, results) if not chunk.seq.is_finished]
+        for chunk, _ in done:
             chunk.seq.num_computed_tokens += chunk.num_known_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.commit(chunk.seq)
         if self.prefix_cache is not None:
             self.prefix_cache.end_step()
-        for chunk, result in zip(scheduled.chunks, results):
+        for chunk, result in done:
             seq = chunk.seq
             # The accepted drafts are computed tokens too (their pages are committed with the next step's).
             seq.num_computed_tokens += result.num_accepted_drafts
@@ -275,7 +338,6 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         self._log_spec_decode()
-        return outputs
 
     def stats(self) -> EngineStats:
         cached = self.prefix_cache
@@ -289,6 +351,7 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             num_steps=self._steps,
+            num_steps_ahead=self._steps_ahead,
             num_finished=self._finished,
             num_cached_pages=cached.num_cached_pages if cached is not None else 0,
             prefix_cache_queried_tokens=cached.stats.queried_tokens if cached is not None else 0,

@@ -10,6 +10,11 @@ drafts run eagerly.
 With speculative decoding (ds4.engine.speculative), chunks with drafts are verified instead of sampled,
 and the MTP layer then follows every chunk over the positions it kept and drafts for the next step.
 
+A step is launched (`launch`: the batch uploaded, the model calls and the plain chunks' sampling queued on the
+device, no wait) and then finished (`finish`: the sampled tokens read back, which waits for the device, then what
+needs them on the host: verification, logprobs, the MTP drafts). Between the two the engine may launch the next
+step, its input ids the launched step's sampled tensor (async decode, ds4.engine.engine).
+
 The model calls of a step go through `execute` (snapshot restores, the forward or its graph, the logits) and
 `draft` (the MTP layer, then snapshot saves), from host data alone (`Step`, `DraftInputs`): on a tensor-parallel
 engine rank 0 sends those to the other ranks first (ds4.engine.step_channel), which make the same calls.
@@ -26,7 +31,7 @@ from ds4.engine.cache_plan import CachePlan, plan_cache
 from ds4.engine.config import EngineConfig, EngineConfigError
 from ds4.engine.cuda_graphs import DecodeGraphs, GraphKey
 from ds4.engine.prefix_cache import StepSnapshots
-from ds4.engine.sampler import Sampler, TokenLogprobs, compute_logprobs
+from ds4.engine.sampler import Sampler, SamplerOutput, TokenLogprobs, compute_logprobs
 from ds4.engine.scheduler import ScheduledChunk
 from ds4.engine.speculative import MTPDrafter, may_speculate, verify
 from ds4.engine.step_channel import RanksOutOfStep, StepChannel
@@ -71,32 +76,78 @@ class ModelRunner:
         self.drafter = drafter
         self.channel = channel
 
-    def run(self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None = None) -> list[ChunkResult]:
+    def launch(
+        self, chunks: list[ScheduledChunk], snapshots: StepSnapshots | None = None, after: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """Queue the step's model calls and the sampling of its plain chunks on the device; `finish` waits for them.
+        Nothing here waits for the device, unless a request asks for logprobs.
+
+        after: the step in flight whose tokens this step's chunks run, one each (chunks scheduled ahead of it, in
+        its chunks' order; one rank): their ids are its sampled tensor, never read by the host."""
         key = self._graph_key(chunks, snapshots)
         step = build_step(chunks, snapshots, key)
         first_rows = chunk_rows(chunks, key.tokens_per_request if key is not None else None)
         sample_rows, prompt_rows = logit_rows(chunks, first_rows)
         rows = [r for first, i in sample_rows for r in range(first, first + _num_sample_rows(chunks[i]))]
-        num_sample_rows = len(rows)
         step.logit_rows = rows + [r for r, _, _ in prompt_rows]
-        batch, hidden, logits = self._mirrored(self.execute, step)
+        if after is not None and self.channel is not None:
+            raise ValueError("a step launched ahead runs on one rank: the other ranks would not get its token ids")
+        input_ids = after.sampled.token_ids if after is not None else None
+        batch, hidden, logits = self._mirrored(lambda message: self.execute(message, input_ids), step)
+        launched = LaunchedStep(chunks, step, first_rows, batch, hidden, logits, sample_rows, prompt_rows, len(rows))
+        plain_rows, row = [], 0
+        for _, i in sample_rows:
+            if not chunks[i].draft_token_ids:
+                launched.plain.append(i)
+                plain_rows.append(row)
+            row += _num_sample_rows(chunks[i])
+        if launched.plain:
+            requests = [chunks[i].seq.sampling for i in launched.plain]
+            launched.sampled = self.sampler.sample(_select_rows(logits, plain_rows), requests)
+            # Copied now, so that finish waits for this copy alone: a blocking read would wait for everything queued
+            # on the stream by then, a step launched ahead included.
+            launched.tokens_on_host = launched.sampled.token_ids.to("cpu", non_blocking=True)
+            if self.device.type == "cuda":
+                launched.tokens_copied = torch.cuda.Event()
+                launched.tokens_copied.record()
+        return launched
+
+    def finish(self, launched: LaunchedStep) -> list[ChunkResult]:
+        """The launched step's tokens on the host (the step's wait for the device), its drafts verified, its prompt
+        logprobs; with an MTP layer the drafts for the next step."""
+        chunks, logits = launched.chunks, launched.logits
         results = [ChunkResult() for _ in chunks]
-        if logits is not None:
-            self._sample(chunks, sample_rows, logits[:num_sample_rows], results)
-            if prompt_rows:
-                (targets,) = upload(logits.device, ([t for _, _, t in prompt_rows], torch.long))
-                num_top = [chunks[i].seq.params.prompt_logprobs for _, i, _ in prompt_rows]
-                entries = compute_logprobs(logits[num_sample_rows:], targets, num_top)
-                for (_, i, _), entry in zip(prompt_rows, entries):
-                    results[i].prompt_logprobs.append(entry)
+        if launched.sampled is not None:
+            if launched.tokens_copied is not None:
+                launched.tokens_copied.synchronize()
+            tokens, logprobs = launched.tokens_on_host.tolist(), launched.sampled.logprobs
+            for i, token_id, entry in zip(launched.plain, tokens, logprobs):
+                results[i].token_ids = [token_id]
+                results[i].logprobs = None if entry is None else [entry]
+        num_sample_rows = launched.num_sample_rows
+        drafted = [i for _, i in launched.sample_rows if chunks[i].draft_token_ids]
+        if drafted:
+            self._verify(chunks, drafted, launched.sample_rows, logits[:num_sample_rows], results)
+        if launched.prompt_rows:
+            prompt_rows = launched.prompt_rows
+            (targets,) = upload(logits.device, ([t for _, _, t in prompt_rows], torch.long))
+            num_top = [chunks[i].seq.params.prompt_logprobs for _, i, _ in prompt_rows]
+            entries = compute_logprobs(logits[num_sample_rows:], targets, num_top)
+            for (_, i, _), entry in zip(prompt_rows, entries):
+                results[i].prompt_logprobs.append(entry)
         if self.drafter is not None:
-            self._draft(chunks, step, batch, hidden, results, first_rows)
+            self._draft(chunks, launched.step, launched.batch, launched.hidden, results, launched.first_rows)
         return results
 
-    def execute(self, step: Step) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor | None]:
+    def execute(
+        self, step: Step, input_ids: torch.Tensor | None = None
+    ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor | None]:
         """The step's snapshot restores, forward (or graph replay) and the logits of its logit rows (None when it
-        asks for none); without an MTP layer also its snapshot saves (else `draft` makes them)."""
+        asks for none); without an MTP layer also its snapshot saves (else `draft` makes them). input_ids: the
+        step's token ids on the device, in place of step.input_ids (placeholders)."""
         batch = step.to_batch(self.device)
+        if input_ids is not None:
+            batch.input_ids = input_ids
         snapshots = step.snapshots
         if snapshots is not None:  # prefix caching: resume admitted requests, keep page-end states
             self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots, snapshots.restore_ends)
@@ -156,33 +207,27 @@ class ModelRunner:
         except Exception as e:
             raise RanksOutOfStep(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
 
-    def _sample(self, chunks, sample_rows, logits: torch.Tensor, results: list[ChunkResult]) -> None:
-        """Plain chunks sample one token from their row; chunks with drafts verify them on theirs."""
-        plain, drafted, plain_rows, drafted_rows, row = [], [], [], [], 0
+    def _verify(self, chunks, drafted: list[int], sample_rows, logits: torch.Tensor, results) -> None:
+        """The chunks with drafts keep the ones their rows accept, and one more token."""
+        rows, row = [], 0
         for _, i in sample_rows:
             n = _num_sample_rows(chunks[i])
-            (drafted if chunks[i].draft_token_ids else plain).append(i)
-            (drafted_rows if chunks[i].draft_token_ids else plain_rows).extend(range(row, row + n))
+            if chunks[i].draft_token_ids:
+                rows.extend(range(row, row + n))
             row += n
-        if plain:
-            out = self.sampler.sample(_select_rows(logits, plain_rows), [chunks[i].seq.sampling for i in plain])
-            for i, token_id, logprobs in zip(plain, out.token_ids.tolist(), out.logprobs):
-                results[i].token_ids = [token_id]
-                results[i].logprobs = None if logprobs is None else [logprobs]
-        if drafted:
-            logits = _select_rows(logits, drafted_rows)
-            requests = [chunks[i].seq.sampling for i in drafted]
-            kept = verify(self.sampler, logits, requests, [chunks[i].draft_token_ids for i in drafted])
-            row = 0
-            for i, tokens in zip(drafted, kept):
-                results[i].token_ids = tokens
-                num_top = chunks[i].seq.params.logprobs
-                if num_top is not None:
-                    targets = torch.tensor(tokens, device=logits.device)
-                    results[i].logprobs = compute_logprobs(
-                        logits[row : row + len(tokens)], targets, [num_top] * len(tokens)
-                    )
-                row += _num_sample_rows(chunks[i])
+        logits = _select_rows(logits, rows)
+        requests = [chunks[i].seq.sampling for i in drafted]
+        kept = verify(self.sampler, logits, requests, [chunks[i].draft_token_ids for i in drafted])
+        row = 0
+        for i, tokens in zip(drafted, kept):
+            results[i].token_ids = tokens
+            num_top = chunks[i].seq.params.logprobs
+            if num_top is not None:
+                targets = torch.tensor(tokens, device=logits.device)
+                results[i].logprobs = compute_logprobs(
+                    logits[row : row + len(tokens)], targets, [num_top] * len(tokens)
+                )
+            row += _num_sample_rows(chunks[i])
 
     def _draft(self, chunks, step: Step, batch, hidden, results, first_rows: list[int]) -> None:
         """The MTP layer over every chunk's rows, each fed the token after it (the known ones, then the chunk's
@@ -256,6 +301,27 @@ class Step:
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose model calls and plain sampling are queued on the device (ModelRunner.launch), until `finish`."""
+
+    chunks: list[ScheduledChunk]
+    step: Step
+    first_rows: list[int]  # each chunk's first row in the flat batch
+    batch: ForwardBatch
+    hidden: torch.Tensor
+    logits: torch.Tensor | None  # the sample rows' (chunk by chunk), then the prompt-logprob rows'
+    sample_rows: list[tuple[int, int]]  # (first row, chunk), see logit_rows
+    prompt_rows: list[tuple[int, int, int]]  # (row, chunk, target token)
+    num_sample_rows: int
+    plain: list[int] = field(default_factory=list)  # the chunks that sample one token (no drafts)
+    # Their tokens, on the device, in that order (of a step of plain decodes: one per chunk, the input of the
+    # step launched after it), and their copy to the host (pinned on CUDA; readable once tokens_copied is done).
+    sampled: SamplerOutput | None = None
+    tokens_on_host: torch.Tensor | None = None
+    tokens_copied: torch.cuda.Event | None = None
+
+
+@dataclass
 class DraftInputs:
     """The MTP step's host data: the token after each row of the step, each request's last kept row, and the
     requests that draft."""
@@ -277,7 +343,8 @@ def build_step(
     for c in chunks:
         seq, start = c.seq, c.start
         n = graph_key.tokens_per_request if graph_key is not None else c.num_tokens
-        input_ids += seq.token_ids(start, start + c.num_known_tokens)
+        # A chunk scheduled ahead runs a token not yet known: a placeholder, replaced on the device.
+        input_ids += [0] if c.ahead else seq.token_ids(start, start + c.num_known_tokens)
         input_ids += c.draft_token_ids
         if n > c.num_tokens:
             input_ids += [0] * (n - c.num_tokens)

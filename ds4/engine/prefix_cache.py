@@ -11,7 +11,8 @@ CSA's overlap rows, which live in the request's slot (ds4.model.cache, boundary 
 every page end its chunks pass whose page has no snapshot yet, a snapshot id is taken (the least recently
 used snapshot is dropped when none is free) and the state is kept: written by the model for page ends
 inside a chunk, copied from the slot for a chunk that ends there. A snapshot belongs to its page and
-goes with it.
+goes with it. A decode step launched ahead of its token (async decode) cannot key the page it ends: its snapshot
+is taken unkeyed and keyed when the request commits the page (or goes back if the page has one by then).
 
 A new request resumes after the longest run of cached pages whose last page has a snapshot, at most
 num_tokens - 1 tokens (the last token always runs, to give logits). Requests that want prompt logprobs
@@ -71,6 +72,9 @@ class PrefixCache:
         self._snapshot_lru: OrderedDict[int, int] = OrderedDict()  # snapshot -> page, least recently used first
         self._free_snapshots: deque[int] = deque(range(num_snapshots))
         self._pending: dict[bytes, int] = {}  # key -> snapshot taken this step, attached once the page is cached
+        # (request, page end, snapshot) taken by a step launched ahead, whose page key hashes the token in flight:
+        # keyed when the request commits that page.
+        self._unkeyed: list[tuple[Sequence, int, int]] = []
         self._restores = StepSnapshots()
 
     @property
@@ -155,6 +159,14 @@ class PrefixCache:
         for i, chunk in enumerate(chunks):
             # Page ends among the known tokens only: drafts may be rejected.
             seq, end = chunk.seq, chunk.start + chunk.num_known_tokens
+            if chunk.ahead:  # one token, not known yet: the key of a page it ends waits for the commit
+                snapshot = self._take_snapshot() if end % self.page_size == 0 else None
+                if snapshot is not None:
+                    self._unkeyed.append((seq, end, snapshot))
+                    plan.save_slots.append(seq.slot)
+                    plan.save_snapshots.append(snapshot)
+                    plan.save_ends.append(end)
+                continue
             first_page = chunk.start // self.page_size + 1
             keys = self.keys(seq, end // self.page_size)
             for page_end in range(first_page * self.page_size, end + 1, self.page_size):
@@ -176,6 +188,8 @@ class PrefixCache:
 
     def commit(self, seq: Sequence) -> None:
         """Register the pages seq has now computed in full, with the snapshots taken at their ends."""
+        if self._unkeyed:
+            self._key_snapshots(seq)
         num_full = seq.num_computed_tokens // self.page_size
         keys = self.keys(seq, num_full)
         for j in range(seq.num_cached_pages, num_full):
@@ -194,9 +208,28 @@ class PrefixCache:
         seq.num_cached_pages = max(seq.num_cached_pages, num_full)
 
     def end_step(self) -> None:
-        """Snapshots taken for pages that were not computed after all (a failed step) go back."""
+        """Snapshots taken for pages that were not computed after all (a failed step, a request that ended before
+        a step launched ahead of its last token) go back; a step launched ahead keeps its own until it commits."""
         self._free_snapshots.extend(self._pending.values())
         self._pending.clear()
+        ended = [entry for entry in self._unkeyed if entry[0].is_finished]
+        for entry in ended:
+            self._unkeyed.remove(entry)
+            self._free_snapshots.append(entry[2])
+
+    def _key_snapshots(self, seq: Sequence) -> None:
+        """The snapshots a step launched ahead took at page ends seq has now computed, pending under their keys
+        (or back, when the page has a snapshot already)."""
+        done = [entry for entry in self._unkeyed if entry[0] is seq and entry[1] <= seq.num_computed_tokens]
+        for entry in done:
+            self._unkeyed.remove(entry)
+            _, end, snapshot = entry
+            key = self.keys(seq, end // self.page_size)[end // self.page_size - 1]
+            page = self._page_of.get(key)
+            if key in self._pending or (page is not None and page in self._snapshot_of):
+                self._free_snapshots.append(snapshot)
+            else:
+                self._pending[key] = snapshot
 
     def _take_snapshot(self) -> int | None:
         """A free snapshot id, else the least recently used one's; None if every one is taken this step."""

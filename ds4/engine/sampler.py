@@ -184,6 +184,12 @@ def _nothing_to_process(request: RequestSampling) -> bool:
     )
 
 
+def samples_from_logits_alone(request: RequestSampling) -> bool:
+    """Its next token is drawn from the logits alone and only the token returns to the host (no grammar, bias,
+    min_tokens mask, penalties or logprobs), so it may be sampled before the request's previous token is known."""
+    return _nothing_to_process(request) and request.params.logprobs is None
+
+
 def apply_logit_bias(logits: torch.Tensor, requests: Sequence[RequestSampling]) -> torch.Tensor:
     rows, cols, biases = [], [], []
     for row, request in enumerate(requests):

@@ -39,6 +39,9 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     draft_token_ids: list[int] = field(default_factory=list)
+    # A decode scheduled ahead (Scheduler.schedule_ahead): its one token is the one the step in flight samples, not
+    # yet in seq; the token's id reaches the device from that step.
+    ahead: bool = False
 
     @property
     def num_known_tokens(self) -> int:
@@ -47,7 +50,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """This chunk reaches the end of the known tokens, so the model's rows from there give the next tokens."""
-        return self.start + self.num_known_tokens == self.seq.num_tokens
+        return self.ahead or self.start + self.num_known_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -115,6 +118,28 @@ class Scheduler:
                     spare -= len(drafts)
         self._schedule_prefills(budget, scheduled, out)
         return out
+
+    def schedule_ahead(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
+        """The step after `chunks`, a step still in flight in which every running request decodes one token,
+        scheduled before those tokens are known: each request one token further, its input the token in flight
+        (pages grown to hold it). None unless schedule() would give the same once they are known and none of the
+        requests finished: no waiting request could take a seat, and every request grows without preempting."""
+        if len(chunks) != len(self.running) or (self.waiting and len(self.running) < self.config.max_num_seqs):
+            return None
+        growing, missing = [], 0
+        for c in chunks:
+            seq = c.seq
+            if seq.status is not SequenceStatus.RUNNING or c.num_tokens != 1 or c.draft_token_ids or not c.samples:
+                return None
+            pages = self.allocator.pages_for(c.start + 2) - len(seq.page_table)
+            if pages > 0:
+                growing.append(c)
+                missing += pages
+        if missing > self.allocator.num_free_pages:
+            return None
+        for c in growing:
+            self.allocator.grow(c.seq.page_table, c.start + 2)
+        return [ScheduledChunk(c.seq, c.start + 1, 1, ahead=True) for c in chunks]
 
     def _drafts(self, seq: Sequence, spare: int) -> list[int]:
         """The drafts seq verifies in this step: as many as the budget, max_tokens, max_model_len and the

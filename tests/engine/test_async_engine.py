@@ -66,14 +66,14 @@ def test_the_event_loop_runs_while_a_step_is_in_the_model(model):
     engine = AsyncEngine(new_engine(model))
     gate = threading.Event()
     timed_out = []
-    run = engine.engine.runner.run
+    launch = engine.engine.runner.launch
 
-    def gated_run(*args):
+    def gated_launch(*args, **kwargs):
         if not gate.wait(timeout=10):
             timed_out.append(True)
-        return run(*args)
+        return launch(*args, **kwargs)
 
-    engine.engine.runner.run = gated_run
+    engine.engine.runner.launch = gated_launch
 
     async def main():
         stream = await engine.add_request("g", PROMPTS[0], greedy(3))

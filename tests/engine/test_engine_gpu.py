@@ -181,9 +181,42 @@ def test_greedy_under_continuous_batching_equals_each_request_alone(model, graph
     got = run_all(eng, prompts, lens)
     for i, prompt in enumerate(prompts):
         assert reference_greedy(model, prompt, lens[i]).disagreement(got[i]) is None, f"request r{i}"
-    if graphs:
-        assert calls["replays"] > 5
+    if graphs:  # decode steps launched ahead of the previous one's tokens (async decode) among them
+        assert calls["replays"] > 5 and eng.stats().num_steps_ahead > 5
     assert eng.allocator.num_free_pages == eng.allocator.num_pages
+
+
+def test_async_decode_on_cuda_graphs_equals_the_synchronous_engine(model):
+    """The same requests through the CUDA-graph engine with async decode on and off: the same steps in the same
+    batches (every request runs to the same max_tokens, so no row is dropped), hence the same tokens exactly,
+    greedy and seeded."""
+    flags = dict(
+        page_size=PAGE,
+        max_model_len=128,
+        max_num_seqs=6,
+        max_num_batched_tokens=48,
+        long_prefill_token_threshold=16,
+        kv_cache_memory=1 << 26,
+    )
+    prompts = random_prompts(5, seed=3)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
+    ]
+    tokens, steps_ahead = [], []
+    for async_decode in (False, True):
+        eng = LLMEngine(model, EngineConfig(async_decode=async_decode, **flags), seed=0)
+        for i, prompt in enumerate(prompts):
+            eng.add_request(f"r{i}", prompt, params[i % 2])
+        got = {f"r{i}": [] for i in range(len(prompts))}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                got[out.request_id] += out.new_token_ids
+        tokens.append(got)
+        steps_ahead.append(eng.stats().num_steps_ahead)
+        assert eng.allocator.num_free_pages == eng.allocator.num_pages
+    assert tokens[1] == tokens[0]
+    assert steps_ahead[0] == 0 and steps_ahead[1] > 20
 
 
 def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
@@ -236,7 +269,7 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
             eager = model.forward(batch, eager_cache)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        inputs.load(batch, key)
+        inputs.load(batch)
         graph.replay()
         assert torch.allclose(out[:2], eager, rtol=1e-5, atol=1e-5), f"step {step}"
         tokens = model.compute_logits(eager).argmax(dim=-1).tolist()
@@ -244,3 +277,32 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
         assert torch.allclose(eager_layer.window[:2], graph_layer.window[:2], rtol=1e-5, atol=1e-5)
         if eager_layer.compressed is not None:
             assert torch.allclose(eager_layer.compressed[:8], graph_layer.compressed[:8], rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_returns_its_tokens_while_the_step_launched_ahead_still_runs(model):
+    """The host reads a decode step's tokens without waiting for the step launched ahead of it: with a second of
+    GPU spin queued behind that step, step() still returns before the spin is over."""
+    eng = LLMEngine(model, EngineConfig(page_size=PAGE, max_model_len=128, max_num_seqs=4, kv_cache_memory=1 << 26))
+    for i, prompt in enumerate(random_prompts(2, seed=4)):
+        eng.add_request(f"r{i}", prompt, greedy(40))
+    while eng.stats().num_steps_ahead < 3:
+        eng.step()
+    launch, spins = eng.runner.launch, []
+
+    def launch_then_spin(chunks, snapshots=None, after=None):
+        launched = launch(chunks, snapshots, after)
+        if after is not None:
+            torch.cuda._sleep(2_000_000_000)  # about a second at the H200's clock
+            spins.append(torch.cuda.Event())
+            spins[-1].record()
+        return launched
+
+    eng.runner.launch = launch_then_spin
+    outs = eng.step()
+    assert spins and not spins[-1].query(), "step() waited for the step launched ahead"
+    assert len(outs) == 2 and all(len(out.new_token_ids) == 1 for out in outs)
+    torch.cuda.synchronize()
+    eng.runner.launch = launch
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.allocator.num_free_pages == eng.allocator.num_pages

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from tiny_model import load_tiny_model
+from tiny_model import load_tiny_model, use_eager_graphs
 
 from ds4.engine.config import EngineConfig
 from ds4.engine.cuda_graphs import DecodeGraphs, GraphKey
@@ -16,34 +16,6 @@ from ds4.engine.speculative import MTPDrafter
 from ds4.model.batch import ForwardBatch
 
 PAGE = 16
-
-
-class EagerDecodeGraphs(DecodeGraphs):
-    """DecodeGraphs that run the same padded batches eagerly, recording the graph key of every step."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, capture=False, **kwargs)
-        self.runs = []
-
-    def run(self, batch, key):
-        self.runs.append(key)
-        return super().run(batch, key)
-
-
-def use_eager_graphs(eng, model, max_batch_size):
-    """Give an engine the CUDA-graph path run eagerly: as the engine does with graphs on, one more cache slot
-    (the scratch slot padding rows write to), and its drafter (with speculative decoding) drafts on that cache."""
-    plan, k = eng.plan, eng.config.num_speculative_tokens
-    cache = model.new_cache(plan.num_slots + 1, plan.num_pages, plan.page_size, plan.num_snapshots, spare=k)
-    eng.cache = eng.runner.cache = cache
-    if eng.runner.drafter is not None:
-        eng.runner.drafter.cache = cache
-    pages = eng.allocator.pages_for(plan.max_model_len)
-    graphs = EagerDecodeGraphs(
-        model, cache, max_batch_size, pages, plan.num_slots, torch.device("cpu"), drafter=eng.runner.drafter
-    )
-    eng.runner.graphs = graphs
-    return graphs
 
 
 @pytest.fixture(scope="module")

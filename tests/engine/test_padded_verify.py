@@ -6,9 +6,8 @@ import random
 
 import pytest
 from test_engine import greedy, random_prompts, reference_greedy
-from test_padded_decode import use_eager_graphs
 from test_speculative import run_with_drafts, spec_engine
-from tiny_model import load_tiny_model
+from tiny_model import load_tiny_model, use_eager_graphs
 
 from ds4.engine.sampling_params import SamplingParams
 
@@ -21,14 +20,14 @@ def model():
 def record_drafts(eng):
     """Every step's drafts per request, as the runner returns them."""
     drafts = []
-    run = eng.runner.run
+    finish = eng.runner.finish
 
-    def recorded(chunks, snapshots=None):
-        results = run(chunks, snapshots)
-        drafts.append({c.seq.request_id: r.draft_token_ids for c, r in zip(chunks, results)})
+    def recorded(launched):
+        results = finish(launched)
+        drafts.append({c.seq.request_id: r.draft_token_ids for c, r in zip(launched.chunks, results)})
         return results
 
-    eng.runner.run = recorded
+    eng.runner.finish = recorded
     return drafts
 
 

@@ -5,6 +5,7 @@ cache). The tiny model has CSA ratio 4, HCA ratio 16 and a sliding window of 16 
 """
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,12 +170,16 @@ def test_preemption_and_eviction_under_shared_prefixes_change_no_output(model):
 
 
 class ScriptedRunner:
-    """Stands in for the model: each sampling chunk yields a token that depends only on the request's tokens."""
+    """Stands in for the model runner: each sampling chunk yields a token that depends only on the request's tokens.
+    Its steps replay no CUDA graph, so none runs ahead."""
 
-    def run(self, chunks, snapshots=None):
+    def launch(self, chunks, snapshots=None, after=None):
+        return SimpleNamespace(chunks=chunks, step=SimpleNamespace(graph_key=None))
+
+    def finish(self, launched):
         return [
             ChunkResult(token_ids=[2 + hash(tuple(c.seq.token_ids(0, c.seq.num_tokens))) % 1000] if c.samples else [])
-            for c in chunks
+            for c in launched.chunks
         ]
 
 
@@ -229,7 +234,7 @@ def test_flags_turn_prefix_caching_on_by_default_and_off_on_request(model):
 def test_pages_and_snapshots_of_the_cuda_graph_decode_path_serve_later_requests(model):
     """Decode steps through DecodeGraphs' padded decode_only batches (run eagerly) fill pages whose page-end
     snapshots are copied after the step; a later conversation resumes from them."""
-    from test_padded_decode import EagerDecodeGraphs
+    from tiny_model import EagerDecodeGraphs
 
     eng = engine(model, max_num_seqs=2, max_num_batched_tokens=48, long_prefill_token_threshold=16)
     cache = model.new_cache(eng.plan.num_slots + 1, eng.plan.num_pages, PAGE, eng.plan.num_snapshots)

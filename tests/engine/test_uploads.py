@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from ds4.engine.uploads import Uploader, upload
+from ds4.engine.uploads import Uploader, pack, upload
 
 DTYPES = (torch.int32, torch.long, torch.float32, torch.float64)
 
@@ -32,6 +32,19 @@ def test_upload_on_cpu_gives_tensors_of_the_values():
     fields = _random_fields(random.Random(1))
     for (values, dtype), tensor in zip(fields, upload(torch.device("cpu"), *fields)):
         assert tensor.dtype == dtype and tensor.tolist() == pytest.approx(values)
+
+
+def test_pack_lays_out_each_field_as_torch_stores_it_aligned_and_apart():
+    rng = random.Random(2)
+    for _ in range(50):
+        fields = _random_fields(rng)
+        payload, starts = pack(fields)
+        assert len(payload) % 16 == 0
+        raw = torch.tensor(list(payload), dtype=torch.uint8)
+        ends = [start + len(values) * dtype.itemsize for (values, dtype), start in zip(fields, starts)]
+        assert all(start % 16 == 0 for start in starts) and all(e <= s for e, s in zip(ends, starts[1:]))
+        for (values, dtype), start, end in zip(fields, starts, ends):
+            assert torch.equal(raw[start:end].view(dtype), torch.tensor(values, dtype=dtype))
 
 
 @pytest.mark.gpu
