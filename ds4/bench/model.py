@@ -3,8 +3,10 @@
 On any config (`--config flash|pro|DIR` with `--load-format dummy`, or a checkpoint), cut to `--layers L`:
   - resident weight GB, total and per layer, next to the checkpoint's bytes for those layers (stored specs);
   - decode ms/step at each `--batch-sizes` with `--context` tokens cached per request, through the engine's
-    real path (LLMEngine.step: schedule, CUDA-graph replay, logits, sampling): the requests are prefilled
-    first, then the batch shrinks by aborting requests, largest first;
+    real path (LLMEngine.step: schedule, CUDA-graph replay, logits, sampling; with async decode the next step
+    launched before this one's tokens are read, so steps are timed back to back and a step's time is the
+    interval between the steps returned): the requests are prefilled first, then the batch shrinks by aborting
+    requests, largest first;
   - prefill tok/s of one prompt of each `--prefill-lengths` (chunks of `--prefill-chunk` tokens);
   - peak device memory; finite logits asserted on every step.
 Rooflines (ds4.bench.roofline): decode = the bytes a step must read over the copy bandwidth; prefill = the
@@ -13,8 +15,8 @@ Hopper has no FP4 tensor cores). The ratio is measured / roofline. Decode steps 
 batch (run eagerly) and one prefill (the shortest) are profiled and summarised by kernel family: its time, the
 kernels it launched (CPU: ops; many small kernels make a family launch-bound at decode), its largest kernels
 by name (printed for families of 5% or more) and its own roofline where one is counted. "GPU ms" is the decode
-graph's replay and the logits alone: the step without the engine's host work (what overlapping that work with
-the GPU would leave). The time per layer is extrapolated to the full model and printed next to published
+graph's replay and the logits alone: the step without the engine's host work (what async decode's overlap of
+that work with the GPU aims at). The time per layer is extrapolated to the full model and printed next to published
 figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager) on the same shape.
 `--tensor-parallel-size N [--enable-expert-parallel]` runs the engine on N ranks (one GPU each; CPU: processes);
 every decode and prefill row then also gives the bytes rank 0's collectives moved per step, by kind (counted; for
@@ -38,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from ds4.bench import ceilings, roofline
-from ds4.bench.driver import choose_model, shrink, step
+from ds4.bench.driver import choose_model, shrink, step, timed_steps
 from ds4.bench.profile import FAMILIES, profile_families
 from ds4.bench.report import environment, int_list, progress, sync, write_json
 
@@ -308,13 +310,11 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
     rows = []
     for batch in batches:
         ids = shrink(engine, ids, batch)
-        times = []
         traffic = _Traffic(engine)
-        for _ in tqdm(range(args.decode_steps), desc=f"decode batch {batch}", file=sys.stderr):
-            sync(engine.device)
-            t0 = time.perf_counter()
-            step(engine)  # returns after sampling, which waits for the step's tokens
-            times.append((time.perf_counter() - t0) * 1e3)
+        # Back to back (async decode launches each step before the previous one's tokens are read): a step's
+        # time is the interval between the steps the engine returns.
+        with tqdm(total=args.decode_steps, desc=f"decode batch {batch}", file=sys.stderr) as bar:
+            times = timed_steps(engine, args.decode_steps, lambda: bar.update(1))
         times.sort()
         ms = times[len(times) // 2]
         if any(i not in engine.requests for i in ids):

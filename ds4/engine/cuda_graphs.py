@@ -156,6 +156,7 @@ class DecodeGraphs:
         self.outputs: dict[GraphKey, torch.Tensor] = {}
         self.drafts: dict[GraphKey, torch.Tensor] = {}
         self.eager = not capture
+        self._eager_streams: torch.Tensor | None = None  # the last eager run's output (its drafts read it)
         if capture:
             self._capture()
 
@@ -172,27 +173,27 @@ class DecodeGraphs:
     def run(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
         """The streams of a decode batch of key.tokens_per_request tokens a request (the model's forward)."""
         self.inputs.load(batch)
-        if self.eager:
-            self.outputs[key] = self._forward(key)
-        else:
-            self.graphs[key].replay()
+        if self.eager:  # kept apart from the captured graph's output, which later replays still write
+            self._eager_streams = self._forward(key)
+            return self._eager_streams[: batch.num_tokens]
+        self.graphs[key].replay()
         return self.outputs[key][: batch.num_tokens]
 
     def draft(self, next_ids: torch.Tensor, last_rows: torch.Tensor, key: GraphKey) -> torch.Tensor:
         """[len(last_rows), k] drafts after the step `run` just ran for `key` (MTPDrafter.run on its rows)."""
         self.inputs.load_draft(next_ids, last_rows, key)
         if self.eager:
-            return self._draft(key)[: last_rows.shape[0]]
+            return self._draft(key, self._eager_streams)[: last_rows.shape[0]]
         self.draft_graphs[key].replay()
         return self.drafts[key][: last_rows.shape[0]]
 
     def _forward(self, key: GraphKey) -> torch.Tensor:
         return self.model.forward(self.inputs.view(key), self.cache)
 
-    def _draft(self, key: GraphKey) -> torch.Tensor:
+    def _draft(self, key: GraphKey, streams: torch.Tensor) -> torch.Tensor:
         inputs, r = self.inputs, key.size
         next_ids, last_rows = inputs.next_ids[: r * key.tokens_per_request], inputs.last_rows[:r]
-        return self.drafter.run(inputs.view(key), self.outputs[key], next_ids, last_rows, inputs.requests[:r])
+        return self.drafter.run(inputs.view(key), streams, next_ids, last_rows, inputs.requests[:r])
 
     def _capture(self) -> None:
         """Largest first, so the shared memory pool is sized by the largest graph; the buffers hold padding only."""
@@ -207,10 +208,10 @@ class DecodeGraphs:
             self.graphs[key] = graph
             if self.drafter is not None:
                 graph.replay()  # the draft warm-up reads the streams of the (padding) rows
-                self._draft(key)
+                self._draft(key, self.outputs[key])
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.drafts[key] = self._draft(key)
+                    self.drafts[key] = self._draft(key, self.outputs[key])
                 self.draft_graphs[key] = graph
         torch.cuda.synchronize(self.device)
