@@ -193,8 +193,8 @@ def test_norm_rope_matches_the_composed_ops(shape, weighted):
     assert_rotated_close(got, form.reference(x, positions))
     if weighted:
         # The FP8 and the bf16 forms are kernels compiled apart, which may sum a row's squares in other orders: a
-        # value within an ulp of a rounding boundary then rounds apart (on the H200 a few bytes of the 8192-row
-        # case, none at 1 and 64 rows). Where the sums are exact the bytes are: see the bit-exact test below.
+        # value within an ulp of a rounding boundary then rounds apart (on the H200 the 8192-row case differed,
+        # the 1- and 64-row cases did not). Where the sums are exact the bytes are equal: the bit-exact test below.
         stored = norm_rope.norm_rope(x, positions, entry_form(torch.bfloat16, True, weight))
         assert (stored != quantize_kv(got, 64)).float().mean() <= 1e-4
 
