@@ -3,7 +3,8 @@
 #   bash tools/gpu_detached.sh start tools/gpu_measure.sh     then, in the next call, `collect`
 # Stages in this order (STAGES picks them, default all): model4 (4 Flash layers with transformers beside them),
 # tests (every gpu-marked test, several processes with pytest-xdist), model20 (20 Flash layers, prefill to 64K),
-# engine (the engine's host time per step), attention, moe. Each writes its log and JSON under $RESULTS and a line to
+# engine and engine_sync (the engine's host time per step, async decode on and off, each with its costliest host
+# functions), attention, moe. Each writes its log and JSON under $RESULTS and a line to
 # $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. TESTS names the test
 # paths (default: all of tests/); COMPARE= (empty) leaves transformers out of model4; LIMIT_<stage>=S sets a
 # stage's time limit in seconds.
@@ -14,7 +15,7 @@ R=${RESULTS:-/tmp/detached}
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache PYTHONFAULTHANDLER=1  # a stage out of time dumps its stacks
 . tools/install_device_wheels.sh > /dev/null 2>&1
-stages=" ${STAGES:-model4 tests model20 engine attention moe} "
+stages=" ${STAGES:-model4 tests model20 engine engine_sync attention moe} "
 stage() {  # name timeout command... (LIMIT_<name> overrides the timeout)
   local name=$1 limit=$2 override="LIMIT_$1"
   limit=${!override:-$limit}
@@ -31,7 +32,8 @@ model=(python3 -m ds4.cli bench model --config flash --load-format dummy --conte
 stage model4 600 "${model[@]}" --layers 4 --batch-sizes 1,64 --prefill-lengths 8192 ${COMPARE---compare-transformers} --json "$R/model4.json"
 stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" ${TESTS:-tests}
 stage model20 600 "${model[@]}" --layers 20 --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json"
-stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --json "$R/engine.json"
+stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json"
+stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json"
 stage attention 300 python3 -m ds4.cli bench attention --json "$R/attention.json"
 stage moe 300 python3 -m ds4.cli bench moe --json "$R/moe.json"
 cat "$R/summary.txt"
