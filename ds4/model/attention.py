@@ -168,16 +168,11 @@ class Attention(nn.Module):
 
     def _entry_width(self, step: LayerStep) -> int:
         """How many compressed entries a token's gather spans: the block table's capacity for a decode_only
-        batch (a fixed shape), else the most any token sees, whose pages the block tables must hold."""
-        batch, per_page = step.batch, step.cache.compressed.shape[1]
+        batch (a fixed shape), else the most any token sees (from the host-side layout: no sync). Their pages
+        are trusted to be assigned, as a decode_only batch's are (`ForwardBatch.validate` checks)."""
         if step.decode_only:
-            return batch.block_tables.shape[1] * per_page
-        ends = step.request_ends
-        width = int(ends.max()) // self.ratio if ends.numel() else 0
-        last = visible_entry_rows(batch.block_tables, ends // self.ratio, per_page, width)
-        if bool(((last >= 0).sum(dim=1) != ends // self.ratio).any()):
-            raise ValueError("block table: a compressed entry falls on an unassigned page (-1)")
-        return width
+            return step.batch.block_tables.shape[1] * step.cache.compressed.shape[1]
+        return step.layout.most_entries(self.ratio)
 
     def _snapshot_windows(self, kv: torch.Tensor, step: LayerStep) -> None:
         """The window ring at each snapshot's page end e: positions e - window .. e - 1 in ring order, from the
@@ -186,13 +181,11 @@ class Attention(nn.Module):
         if not batch.snapshots:
             return
         dev, win = kv.device, self.window
-        snaps = batch.snapshots
-        req = torch.tensor([s.request for s in snaps], device=dev)
-        key_pos = torch.tensor([s.position for s in snaps], device=dev)[:, None] - win + torch.arange(win, device=dev)
+        req, ends, ids = batch.snapshot_fields()
+        key_pos = ends[:, None] - win + torch.arange(win, device=dev)
         ctx = batch.context_lens.long()[req][:, None]
         fresh = kv[(batch.query_start_loc.long()[req][:, None] + key_pos - ctx).clamp(0, kv.shape[0] - 1)]
         held = cache.window[batch.slots.long()[req][:, None], key_pos % cache.window.shape[1]]
-        ids = torch.tensor([s.snapshot for s in snaps], device=dev)
         cache.snapshot.window[ids[:, None], key_pos % win] = torch.where((key_pos >= ctx)[..., None], fresh, held)
 
     def _store_window(self, kv: torch.Tensor, step: LayerStep) -> None:

@@ -31,9 +31,11 @@ class ForwardBatch:
     `decode_only` promises `tokens_per_request` tokens per request (query_start_loc = 0, n, 2n, ..., Rn): one
     for a plain decode step, k + 1 for a step verifying k drafts. The model then runs without host syncs,
     every shape fixed by the tensors' shapes (block_tables' width sets how many compressed entries a token
-    may see), so the step can be captured in a CUDA graph. Such a step trusts the batch: a page a token needs
-    must be in its block table (`validate(page_size)` checks). Padding rows (position 0, a scratch slot,
-    block-table rows of -1) write only to the scratch slot and the pools' scratch page.
+    may see), so the step can be captured in a CUDA graph. Other steps read the layout back once
+    (`StepLayout`) and take their sizes from it, with no further sync. Every step trusts the batch: the pages
+    up to each request's end must be in its block table (`validate(page_size)` checks; an entry on a -1 page is
+    neither read nor written). Padding rows (position 0, a scratch slot, block-table rows of -1) write only to
+    the scratch slot and the pools' scratch page.
 
     `snapshots` (not with decode_only; host side) name page ends strictly inside a request's tokens whose
     boundary state the model writes to the cache's snapshot store as it passes them (prefix caching).
@@ -68,10 +70,24 @@ class ForwardBatch:
             self.derived[key] = make()
         return self.derived[key]
 
+    def snapshot_fields(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(request, position, snapshot) of `snapshots`, long tensors on the batch's device: uploaded once a
+        forward, from pinned memory (no host sync)."""
+
+        def upload():
+            fields = [(s.request, s.position, s.snapshot) for s in self.snapshots]
+            host = torch.tensor(fields, dtype=torch.long).reshape(-1, 3).T.contiguous()
+            if self.positions.is_cuda:
+                host = host.pin_memory()
+            return tuple(host.to(self.positions.device, non_blocking=True))
+
+        return self.shared("snapshot fields", upload)
+
     def token_requests(self) -> torch.Tensor:
         """[T] the request index of each token."""
         counts = (self.query_start_loc[1:] - self.query_start_loc[:-1]).long()
-        return torch.repeat_interleave(torch.arange(self.num_requests, device=counts.device), counts)
+        requests = torch.arange(self.num_requests, device=counts.device)
+        return torch.repeat_interleave(requests, counts, output_size=self.num_tokens)  # no host sync
 
     def validate(self, page_size: int | None = None) -> None:
         """Check the layout invariants and, given page_size, that every token's page is assigned.
@@ -95,33 +111,49 @@ class ForwardBatch:
         if self.decode_only and not torch.equal(self.query_start_loc.long().cpu(), torch.arange(r + 1) * n):
             raise ValueError(f"ForwardBatch: decode_only needs exactly {n} token(s) per request")
         if page_size is not None and t:
-            page = (self.positions.long() // page_size)[:, None]
-            table = self.block_tables.long()[req]
-            if bool((page >= table.shape[1]).any()) or bool(
-                (table.gather(1, page.clamp(max=table.shape[1] - 1)) < 0).any()
-            ):
+            # Every page up to each request's end: its tokens' and its compressed entries' (the model trusts them).
+            loc = self.query_start_loc.long()
+            ends = self.context_lens.long() + loc[1:] - loc[:-1]
+            pages = (ends + page_size - 1) // page_size
+            if bool((pages > self.block_tables.shape[1]).any()):
+                raise ValueError("ForwardBatch: a request's pages do not fit its block table")
+            needed = torch.arange(self.block_tables.shape[1], device=ends.device) < pages[:, None]
+            if bool((needed & (self.block_tables < 0)).any()):
                 raise ValueError("ForwardBatch: a token's page is missing from its request's block table")
 
 
 @dataclass
 class StepLayout:
-    """Host-side view of a ForwardBatch (one sync to build): each token's request, each request's tokens."""
+    """Host-side view of a ForwardBatch (one sync to build, the step's only one): each token's request, each
+    request's tokens and context length. The layers take every size they need from it."""
 
     token_requests: torch.Tensor  # [T] request index of each token (device)
     starts: list[int]
     counts: list[int]
+    context_lens: list[int]
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> StepLayout:
-        loc = batch.query_start_loc.tolist()
+        r = batch.num_requests
+        host = torch.cat((batch.query_start_loc.long(), batch.context_lens.long())).tolist()
+        loc = host[: r + 1]
         return cls(
             token_requests=batch.token_requests(),
             starts=loc[:-1],
             counts=[b - a for a, b in zip(loc[:-1], loc[1:])],
+            context_lens=host[r + 1 :],
         )
 
     def token_slice(self, r: int) -> slice:
         return slice(self.starts[r], self.starts[r] + self.counts[r])
+
+    def finished_windows(self, ratio: int) -> int:
+        """How many windows of `ratio` tokens the step's tokens complete (window w ends at position w*ratio+ratio-1)."""
+        return sum((c + n) // ratio - c // ratio for c, n in zip(self.context_lens, self.counts))
+
+    def most_entries(self, ratio: int) -> int:
+        """The most compressed entries of `ratio` any request has after the step."""
+        return max((c + n) // ratio for c, n in zip(self.context_lens, self.counts)) if self.counts else 0
 
 
 @dataclass

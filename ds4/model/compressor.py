@@ -91,11 +91,8 @@ class Compressor(nn.Module):
 
         if snapshots is not None and batch.snapshots:
             # A snapshot at page end e keeps the overlap: the full window e - ratio .. e - 1, in window order.
-            dev, snaps = kv.device, batch.snapshots
-            ends = torch.tensor([s.position for s in snaps], device=dev)
-            requests = torch.tensor([s.request for s in snaps], device=dev)
+            requests, ends, ids = batch.snapshot_fields()
             rows = self._rows(step, *shape, requests, ends // ratio)[:, :ratio]
-            ids = torch.tensor([s.snapshot for s in snaps], device=dev)
             snapshots.kv[ids] = window_rows(ring[0], kv, rows, 0.0)
             snapshots.score[ids] = window_rows(ring[1], score, rows, float("-inf"))
         # Each token writes its ring row with the kv of its request's last token there (equal values, any order).
@@ -103,28 +100,38 @@ class Compressor(nn.Module):
 
     def _windows(self, step: LayerStep, ring_rows: int, ring_total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The window index of each token completing a window (decode_only: of every token) and its source rows."""
-        pos, ratio = step.batch.positions, self.ratio
         if step.decode_only:
-            index, requests = pos // ratio, step.token_requests
+            index, requests = step.batch.positions // self.ratio, step.token_requests
         else:
-            tokens = torch.nonzero(pos % ratio == ratio - 1).flatten()
-            index, requests = pos[tokens] // ratio, step.token_requests[tokens]
+            index, requests = self._finished_windows(step)
         rows = self._rows(step, ring_rows, ring_total, requests, index)
         return index, rows
 
+    def _finished_windows(self, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows the step's tokens complete, request after request, and their requests: request r completes
+        windows context // ratio .. end // ratio - 1. Their count comes from the host-side layout (no sync)."""
+
+        def windows():
+            batch, ratio = step.batch, self.ratio
+            dev = batch.positions.device
+            first = batch.context_lens.long() // ratio
+            counts = step.request_ends // ratio - first
+            total = step.layout.finished_windows(ratio)
+            requests = torch.repeat_interleave(torch.arange(batch.num_requests, device=dev), counts, output_size=total)
+            before = torch.cumsum(counts, 0) - counts
+            return first[requests] + torch.arange(total, device=dev) - before[requests], requests
+
+        return step.batch.shared(("finished windows", self.ratio), windows)
+
     def _entry_rows(self, step: LayerStep, index: torch.Tensor, per_page: int, pages: int) -> torch.Tensor:
-        """Each window's row in a pool of `pages` pages of per_page entries; a decode_only token whose window is
-        unfinished or whose page is unassigned (padding) writes to the last, scratch, page."""
+        """Each window's row in a pool of `pages` pages of per_page entries; a window on an unassigned page
+        (padding), or a decode_only token's unfinished one, goes to the last, scratch, page."""
         batch, ratio = step.batch, self.ratio
         if step.decode_only:
             requests, completes = step.token_requests, batch.positions % ratio == ratio - 1
-        else:
-            requests, completes = step.token_requests[(batch.positions % ratio == ratio - 1)], None
+        else:  # every window finished
+            requests, completes = self._finished_windows(step)[1], True
         target = table_entry_rows(batch.block_tables[requests], index[:, None], per_page)[:, 0]
-        if completes is None:
-            if bool((target < 0).any()):
-                raise ValueError("block table: a compressed entry falls on an unassigned page (-1)")
-            return target
         return torch.where(completes & (target >= 0), target, (pages - 1) * per_page)
 
     def _rows(
