@@ -11,7 +11,7 @@ both the dot products with fn and the sum of squares, split along the flattened 
 tokens to fill the device (one partial row per split, summed in a fixed order by the next launch: deterministic,
 no atomics, nothing to zero). The collapse launch sums a token's partials, computes its gates and the Sinkhorn
 iterations in registers (an hc x hc matrix) and writes a slice of the channels; when a token's channels are
-split over several programs each recomputes those few values. Everything is fp32 as in the reference. With
+split over several programs each recomputes those few values, and when tokens are many a program takes several. Everything is fp32 as in the reference. With
 bf16 or fp16 streams (exact in TF32) the projection's products run on tensor cores as three TF32 products
 (Triton's tf32x3: each operand split into a TF32 high part and the TF32 rounding of the rest, the low x low
 product dropped): the streams' low parts are zero, so only the weight's rest is rounded, about 2^-22 of a
@@ -44,6 +44,8 @@ PROJECTION_PRECISION = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3"}  # by
 SPLIT_BLOCK = 32  # partial rows the collapse sums per step
 CHANNEL_BLOCK = 512
 COLLAPSE_WAVES = 4
+COLLAPSE_MAX_TOKENS = 8
+COLLAPSE_TILE = 1024  # channels x tokens a collapse step of several tokens takes
 WARPS = 4
 
 
@@ -131,9 +133,9 @@ def _projection_kernel(
 
 
 @triton.jit
-def _pick(vec, cols, offsets):
-    """vec[offsets] of a small register vector (registers cannot be indexed: one-hot sums)."""
-    return tl.sum(tl.where(cols[None, :] == offsets[:, None], vec[None, :], 0.0), axis=1)
+def _pick(mix, cols, offsets):
+    """mix[:, offsets] of a small register tile [tokens, cols] (registers cannot be indexed: one-hot sums)."""
+    return tl.sum(tl.where(cols[None, None, :] == offsets[None, :, None], mix[:, None, :], 0.0), axis=2)
 
 
 @triton.jit(do_not_specialize=["T", "splits", "iters", "chunks", "parts"])
@@ -161,45 +163,48 @@ def _collapse_kernel(
     MIX_PAD: tl.constexpr,
     MIXING: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
+    TOKENS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """x[t, chunk] = sum_i pre_i h[t, i, chunk] for the chunks part, part + parts, ...; with MIXING (hc_pre, not
-    hc_head) the first part also writes post[t] and comb[t]."""
-    t = tl.program_id(0).to(tl.int64)
+    """x[t, chunk] = sum_i pre_i h[t, i, chunk] for TOKENS tokens and the chunks part, part + parts, ...; with
+    MIXING (hc_pre, not hc_head) the first part also writes post[t] and comb[t]."""
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    t_ok = t < T
+    t = t.to(tl.int64)
     part = tl.program_id(1)
     i = tl.arange(0, HC)
     cols = tl.arange(0, MIX_PAD)
     block = tl.arange(0, SPLIT_BLOCK)
-    mix = tl.zeros((MIX_PAD,), tl.float32)
+    mix = tl.zeros((TOKENS, MIX_PAD), tl.float32)
     for first in range(0, splits, SPLIT_BLOCK):
         split = first + block
-        rows = (split * T).to(tl.int64) + t
-        mix += tl.sum(
-            tl.load(part_ptr + rows[:, None] * MIX_PAD + cols[None, :], mask=(split < splits)[:, None], other=0.0), 0
-        )
-    norm = 1.0 / tl.sqrt(tl.sum(tl.where(cols == MIX, mix, 0.0)) / K + norm_eps)
-    pre = tl.sigmoid(_pick(mix, cols, i) * norm * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
+        rows = (split * T).to(tl.int64)[:, None] + t[None, :]
+        ok = (split < splits)[:, None] & t_ok[None, :]
+        mix += tl.sum(tl.load(part_ptr + rows[:, :, None] * MIX_PAD + cols, mask=ok[:, :, None], other=0.0), 0)
+    norm = 1.0 / tl.sqrt(tl.sum(tl.where(cols[None, :] == MIX, mix, 0.0), axis=1) / K + norm_eps)[:, None]
+    pre = tl.sigmoid(_pick(mix, cols, i) * norm * tl.load(scale_ptr) + tl.load(base_ptr + i)[None, :]) + hc_eps
     if MIXING:
         if part == 0:
             post_mix = _pick(mix, cols, HC + i) * norm
-            post = 2.0 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
-            tl.store(post_ptr + t * HC + i, post)
+            post = 2.0 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i)[None, :])
+            tl.store(post_ptr + t[:, None] * HC + i[None, :], post, mask=t_ok[:, None])
             jk = i[:, None] * HC + i[None, :]
-            logits = tl.reshape(_pick(mix, cols, 2 * HC + tl.arange(0, HC * HC)), (HC, HC)) * norm
-            logits = logits * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + jk)
-            e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-            comb = e / tl.sum(e, axis=1)[:, None] + hc_eps
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+            logits = tl.reshape(_pick(mix, cols, 2 * HC + tl.arange(0, HC * HC)) * norm, (TOKENS, HC, HC))
+            logits = logits * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + jk)[None, :, :]
+            e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+            comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
             for _ in range(1, iters):
-                comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-                comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-            tl.store(comb_ptr + t * HC * HC + jk, comb)
+                comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+            tl.store(comb_ptr + t[:, None, None] * HC * HC + jk[None, :, :], comb, mask=t_ok[:, None, None])
     for chunk in range(part, chunks, parts):
         d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = d < D
-        h = tl.load(h_ptr + t * h_stride + i[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0)
-        x = tl.sum(pre[:, None] * h.to(tl.float32), axis=0)
-        tl.store(x_ptr + t * x_stride + d, x.to(x_ptr.dtype.element_ty), mask=d_ok)
+        ok = t_ok[:, None] & (d < D)[None, :]
+        at = h_ptr + t[:, None, None] * h_stride + i[None, :, None] * D + d[None, None, :]
+        h = tl.load(at, mask=ok[:, None, :], other=0.0)
+        x = tl.sum(pre[:, :, None] * h.to(tl.float32), axis=1)
+        tl.store(x_ptr + t[:, None] * x_stride + d[None, :], x.to(x_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -240,8 +245,9 @@ class Plan:
     splits: int  # projection programs along the flattened channels
     k_blocks_per_split: int
     stages: int  # the projection's pipeline stages
-    block_d: int  # channels per collapse / expand step
+    block_d: int  # channels per collapse step
     parts: int  # collapse programs per token
+    collapse_tokens: int = 1  # tokens per collapse program (more than one: parts is 1)
 
 
 def plan(tokens: int, k: int, d: int, mix_pad: int, x_bytes: int, sms: int, smem: int) -> Plan:
@@ -257,7 +263,13 @@ def plan(tokens: int, k: int, d: int, mix_pad: int, x_bytes: int, sms: int, smem
     stages = max(1, min(PROJECTION_MAX_STAGES, (smem // 2 - PROJECTION_BLOCK_K * (block_t + mix_pad) * 4) // stage))
     chunks = triton.cdiv(d, CHANNEL_BLOCK)
     parts = max(1, min(chunks, triton.cdiv(COLLAPSE_WAVES * sms, tokens)))
-    return Plan(block_t, PROJECTION_BLOCK_K, triton.cdiv(k_blocks, per_split), per_split, stages, CHANNEL_BLOCK, parts)
+    # Tokens to spare beyond COLLAPSE_WAVES programs an SM share a program (a token alone in one is latency-bound:
+    # its gates and Sinkhorn steps are a few dependent values), in steps of COLLAPSE_TILE channels x tokens.
+    share = max(1, tokens // (COLLAPSE_WAVES * sms))
+    collapse_tokens = min(COLLAPSE_MAX_TOKENS, 1 << (share.bit_length() - 1))
+    block_d = CHANNEL_BLOCK if collapse_tokens == 1 else COLLAPSE_TILE // collapse_tokens
+    splits = triton.cdiv(k_blocks, per_split)
+    return Plan(block_t, PROJECTION_BLOCK_K, splits, per_split, stages, block_d, parts, collapse_tokens)
 
 
 def _check_streams(streams: torch.Tensor, fn: torch.Tensor) -> None:
@@ -300,7 +312,7 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
     )
     chunks = triton.cdiv(d, launch.block_d)
     parts = min(launch.parts, chunks)
-    _collapse_kernel[(tokens, parts)](
+    _collapse_kernel[(triton.cdiv(tokens, launch.collapse_tokens), parts)](
         streams,
         streams.stride(0),
         part,
@@ -323,7 +335,8 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         MIX=mix,
         MIX_PAD=mix_pad,
         MIXING=mixing,
-        SPLIT_BLOCK=SPLIT_BLOCK,
+        SPLIT_BLOCK=max(1, SPLIT_BLOCK // launch.collapse_tokens),
+        TOKENS=launch.collapse_tokens,
         BLOCK_D=launch.block_d,
         num_warps=WARPS,
     )

@@ -1,5 +1,6 @@
 """mHC kernels (interpreted on the CPU, tiny shapes) against their torch references: hc_pre's projection, gates,
-Sinkhorn and collapse, hc_head, and hc_post's expansion; split projections and split channels give the same."""
+Sinkhorn and collapse, hc_head, and hc_post's expansion; split projections, split channels and collapse programs
+of several tokens give the same."""
 
 import pytest
 import torch
@@ -39,14 +40,25 @@ def split_plan(mhc, k: int):
     )
 
 
+def shared_plan(mhc, k: int):
+    """A plan whose collapse programs take four tokens each, in steps of 16 channels."""
+    return mhc.Plan(
+        block_t=16, block_k=16, splits=1, k_blocks_per_split=-(-k // 16), stages=1, block_d=16, parts=1,
+        collapse_tokens=4,
+    )  # fmt: skip
+
+
+PLANS = {"default": lambda mhc, k: None, "split": split_plan, "shared": shared_plan}
+
+
 @pytest.mark.parametrize("hc,d,tokens", [(4, 64, 1), (4, 40, 21), (2, 64, 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split", ["default", "split", "shared"])
 def test_hc_pre_matches_reference(mhc, hc, d, tokens, dtype, split):
     g = torch.Generator().manual_seed(hc * d + tokens)
     streams = torch.randn(tokens, hc, d, generator=g).to(dtype)
     fn, scale, base = weights(hc, d, (2 + hc) * hc, g)
-    launch = split_plan(mhc, hc * d) if split else None
+    launch = PLANS[split](mhc, hc * d)
     x, post, comb = mhc.hc_pre_triton(streams, fn, scale, base, hc, 20, 1e-6, 1e-6, launch=launch)
     want_x, want_post, want_comb = mhc.hc_pre_reference(streams, fn, scale, base, hc, 20, 1e-6, 1e-6)
     assert x.dtype == dtype and post.dtype == comb.dtype == torch.float32
@@ -67,13 +79,13 @@ def test_one_sinkhorn_step_normalises_the_columns_only(mhc):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split", ["default", "split", "shared"])
 def test_hc_head_matches_reference(mhc, dtype, split):
     g = torch.Generator().manual_seed(11)
     streams = torch.randn(9, 4, 64, generator=g).to(dtype)
     fn, scale, base = weights(4, 64, 4, g)
     scale = scale[:1]
-    launch = split_plan(mhc, 256) if split else None
+    launch = PLANS[split](mhc, 256)
     got = mhc.hc_head_triton(streams, fn, scale, base, 1e-6, 1e-6, launch=launch)
     want = mhc.hc_head_reference(streams, fn, scale, base, 1e-6, 1e-6)
     torch.testing.assert_close(got.float(), want.float(), **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
@@ -106,3 +118,14 @@ def test_rejects_strided_streams(mhc):
     streams = torch.zeros(3, 16, 4).transpose(1, 2)
     with pytest.raises(ValueError, match="contiguous"):
         mhc.hc_pre_triton(streams, fn, scale, base, 4, 20, 1e-6, 1e-6)
+
+
+def test_plan_shares_collapse_programs_only_among_spare_tokens(mhc):
+    """Flash's streams (4 x 4096) on 132 SMs: a decode batch splits each token's channels over programs; a
+    prefill chunk puts several tokens in a program, as many as leave COLLAPSE_WAVES programs an SM."""
+    decode = mhc.plan(64, 4 * 4096, 4096, 32, 2, sms=132, smem=227 << 10)
+    assert decode.parts > 1 and decode.collapse_tokens == 1 and decode.block_d == mhc.CHANNEL_BLOCK
+    prefill = mhc.plan(8192, 4 * 4096, 4096, 32, 2, sms=132, smem=227 << 10)
+    assert prefill.parts == 1 and prefill.collapse_tokens == 8
+    assert -(-8192 // prefill.collapse_tokens) >= mhc.COLLAPSE_WAVES * 132
+    assert prefill.collapse_tokens * prefill.block_d == mhc.COLLAPSE_TILE
