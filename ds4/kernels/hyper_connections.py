@@ -11,8 +11,9 @@ both the dot products with fn and the sum of squares, split along the flattened 
 tokens to fill the device (one partial row per split, summed in a fixed order by the next launch: deterministic,
 no atomics, nothing to zero). The collapse launch sums a token's partials, computes its gates and the Sinkhorn
 iterations in registers (an hc x hc matrix) and writes a slice of the channels; when a token's channels are
-split over several programs each recomputes those few values, and when tokens are many a program takes several. Everything is fp32 as in the reference. With
-bf16 or fp16 streams (exact in TF32) the projection's products run on tensor cores as three TF32 products
+split over several programs each recomputes those few values, and when tokens are many a program takes several.
+Everything is fp32 as in the reference. With bf16 or fp16 streams (exact in TF32) the projection's products run
+on tensor cores as three TF32 products
 (Triton's tf32x3: each operand split into a TF32 high part and the TF32 rounding of the rest, the low x low
 product dropped): the streams' low parts are zero, so only the weight's rest is rounded, about 2^-22 of a
 product instead of the 2^-24 of IEEE fp32 FMAs; fp32 streams keep IEEE fp32 FMAs (an fp32 model agrees with its
