@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, bf16_bits, kv_entry_bytes, quantize_kv, store_fp8_entries
 from ds4.kernels.rmsnorm import inverse_rms, rms_norm_reference
-from ds4.kernels.rope import apply_rope_reference, rotate_pairs
+from ds4.kernels.rope import apply_rope_reference, turn_pairs
 
 # Chosen settings: elements of a program's tile (rows x the row length rounded up to a power of two).
 ROW_TILE = 4096
@@ -43,9 +43,11 @@ class EntryForm:
 
     def fits_kernel(self, head_dim: int) -> bool:
         """Whether the Triton kernels take rows of head_dim: a power-of-two count of frequencies (32 and 64 in
-        DeepSeek-V4) that fits, on whole channel pairs."""
+        DeepSeek-V4) that fits, on whole channel pairs, the rotated ones starting at a multiple of it (their angles
+        are tiled over the row, see finish_entries)."""
         half = self.inv_freq.numel()
-        return half & (half - 1) == 0 and 2 * half <= head_dim and head_dim % 2 == 0
+        fits = half & (half - 1) == 0 and 2 * half <= head_dim and head_dim % 2 == 0
+        return fits and (head_dim // 2 - half) % half == 0
 
     def reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The spec: the composed torch ops."""
@@ -98,7 +100,8 @@ def finish_entries(
 ):
     """Rows [ROWS] of channels 2 * pair (even) and 2 * pair + 1 (odd), fp32 [ROWS, BLOCK_P] (0 past D) at
     `positions` [ROWS]: normalised, rotated and written to out_row [ROWS] (pointers to the rows: FP8 entries,
-    or values of out_row's type)."""
+    or values of out_row's type). The sines and cosines of the HALF rotated pairs only, tiled over the row (a
+    query head of 512 channels: 32 a row, not 256): the rotated pairs start at a multiple of HALF."""
     p_ok = pair < D // 2
     inverse = inverse_rms(tl.sum(even * even, axis=1) + tl.sum(odd * odd, axis=1), D, eps)[:, None]
     even, odd = even * inverse, odd * inverse
@@ -107,10 +110,13 @@ def finish_entries(
         odd = odd * tl.load(w_ptr + 2 * pair + 1, mask=p_ok, other=0.0).to(tl.float32)[None, :]
     even, odd = rounded(even, DTYPE), rounded(odd, DTYPE)
     lead = D // 2 - HALF
-    k = pair - lead
-    is_rope = (k >= 0) & p_ok
-    angle = positions.to(tl.float32)[:, None] * tl.load(freq_ptr + k, mask=is_rope, other=0.0)[None, :]
-    turned_even, turned_odd = rotate_pairs(even, odd, angle, 1.0)
+    is_rope = (pair >= lead) & p_ok
+    # Pair p >= lead turns by frequency p - lead, i.e. p % HALF.
+    angle = positions.to(tl.float32)[:, None] * tl.load(freq_ptr + tl.arange(0, HALF))[None, :]
+    tiles: tl.constexpr = (ROWS, BLOCK_P // HALF, HALF)
+    cos = tl.reshape(tl.broadcast_to(tl.cos(angle)[:, None, :], tiles), (ROWS, BLOCK_P))
+    sin = tl.reshape(tl.broadcast_to(tl.sin(angle)[:, None, :], tiles), (ROWS, BLOCK_P))
+    turned_even, turned_odd = turn_pairs(even, odd, cos, sin)
     even = tl.where(is_rope[None, :], rounded(turned_even, DTYPE), even)
     odd = tl.where(is_rope[None, :], rounded(turned_odd, DTYPE), odd)
     if FP8:

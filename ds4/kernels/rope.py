@@ -71,7 +71,12 @@ def apply_rope_reference(
 @triton.jit
 def rotate_pairs(even, odd, angle, SIGN: tl.constexpr):
     """Channel pairs (even, odd) turned by angle (SIGN -1.0: back), in fp32."""
-    cos, sin = tl.cos(angle), SIGN * tl.sin(angle)
+    return turn_pairs(even, odd, tl.cos(angle), SIGN * tl.sin(angle))
+
+
+@triton.jit
+def turn_pairs(even, odd, cos, sin):
+    """Channel pairs (even, odd) turned by the angle of cosine cos and sine sin, in fp32."""
     return even * cos - odd * sin, even * sin + odd * cos
 
 

@@ -51,3 +51,15 @@ def test_fp8_entries_are_bit_exact_with_quantize_kv(nr, head_dim, rope):
     want = quantize_kv(x * weight, rope)
     assert torch.equal(form.reference(x, positions), want)  # the rows do hold what exact_rows says
     assert torch.equal(nr.norm_rope_triton(x, positions, form), want)
+
+
+def test_rows_whose_rotated_pairs_are_not_aligned_take_the_reference(nr):
+    """The kernel tiles the angles of the HALF rotated pairs over the row: 72 channels with 8 frequencies put the
+    first rotated pair at 28, not a multiple of 8, so such rows are the reference's (norm_rope) and the kernel
+    refuses them."""
+    form = nr.EntryForm(None, rope_inv_freq(16, 10000.0), 1e-6, torch.float32)
+    assert form.fits_kernel(80) and not form.fits_kernel(72)
+    x, positions = torch.randn(3, 72), torch.arange(3)
+    torch.testing.assert_close(nr.norm_rope(x, positions, form), form.reference(x, positions), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="do not fit"):
+        nr.norm_rope_triton(x, positions, form)
