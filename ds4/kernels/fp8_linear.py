@@ -66,8 +66,7 @@ PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 
 CUBLAS_ROWS = 16  # rows padded to a multiple of this for cuBLAS
 ARRIVAL_COUNTERS = 1 << 14  # output tiles a split launch may have (one int32 counter each, per device)
 SMEM_RESERVE = 8 << 10  # shared memory left to the compiler's own scratch (barriers, the epilogue)
-ACT_QUANT_ROWS = 32  # rows x 128-column groups an act_quant program quantises: 32 KB of bf16 input
-ACT_QUANT_GROUPS = 4
+ACT_QUANT_ROWS = 32  # rows an act_quant program quantises
 
 
 # ---- torch reference: the spec, the CPU path and the test oracle ----
@@ -151,23 +150,16 @@ def _mma(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "M_OUT", "K"])
-def _act_quant_kernel(
-    x_ptr, x_stride, q_ptr, q_stride, scale_ptr, scale_stride, M, M_OUT, K, ROWS: tl.constexpr, GROUPS: tl.constexpr
-):  # fmt: skip
-    """One program: ROWS rows x GROUPS 128-column groups; scales are written K-group-major ([K/128, M_OUT]).
+def _act_quant_kernel(x_ptr, x_stride, q_ptr, q_stride, scale_ptr, scale_stride, M, M_OUT, K, ROWS: tl.constexpr):
+    """One program: ROWS rows x one 128-column group; scales are written K-group-major ([K/128, M_OUT]).
     Output rows M..M_OUT-1 (padding) quantise zeros."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * GROUPS * 128 + tl.arange(0, GROUPS * 128)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     out = (rows[:, None] < M_OUT) & (cols[None, :] < K)
-    x = tl.load(
-        x_ptr + rows[:, None].to(tl.int64) * x_stride + cols[None, :], mask=out & (rows[:, None] < M), other=0.0
-    )
-    q, scale = _quantize_group(x.to(tl.float32).reshape(ROWS * GROUPS, 128))
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * q_stride + cols[None, :], q.reshape(ROWS, GROUPS * 128), mask=out)
-    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    scale_at = scale_ptr + group[:, None].to(tl.int64) * scale_stride + rows[None, :]
-    ok = (group[:, None] * 128 < K) & (rows[None, :] < M_OUT)
-    tl.store(scale_at, tl.trans(scale.reshape(ROWS, GROUPS)), mask=ok)
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=out & (rows[:, None] < M), other=0.0)
+    q, scale = _quantize_group(x.to(tl.float32))
+    tl.store(q_ptr + rows[:, None] * q_stride + cols[None, :], q, mask=out)
+    tl.store(scale_ptr + tl.program_id(1) * scale_stride + rows, scale, mask=rows < M_OUT)
 
 
 # K and the input strides stay specialised: their divisibility by 16 lets the K-masked loads be 16 bytes wide.
@@ -398,11 +390,8 @@ def act_quant_triton(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Te
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     groups = triton.cdiv(k, QUANT_BLOCK)
     scale_t = torch.empty(groups, rows, dtype=torch.float32, device=x.device)
-    per_program = min(ACT_QUANT_GROUPS, triton.next_power_of_2(groups))
-    grid = (triton.cdiv(rows, ACT_QUANT_ROWS), triton.cdiv(groups, per_program))
-    _act_quant_kernel[grid](
-        x, x.stride(0), q, q.stride(0), scale_t, scale_t.stride(0), m, rows, k, ROWS=ACT_QUANT_ROWS, GROUPS=per_program
-    )  # fmt: skip
+    grid = (triton.cdiv(rows, ACT_QUANT_ROWS), groups)
+    _act_quant_kernel[grid](x, x.stride(0), q, q.stride(0), scale_t, scale_t.stride(0), m, rows, k, ROWS=ACT_QUANT_ROWS)
     return q, scale_t.t()
 
 
