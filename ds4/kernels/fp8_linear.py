@@ -67,6 +67,7 @@ CUBLAS_ROWS = 16  # rows padded to a multiple of this for cuBLAS
 ARRIVAL_COUNTERS = 1 << 14  # output tiles a split launch may have (one int32 counter each, per device)
 SMEM_RESERVE = 8 << 10  # shared memory left to the compiler's own scratch (barriers, the epilogue)
 ACT_QUANT_ROWS = 32  # rows an act_quant program quantises
+DEQUANTIZE_ROWS, DEQUANTIZE_COLS = 32, 512  # a weight dequantisation program's tile
 
 
 # ---- torch reference: the spec, the CPU path and the test oracle ----
@@ -406,12 +407,28 @@ def _cublas(x, weight, scale, groups, quantize_x, out_dtype) -> torch.Tensor:
     return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.t(), out_dtype=out_dtype)[:m]
 
 
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, s_stride, out_ptr, N, K, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """One program: ROWS x COLS weights (whole 128 x 128 blocks of rows, COLS a multiple of 128) times their
+    block's scale, in out's dtype."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    ok = (rows < N)[:, None] & (cols < K)[None, :]
+    at = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    scale = tl.load(s_ptr + (rows // 128)[:, None] * s_stride + (cols // 128)[None, :], mask=ok, other=0.0)
+    w = tl.load(w_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + at, (w * scale).to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def _dequantize_aligned(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dequantize_weight for whole 128 x 128 blocks in two elementwise passes (e4m3 times a power of two is exact
-    in bf16)."""
+    """dequantize_weight for whole 128 x 128 blocks (contiguous weight) in one pass, in `dtype` (e4m3 times a power
+    of two is exact in bf16)."""
     n, k = weight.shape
-    blocks = weight.to(dtype).view(n // QUANT_BLOCK, QUANT_BLOCK, k // QUANT_BLOCK, QUANT_BLOCK)
-    return (blocks * scale.to(dtype)[:, None, :, None]).view(n, k)
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    cols = min(DEQUANTIZE_COLS, k)
+    grid = (triton.cdiv(n, DEQUANTIZE_ROWS), triton.cdiv(k, cols))
+    _dequantize_kernel[grid](weight, scale, scale.stride(0), out, n, k, ROWS=DEQUANTIZE_ROWS, COLS=cols)
+    return out
 
 
 def cublas_fits(m: int, n: int, k: int, groups: int, quantize_x: bool) -> bool:

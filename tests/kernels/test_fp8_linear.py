@@ -127,3 +127,15 @@ def test_auto_takes_triton_at_decode_sizes_and_cublas_where_it_is_faster(fp8):
     assert fp8.prefers_triton(64, 512, 4096, 1, True) and not fp8.prefers_triton(65, 512, 4096, 1, True)
     assert fp8.prefers_triton(128, 8 * 1024, 4096, 8, False)  # grouped: cuBLAS does not fit
     assert fp8.prefers_triton(4, 200, 300, 1, True)  # partial blocks: cuBLAS does not fit
+
+
+@pytest.mark.parametrize("n, k", [(256, 640), (384, 128)])
+def test_weight_dequantization_kernel_matches_the_reference(fp8, n, k):
+    """The cuBLAS path's one-pass dequantisation (whole 128 x 128 blocks) equals dequantize_weight exactly: e4m3
+    values times powers of two are exact in bf16."""
+    g = torch.Generator().manual_seed(n + k)
+    w, s = weights(n, k, g)
+    s = s * torch.randint(-3, 4, s.shape, generator=g).float().exp2()
+    got = fp8._dequantize_aligned(w, s, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, fp8.dequantize_weight(w, s).to(torch.bfloat16))
