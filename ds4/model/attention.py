@@ -39,7 +39,7 @@ from ds4.model.batch import ForwardBatch, LayerStep, StepLayout
 from ds4.model.cache import FP8, LayerCache
 from ds4.model.compressor import Compressor
 from ds4.model.indexer import Indexer
-from ds4.model.linear import DEQUANTIZED, Linear, Norm, fp32_param, kept_fp8_block
+from ds4.model.linear import DEQUANTIZED, Linear, Norm, fp32_param, kept_fp8_block, quantize_shared_input
 from ds4.model.paging import visible_entry_rows
 from ds4.model.rope import layer_inv_freq
 from ds4.model.shard import hold
@@ -112,10 +112,11 @@ class Attention(nn.Module):
         """layout None: a decode_only batch (see ForwardBatch)."""
         step = LayerStep(batch, layout, cache, self.inv_freq)
         t, pos = x.shape[0], batch.positions
-        qr = rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
+        xq = quantize_shared_input(x, self.wq_a, self.wkv)
+        qr = rms_norm(self.wq_a(x, xq), self.q_norm.weight, self.eps)
         q = norm_rope(self.wq_b(qr).view(t, self.heads, self.head_dim), pos, self._form(None, False))
         # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
-        kv = norm_rope(self.wkv(x), pos, self._form(self.kv_norm.weight, self.fp8_kv))
+        kv = norm_rope(self.wkv(x, xq), pos, self._form(self.kv_norm.weight, self.fp8_kv))
 
         key_sets = self._window_keys(kv, step)
         if self.kind != WINDOW:

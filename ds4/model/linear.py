@@ -13,7 +13,7 @@ from torch import nn
 
 from ds4.checkpoint.quant import e8m0_to_float, fp8_block_dequantize
 from ds4.config import ModelConfig
-from ds4.kernels.fp8_linear import QUANT_BLOCK, fp8_linear
+from ds4.kernels.fp8_linear import QUANT_BLOCK, fp8_linear, shared_act_quant
 from ds4.kernels.fp32_product import fp32_product
 from ds4.model.shard import cut, hold, read, read_grouped, region_of
 
@@ -77,9 +77,12 @@ class Linear(nn.Module):
             full = fp8_block_dequantize(weight.to(device), scale.to(device), block, self.dtype)
             self.weight.copy_(cut(full, offset, self.weight.shape))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """quantized: x's act_quant from `quantize_shared_input`, if this layer is one of those it was made for."""
         if self.scale is not None:
-            return fp8_linear(x, self.weight, self.scale, self.groups, self.quantize_input, out_dtype=self.dtype)
+            return fp8_linear(
+                x, self.weight, self.scale, self.groups, self.quantize_input, out_dtype=self.dtype, quantized=quantized
+            )
         if self.fp32_output:
             return fp32_product(x, self.weight)
         x = x.to(self.weight.dtype)
@@ -87,6 +90,14 @@ class Linear(nn.Module):
             return F.linear(x, self.weight)
         w = self.weight.view(self.groups, -1, self.weight.shape[1])
         return torch.einsum("tgd,grd->tgr", x.view(x.shape[0], self.groups, -1), w).flatten(1)
+
+
+def quantize_shared_input(x: torch.Tensor, *layers: Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x act_quant'ed once for FP8 layers that would each act_quant it (ds4.kernels.fp8_linear.shared_act_quant),
+    else None; pass it to each layer's forward with x."""
+    if any(layer.scale is None or not layer.quantize_input or layer.groups != 1 for layer in layers):
+        return None
+    return shared_act_quant(x, [layer.weight for layer in layers])
 
 
 class Norm(nn.Module):

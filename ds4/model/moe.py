@@ -17,7 +17,7 @@ from ds4.config import ModelConfig
 from ds4.distributed.parallel import Parallel
 from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, routed_experts, swiglu_to
 from ds4.kernels.moe_routing import Routes, route, router_logits
-from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, kept_fp8_block
+from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, kept_fp8_block, quantize_shared_input
 from ds4.model.shard import Region, cut, read, read_grouped, stored_dtype
 
 
@@ -160,7 +160,8 @@ class SharedExpert(nn.Module):
         self.w3 = Linear(d, i, dtype, device, fp8, rows=channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu_to(self.w1(x), self.w3(x), self.limit, x.dtype))
+        xq = quantize_shared_input(x, self.w1, self.w3)
+        return self.w2(swiglu_to(self.w1(x, xq), self.w3(x, xq), self.limit, x.dtype))
 
 
 class MoE(nn.Module):
