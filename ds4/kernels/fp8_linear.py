@@ -66,7 +66,7 @@ PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 
 CUBLAS_ROWS = 16  # rows padded to a multiple of this for cuBLAS
 ARRIVAL_COUNTERS = 1 << 14  # output tiles a split launch may have (one int32 counter each, per device)
 SMEM_RESERVE = 8 << 10  # shared memory left to the compiler's own scratch (barriers, the epilogue)
-ACT_QUANT_ROWS = 32  # rows an act_quant program quantises
+ACT_QUANT_ROWS = 8  # rows an act_quant program quantises (H200, 8192 x 4096: 0.094 ms at 32, 0.048 at 8)
 DEQUANTIZE_ROWS, DEQUANTIZE_COLS = 32, 512  # a weight dequantisation program's tile
 
 

@@ -23,7 +23,7 @@ from ds4.kernels.rmsnorm import inverse_rms, rms_norm_reference
 from ds4.kernels.rope import apply_rope_reference, turn_pairs
 
 # Chosen settings: elements of a program's tile (rows x the row length rounded up to a power of two).
-ROW_TILE = 4096
+ROW_TILE = 2048  # H200, 8K tokens x 64 query heads of 512: 0.85 ms at 4096 (153 registers), 0.58 at 2048
 
 
 @dataclass(frozen=True)
