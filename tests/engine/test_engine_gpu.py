@@ -11,7 +11,9 @@ reference scores within NEAR_TIE of its own choice (the tiny model's logits: std
 median, under 0.045 at one position in ten); from there on the two continuations are different texts.
 """
 
+import functools
 import random
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -277,6 +279,32 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
         assert torch.allclose(eager_layer.window[:2], graph_layer.window[:2], rtol=1e-5, atol=1e-5)
         if eager_layer.compressed is not None:
             assert torch.allclose(eager_layer.compressed[:8], graph_layer.compressed[:8], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_step_syncs_once_for_its_layout(model):
+    """A prefill step of two requests (one continuing from 24 cached tokens, across compressor windows and pages)
+    reads its batch's layout back once (StepLayout) and waits on the device nowhere else: no sync per layer."""
+    gen = torch.Generator().manual_seed(5)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    tables = torch.tensor([[3, 0, 5, 1], [2, 6, 4, 7]], **i32)
+    cache = model.new_cache(3, 8, PAGE)
+    first, second = (torch.randint(2, model.cfg.vocab_size, (n,), generator=gen).cuda() for n in (40, 30))
+    arange = functools.partial(torch.arange, device="cuda")
+    model.forward(ForwardBatch(first[:24], arange(24), torch.tensor([0, 24], **i32), torch.zeros(1, **i32),
+                               torch.zeros(1, **i32), tables[:1]), cache)  # fmt: skip
+    batch = ForwardBatch(torch.cat([first[24:], second]), torch.cat([arange(24, 40), arange(30)]),
+                         torch.tensor([0, 16, 46], **i32), torch.tensor([24, 0], **i32), torch.tensor([0, 1], **i32),
+                         tables)  # fmt: skip
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.forward(batch, cache)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [(w.filename, w.lineno) for w in caught if "prototype" not in str(w.message)]
+    assert len(syncs) == 1 and syncs[0][0].endswith("batch.py"), syncs
 
 
 def test_a_step_returns_its_tokens_while_the_step_launched_ahead_still_runs(model):
