@@ -4,18 +4,62 @@ The product of two bf16 (or fp16) values is exact in fp32, so on CUDA a half-pre
 an fp32 output is x.float() @ W.float().T summed in another order, reading the weight as stored (an fp32 GEMM
 runs on FMA units: ~15x slower at prefill). The model's head, the compressor's projections and the router hold
 their weights in the compute dtype for it.
+
+Decode-sized calls (up to GEMV_TOKENS rows of x) run a Triton GEMV instead: a program per weight row reads it
+once, in its own dtype, GEMV_TILE products a K step (a whole 4096-wide row for one token), and sums the fp32
+products itself; cuBLAS's kernels for a few rows took several times the weight's bytes (H200, the compressor's
+[1024, 4096]). Above, the GEMV would re-read each row for every block of tokens (8 blocks of 64 tokens: 32 us for
+the router's 2 MB), so cuBLAS runs them.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 _HALF = (torch.bfloat16, torch.float16)
+GEMV_TOKENS = 8
+GEMV_TILE = 8192
 
 
 def fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [N, K] times weight [M, K] transposed, in fp32 [N, M]."""
+    """x [N, K] times weight [M, K] transposed, in fp32 [N, M] (either operand in any float dtype)."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= GEMV_TOKENS:
+        return fp32_gemv(x, weight)
     if x.is_cuda and x.dtype == weight.dtype and x.dtype in _HALF and x.dim() == 2:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x.float(), weight.float())
+
+
+@triton.jit(do_not_specialize=["T", "N", "K"])
+def _gemv_kernel(x_ptr, stride_x, w_ptr, stride_w, out_ptr, stride_out, T, N, K, BT: tl.constexpr, BK: tl.constexpr):
+    """out[t, n] = sum over k of fp32(x[t, k]) * fp32(w[n, k]) for BT tokens and weight row n, fp32 products and
+    sums."""
+    n = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    t_ok = t < T
+    acc = tl.zeros((BT,), tl.float32)
+    for k0 in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
+        k = k0 + tl.arange(0, BK)
+        a = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + k[None, :], mask=t_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + n * stride_w + k)
+        acc += tl.sum(a.to(tl.float32) * w.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + n, acc, mask=t_ok)
+
+
+def fp32_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32_product by the Triton GEMV (any rows; CPU under TRITON_INTERPRET=1)."""
+    t, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"fp32_product: x [{t}, {k}] does not match weight {list(weight.shape)}")
+    out = torch.empty(t, n, dtype=torch.float32, device=x.device)
+    if t and n:
+        x, weight = x.contiguous(), weight.contiguous()
+        bt = min(GEMV_TOKENS, triton.next_power_of_2(t))
+        grid = (n, triton.cdiv(t, bt))
+        bk = min(GEMV_TILE // bt, k & -k)
+        _gemv_kernel[grid](x, x.stride(0), weight, weight.stride(0), out, out.stride(0), t, n, k, BT=bt, BK=bk)
+    return out

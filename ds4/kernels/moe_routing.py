@@ -24,21 +24,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4.kernels.fp32_product import fp32_product
-
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it softplus(x) is x
 # Logits a routing program holds (tokens x padded experts) in ROUTE_WARPS warps: more spill registers, and one
 # program of 64 tokens x 256 experts (sorting too) took 82 us on an H200, against 3.8 us for one token.
 ROUTE_TILE = 2048
 ROUTE_WARPS = 4
-
-
-# Router logits: up to LOGITS_TOKENS tokens a Triton GEMV reads x in its own dtype (no cast launch), a program
-# per expert row, LOGITS_TILE products a K step (a whole 4096-wide row for one token: its 16 KB in flight at
-# once); above, cuBLAS (on the H200 the GEMV re-reading each row for 8 blocks of 64 tokens took 32 us).
-LOGITS_TOKENS = 8
-LOGITS_TILE = 8192
 
 
 @dataclass(frozen=True)
@@ -50,48 +41,6 @@ class Routes:
     indices: torch.Tensor
     order: torch.Tensor
     bounds: torch.Tensor
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [T, E] = x.float() @ weight.float().T (weight [E, D] in x's dtype or fp32)."""
-    if not x.is_cuda or x.shape[0] > LOGITS_TOKENS:
-        return fp32_product(x, weight)
-    return router_logits_triton(x, weight)
-
-
-@triton.jit(do_not_specialize=["T", "n_experts", "K"])
-def _router_logits_kernel(
-    x_ptr, stride_x, w_ptr, stride_w, out_ptr, stride_out, T, n_experts, K,
-    BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-):  # fmt: skip
-    """out[t, e] = sum over k of fp32(x[t, k]) * fp32(w[e, k]) for BT tokens and BE experts, fp32 products and
-    sums."""
-    e = tl.program_id(0) * BE + tl.arange(0, BE)
-    t = tl.program_id(1) * BT + tl.arange(0, BT)
-    e_ok, t_ok = e < n_experts, t < T
-    acc = tl.zeros((BT, BE), tl.float32)
-    for k0 in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
-        k = k0 + tl.arange(0, BK)
-        a = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + k[None, :], mask=t_ok[:, None], other=0.0)
-        w = tl.load(w_ptr + e.to(tl.int64)[:, None] * stride_w + k[None, :], mask=e_ok[:, None], other=0.0)
-        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    dest = out_ptr + t.to(tl.int64)[:, None] * stride_out + e[None, :]
-    tl.store(dest, acc, mask=t_ok[:, None] & e_ok[None, :])
-
-
-def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    t, d = x.shape
-    n_experts = weight.shape[0]
-    out = torch.empty(t, n_experts, dtype=torch.float32, device=x.device)
-    if t:
-        x, weight = x.contiguous(), weight.contiguous()
-        bt = min(LOGITS_TOKENS, triton.next_power_of_2(t))
-        grid = (n_experts, triton.cdiv(t, bt))
-        _router_logits_kernel[grid](
-            x, x.stride(0), weight, weight.stride(0), out, out.stride(0), t, n_experts, d,
-            BT=bt, BE=1, BK=min(LOGITS_TILE // bt, d & -d),
-        )  # fmt: skip
-    return out
 
 
 def group_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

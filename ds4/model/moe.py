@@ -15,8 +15,9 @@ from torch import nn
 from ds4.checkpoint.quant import MXFP4_BLOCK, fp8_block_dequantize, mxfp4_dequantize
 from ds4.config import ModelConfig
 from ds4.distributed.parallel import Parallel
+from ds4.kernels.fp32_product import fp32_product
 from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, routed_experts, swiglu_to
-from ds4.kernels.moe_routing import Routes, route, router_logits
+from ds4.kernels.moe_routing import Routes, route
 from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, kept_fp8_block, quantize_shared_input
 from ds4.model.shard import Region, cut, read, read_grouped, stored_dtype
 
@@ -43,7 +44,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, held: slice | None = None) -> Routes:
         """held: this rank's experts under expert parallelism (the others' slots get expert 0, weight 0)."""
         local = None if held is None else (held.start, held.stop - held.start)
-        logits = router_logits(x, self.weight)
+        logits = fp32_product(x, self.weight)
         return route(logits, self.bias, self.tid2eid, input_ids, self.topk, self.score_func, self.route_scale, local)
 
 

@@ -117,13 +117,3 @@ def test_interpreted_combine_and_swiglu_equal_their_references(moe_kernels):
     for limit in (0.0, 7.0):
         got = moe_kernels.swiglu_triton(gate, up, limit, torch.float32)
         torch.testing.assert_close(got, swiglu(gate, up, limit), rtol=1e-6, atol=1e-6)
-
-
-def test_interpreted_router_logits_equal_the_fp32_linear(kernels):
-    gen = torch.Generator().manual_seed(9)
-    weight = torch.randn(E, 80, generator=gen)
-    for tokens in (1, 11):
-        x = torch.randn(tokens, 80, generator=gen).bfloat16()
-        torch.testing.assert_close(
-            kernels.router_logits_triton(x, weight), F.linear(x.float(), weight), rtol=1e-6, atol=1e-6
-        )
