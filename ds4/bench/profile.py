@@ -36,6 +36,7 @@ _MODULES = (
 # (kernels module, family) of the Triton kernels whose launches no op claims.
 _KERNEL_MODULES = (
     ("ds4.kernels.fp8_linear", "GEMMs"),
+    ("ds4.kernels.fp32_product", "GEMMs"),  # decode-sized fp32 products: the router's, the compressors'
     ("ds4.kernels.moe", "MoE"),
     ("ds4.kernels.indexer", "indexer"),
     ("ds4.kernels.fp4_act", "indexer"),  # the rounding of the indexer's keys (its queries' is in ds4.kernels.indexer)
