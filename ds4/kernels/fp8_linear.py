@@ -202,6 +202,7 @@ def _fp8_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    W_RUN: tl.constexpr,
 ):
     """One program: BLOCK_N output rows of one group x BLOCK_M rows of x x one split of the K chunks (BLOCK_K
     columns each), accumulated in fp32 [BLOCK_N, BLOCK_M]: by tl.dot (bf16 operands, or fp32 when DOT_F32), or
@@ -229,7 +230,11 @@ def _fp8_linear_kernel(
         k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         k_live = k < K
         kg = chunk * GROUPS + tl.arange(0, GROUPS)
-        w = tl.load(w_ptr + n[:, None] * w_stride + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
+        if USE_DOT:
+            w_k = k
+        else:  # loads of W_RUN bytes: the layout Triton gives x's loads, so w is not moved through shared memory
+            w_k = chunk * BLOCK_K + tl.arange(0, BLOCK_K) // W_RUN * W_RUN + tl.arange(0, BLOCK_K) % W_RUN
+        w = tl.load(w_ptr + n[:, None] * w_stride + w_k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
         x = tl.load(
             x_ptr + m[:, None] * x_stride + group * K + k[None, :],
             mask=m_live[:, None] & k_live[None, :],
@@ -331,6 +336,13 @@ def linear_plan(
     )
 
 
+def fma_weight_run(plan: LinearPlan, x_bytes: int) -> int:
+    """Weight columns one load of the FMA kernel reads (contiguous): as many as Triton gives a thread of x's
+    [1, BLOCK_K] tile (16 bytes, fewer where the tile has fewer columns than 16 bytes a thread), so the weight tile
+    gets x's layout and the product needs no layout change (which moved the whole tile through shared memory)."""
+    return max(1, min(16 // x_bytes, plan.block_k // (32 * plan.num_warps)))
+
+
 @functools.cache
 def _arrival_counters(device: torch.device) -> torch.Tensor:
     """Zeroed arrival counters of the split kernel on `device`: each launch leaves them zero again. Launches on one
@@ -377,6 +389,7 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
         BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k,
+        W_RUN=fma_weight_run(plan, x.element_size()),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
