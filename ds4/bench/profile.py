@@ -32,6 +32,7 @@ _MODULES = (
     ("ds4.model.compressor", "Compressor", "compressor"),
     ("ds4.model.moe", "MoE", "MoE"),
     ("ds4.model.linear", "Linear", "GEMMs"),
+    ("ds4.model.linear", "StackedLinears", "GEMMs"),
 )
 # (kernels module, family) of the Triton kernels whose launches no op claims.
 _KERNEL_MODULES = (

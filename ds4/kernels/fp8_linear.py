@@ -415,24 +415,14 @@ def _cublas_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return act_quant_triton(x, triton.cdiv(x.shape[0], CUBLAS_ROWS) * CUBLAS_ROWS)
 
 
-def _cublas(x, weight, scale, groups, quantize_x, out_dtype, quantized=None) -> torch.Tensor:
+def _cublas(x, weight, scale, groups, quantize_x, out_dtype) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
     if not quantize_x:
         w = _dequantize_aligned(weight, scale, x.dtype).view(groups, n // groups, k)
         return torch.einsum("mgk,grk->mgr", x.view(m, groups, k), w).reshape(m, n).to(out_dtype)
-    q, s = quantized if quantized is not None else _cublas_act_quant(x)
+    q, s = _cublas_act_quant(x)
     return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.t(), out_dtype=out_dtype)[:m]
-
-
-def shared_act_quant(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """x's act_quant for several FP8 linears of one group (`weights`, [N, K] each) that take x alike, when `auto`
-    sends every one of them to cuBLAS, which would act_quant x for each: give it to each as `quantized`. None
-    elsewhere (the Triton kernel quantises as it loads; the reference on the CPU)."""
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not x.is_cuda or m == 0 or any(prefers_triton(m, *w.shape, 1, True) for w in weights):
-        return None
-    return _cublas_act_quant(x.reshape(m, x.shape[-1]).contiguous())
 
 
 @triton.jit
@@ -484,14 +474,12 @@ def fp8_linear(
     out_dtype: torch.dtype | None = None,
     impl: str = "auto",
     plan: LinearPlan | None = None,
-    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [..., G*K] -> [..., G*R]; weight float8_e4m3fn [G*R, K]; scale fp32 [ceil(G*R/128), ceil(K/128)].
 
     impl: "auto" (on CUDA the Triton kernel or cuBLAS as `prefers_triton` says; the reference elsewhere),
     "triton" (the Triton kernel at any M; CPU under TRITON_INTERPRET=1), "cublas" or "torch". plan: override
-    the Triton kernel's launch plan (tests run the small-shared-memory plan with it). quantized: x's act_quant
-    from `shared_act_quant`, which the cuBLAS path takes instead of computing it (the others ignore it).
+    the Triton kernel's launch plan (tests run the small-shared-memory plan with it).
     """
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
@@ -520,7 +508,7 @@ def fp8_linear(
     elif impl == "cublas":
         if not cublas_fits(CUBLAS_MIN_M_DEQUANTIZED + 1, n, k, groups, quantize_x):
             raise ValueError(f"fp8_linear: cuBLAS needs one group of whole 128x128 blocks, got {groups} x {[n, k]}")
-        y = _cublas(x2.contiguous(), weight, scale, groups, quantize_x, out_dtype, quantized)
+        y = _cublas(x2.contiguous(), weight, scale, groups, quantize_x, out_dtype)
     else:
         raise ValueError(f"impl must be 'auto', 'triton', 'cublas' or 'torch', got {impl!r}")
     return y.reshape(*lead, n)

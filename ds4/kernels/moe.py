@@ -581,7 +581,10 @@ def swiglu_to(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.d
 
 
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
-    gate, up = gate.contiguous(), up.contiguous()
+    if (
+        gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.stride(0) != up.stride(0)
+    ):  # slices of one buffer pass as they are
+        gate, up = gate.contiguous(), up.contiguous()
     t, n = gate.shape
     out = torch.empty(t, n, dtype=dtype, device=gate.device)
     bn = min(_ELEMENTWISE_BLOCK, triton.next_power_of_2(n))

@@ -39,7 +39,7 @@ from ds4.model.batch import ForwardBatch, LayerStep, StepLayout
 from ds4.model.cache import FP8, LayerCache
 from ds4.model.compressor import Compressor
 from ds4.model.indexer import Indexer
-from ds4.model.linear import DEQUANTIZED, Linear, Norm, fp32_param, kept_fp8_block, quantize_shared_input
+from ds4.model.linear import DEQUANTIZED, Linear, Norm, StackedLinears, fp32_param, kept_fp8_block
 from ds4.model.paging import visible_entry_rows
 from ds4.model.rope import layer_inv_freq
 from ds4.model.shard import hold
@@ -93,6 +93,7 @@ class Attention(nn.Module):
         self.q_norm = Norm(cfg.q_lora_rank, device)
         self.wq_b = Linear(cfg.q_lora_rank, heads * hd, dtype, device, fp8, rows=split.scaled(split.heads, hd))
         self.wkv = Linear(d, hd, dtype, device, fp8)
+        self.q_a_and_kv = StackedLinears(self.wq_a, self.wkv)
         self.kv_norm = Norm(hd, device)
         # Grouped low-rank output projection; the reference multiplies it without act_quant.
         in_a, out_a, o_rows = heads * hd // self.groups, self.groups * olr, split.scaled(split.groups, olr)
@@ -112,11 +113,11 @@ class Attention(nn.Module):
         """layout None: a decode_only batch (see ForwardBatch)."""
         step = LayerStep(batch, layout, cache, self.inv_freq)
         t, pos = x.shape[0], batch.positions
-        xq = quantize_shared_input(x, self.wq_a, self.wkv)
-        qr = rms_norm(self.wq_a(x, xq), self.q_norm.weight, self.eps)
+        q_a, kv = self.q_a_and_kv(x)
+        qr = rms_norm(q_a, self.q_norm.weight, self.eps)
         q = norm_rope(self.wq_b(qr).view(t, self.heads, self.head_dim), pos, self._form(None, False))
         # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
-        kv = norm_rope(self.wkv(x, xq), pos, self._form(self.kv_norm.weight, self.fp8_kv))
+        kv = norm_rope(kv, pos, self._form(self.kv_norm.weight, self.fp8_kv))
 
         key_sets = self._window_keys(kv, step)
         if self.kind != WINDOW:

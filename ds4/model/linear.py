@@ -13,7 +13,7 @@ from torch import nn
 
 from ds4.checkpoint.quant import e8m0_to_float, fp8_block_dequantize
 from ds4.config import ModelConfig
-from ds4.kernels.fp8_linear import QUANT_BLOCK, fp8_linear, shared_act_quant
+from ds4.kernels.fp8_linear import QUANT_BLOCK, fp8_linear
 from ds4.kernels.fp32_product import fp32_product
 from ds4.model.shard import cut, hold, read, read_grouped, region_of
 
@@ -77,27 +77,69 @@ class Linear(nn.Module):
             full = fp8_block_dequantize(weight.to(device), scale.to(device), block, self.dtype)
             self.weight.copy_(cut(full, offset, self.weight.shape))
 
-    def forward(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """quantized: x's act_quant from `quantize_shared_input`, if this layer is one of those it was made for."""
-        if self.scale is not None:
-            return fp8_linear(
-                x, self.weight, self.scale, self.groups, self.quantize_input, out_dtype=self.dtype, quantized=quantized
-            )
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.multiply(x, self.weight, self.scale)
+
+    def multiply(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """x times `weight` (with FP8 block `scale`) as this layer multiplies its own: StackedLinears passes the
+        weights of several such layers at once."""
+        if scale is not None:
+            return fp8_linear(x, weight, scale, self.groups, self.quantize_input, out_dtype=self.dtype)
         if self.fp32_output:
-            return fp32_product(x, self.weight)
-        x = x.to(self.weight.dtype)
+            return fp32_product(x, weight)
+        x = x.to(weight.dtype)
         if self.groups == 1:
-            return F.linear(x, self.weight)
-        w = self.weight.view(self.groups, -1, self.weight.shape[1])
+            return F.linear(x, weight)
+        w = weight.view(self.groups, -1, weight.shape[1])
         return torch.einsum("tgd,grd->tgr", x.view(x.shape[0], self.groups, -1), w).flatten(1)
 
 
-def quantize_shared_input(x: torch.Tensor, *layers: Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """x act_quant'ed once for FP8 layers that would each act_quant it (ds4.kernels.fp8_linear.shared_act_quant),
-    else None; pass it to each layer's forward with x."""
-    if any(layer.scale is None or not layer.quantize_input or layer.groups != 1 for layer in layers):
-        return None
-    return shared_act_quant(x, [layer.weight for layer in layers])
+class StackedLinears(nn.Module):
+    """Linears that multiply the same input alike, their weights (and FP8 block scales) held as row slices of one
+    buffer, so that one launch multiplies x by all of them: one act_quant and one stream of weights at decode (each
+    launch there costs a latency of several microseconds), one GEMM at prefill. Each layer keeps its parameters
+    (views of the buffer, with their shard regions), so loading fills them as before. FP8 layers whose rows end
+    inside a 128-row scale block cannot share a block grid: they run one by one."""
+
+    def __init__(self, *layers: Linear):
+        super().__init__()
+        first = layers[0]
+        if any(_linear_kind(layer) != _linear_kind(first) for layer in layers):
+            raise ValueError(
+                f"StackedLinears: layers multiply their input differently: {[_linear_kind(layer) for layer in layers]}"
+            )
+        self.parts = tuple(layers)  # a tuple, not submodules: the layers stay registered where they are
+        self.sizes = [layer.weight.shape[0] for layer in layers]
+        self.stacked = first.scale is None or all(n % QUANT_BLOCK == 0 for n in self.sizes)
+        if self.stacked:
+            self.weight = _stack(layers, "weight")
+            self.scale = _stack(layers, "scale") if first.scale is not None else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self.stacked:
+            return tuple(layer(x) for layer in self.parts)
+        return self.parts[0].multiply(x, self.weight, self.scale).split(self.sizes, dim=-1)
+
+
+def _linear_kind(layer: Linear) -> tuple:
+    scale = None if layer.scale is None else layer.scale.dtype
+    return layer.weight.shape[1], layer.weight.dtype, scale, layer.groups, layer.quantize_input, layer.fp32_output
+
+
+def _stack(layers: tuple[Linear, ...], name: str) -> torch.Tensor:
+    """One buffer for the layers' `name` parameters, which become views of its row slices (keeping their shard
+    regions); returned as a plain tensor (each parameter is registered once, by its own layer)."""
+    parts = [getattr(layer, name) for layer in layers]
+    buffer = torch.cat([p.data for p in parts])
+    start = 0
+    for layer, part in zip(layers, parts):
+        view = nn.Parameter(buffer[start : start + part.shape[0]], requires_grad=False)
+        region = region_of(part)
+        if region is not None:
+            view.region = region
+        setattr(layer, name, view)
+        start += part.shape[0]
+    return buffer
 
 
 class Norm(nn.Module):

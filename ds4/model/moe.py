@@ -18,7 +18,7 @@ from ds4.distributed.parallel import Parallel
 from ds4.kernels.fp32_product import fp32_product
 from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, routed_experts, swiglu_to
 from ds4.kernels.moe_routing import Routes, route
-from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, kept_fp8_block, quantize_shared_input
+from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, StackedLinears, kept_fp8_block
 from ds4.model.shard import Region, cut, read, read_grouped, stored_dtype
 
 
@@ -159,10 +159,11 @@ class SharedExpert(nn.Module):
         self.w1 = Linear(d, i, dtype, device, fp8, rows=channels)
         self.w2 = Linear(i, d, dtype, device, fp8, cols=channels)
         self.w3 = Linear(d, i, dtype, device, fp8, rows=channels)
+        self.w13 = StackedLinears(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq = quantize_shared_input(x, self.w1, self.w3)
-        return self.w2(swiglu_to(self.w1(x, xq), self.w3(x, xq), self.limit, x.dtype))
+        gate, up = self.w13(x)
+        return self.w2(swiglu_to(gate, up, self.limit, x.dtype))
 
 
 class MoE(nn.Module):

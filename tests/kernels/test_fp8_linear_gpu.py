@@ -142,15 +142,3 @@ def test_many_shapes_compile_few_variants():
             fl.fp8_linear(torch.randn(m, k, device="cuda", generator=g), w, s, impl="triton")
     # block_m 16/32/64 x split or not x K divisible by 16 or not (strides with it): lengths never become constants.
     assert variants() - before <= 12
-
-
-def test_shared_act_quant_is_what_each_cublas_call_computes():
-    g = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(1000, 4096, device="cuda", generator=g).to(torch.bfloat16)
-    layers = [weights(2048, 4096, g), weights(512, 4096, g)]
-    shared = fl.shared_act_quant(x, [w for w, _ in layers])
-    assert shared is not None
-    for w, s in layers:
-        assert torch.equal(fl.fp8_linear(x, w, s, quantized=shared), fl.fp8_linear(x, w, s, impl="cublas"))
-    # One row: the Triton kernel, which quantises as it loads.
-    assert fl.shared_act_quant(x[:1], [w for w, _ in layers]) is None
