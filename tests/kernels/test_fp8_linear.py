@@ -139,3 +139,15 @@ def test_weight_dequantization_kernel_matches_the_reference(fp8, n, k):
     got = fp8._dequantize_aligned(w, s, torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, fp8.dequantize_weight(w, s).to(torch.bfloat16))
+
+
+def test_grouped_projection_over_the_dequantised_weight_matches_the_reference(fp8):
+    """Without act_quant, above CUBLAS_MIN_M_DEQUANTIZED rows: the weight dequantised once, a GEMM batched over the
+    groups written in [M, groups, rows] order (wo_a's path at prefill)."""
+    g = torch.Generator().manual_seed(11)
+    m, groups, rows, k = fp8.CUBLAS_MIN_M_DEQUANTIZED + 3, 2, 128, 256
+    w, s = weights(groups * rows, k, g)
+    x = torch.randn(m, groups * k, generator=g).bfloat16()
+    got = fp8.fp8_linear(x, w, s, groups, quantize_x=False, out_dtype=torch.float32, impl="cublas")
+    want = fp8.fp8_linear_reference(x, w, s, groups, quantize_x=False, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # bf16 products summed as the GEMM rounds them
