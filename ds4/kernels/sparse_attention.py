@@ -201,8 +201,6 @@ def _dequantize(
 
 @triton.jit(
     do_not_specialize=[
-        "stride_qt",
-        "stride_ot",
         "n_heads",
         "stride_i0",
         "width0",
@@ -295,8 +293,9 @@ def _sparse_attention_kernel(
             acc = acc * alpha[:, None] + pv
             m = m_new
     if SPLIT:
-        # part: [T, splits, n_heads, D + 2] fp32, the numerator then the running max and the denominator
-        row = ((t * tl.num_programs(2) + split) * n_heads + heads) * (D + 2)
+        # part: [T, splits, n_heads, D + 4] fp32, the numerator then the running max and the denominator, rows
+        # padded to 16 bytes so that the numerator is written and read back in 16-byte vectors
+        row = ((t * tl.num_programs(2) + split) * n_heads + heads) * (D + 4)
         tl.store(part_ptr + row[:, None] + dims[None, :], acc, mask=live)
         tl.store(part_ptr + row + D, m, mask=head_in)
         tl.store(part_ptr + row + D + 1, denom, mask=head_in)
@@ -309,7 +308,7 @@ def _sparse_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["stride_ot", "stride_oh", "n_heads", "splits"])
+@triton.jit(do_not_specialize=["n_heads", "splits"])
 def _combine_splits(
     part_ptr,
     out_ptr,
@@ -330,12 +329,12 @@ def _combine_splits(
     live = head_in[:, None] & (dims < D)[None, :]
     peak = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for s in range(splits):
-        row = ((t * splits + s) * n_heads + heads) * (D + 2)
+        row = ((t * splits + s) * n_heads + heads) * (D + 4)
         peak = tl.maximum(peak, tl.load(part_ptr + row + D, mask=head_in, other=0.0))
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for s in range(splits):
-        row = ((t * splits + s) * n_heads + heads) * (D + 2)
+        row = ((t * splits + s) * n_heads + heads) * (D + 4)
         weight = tl.exp2(tl.load(part_ptr + row + D, mask=head_in, other=0.0) - peak)
         denom += weight * tl.load(part_ptr + row + D + 1, mask=head_in, other=0.0)
         acc += weight[:, None] * tl.load(part_ptr + row[:, None] + dims[None, :], mask=live, other=0.0)
@@ -475,7 +474,7 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) ->
     splits = splits or key_splits(t * head_blocks, tiles * plan.block_n, num_sms(q.device))
     per_split = max(1, triton.cdiv(tiles, splits))
     splits = max(1, triton.cdiv(tiles, per_split))
-    part = torch.empty(t * splits * heads * (head_dim + 2) if splits > 1 else 0, dtype=torch.float32, device=q.device)
+    part = torch.empty(t * splits * heads * (head_dim + 4) if splits > 1 else 0, dtype=torch.float32, device=q.device)
     _sparse_attention_kernel[(t, head_blocks, splits)](
         q,
         q.stride(0),
