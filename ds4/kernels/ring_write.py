@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Chosen settings: elements of a row a program copies.
+# Chosen settings: elements (8-byte words where the rows allow) of a row a program copies.
 ROW_BLOCK = 1024
 
 Ring = tuple[torch.Tensor, torch.Tensor]  # (ring [slots, rows, width], values [tokens, width])
@@ -23,7 +23,8 @@ def write_rings_reference(rings: list[Ring], last: torch.Tensor, at: tuple[torch
         ring[at] = values[last].to(ring.dtype)
 
 
-@triton.jit(do_not_specialize=["ring_rows", "width"])
+# width is the model's (a few variants): specialised, so that rows copy as wide vectors.
+@triton.jit(do_not_specialize=["ring_rows"])
 def _write_rings_kernel(
     ring_ptr,
     values_ptr,
@@ -58,18 +59,26 @@ def write_rings_triton(rings: list[Ring], last: torch.Tensor, at: tuple[torch.Te
     ):
         raise ValueError(f"write_rings: one or two contiguous rings of one shape and dtype, got {len(rings)}")
     if last.numel():
-        second_ring, second_values = rings[-1]
-        block = min(ROW_BLOCK, triton.next_power_of_2(shape[2]))
-        _write_rings_kernel[(last.numel(), triton.cdiv(shape[2], block))](
+        tensors = [t for ring_values in rings for t in (ring_values[0], ring_values[1].contiguous())]
+        # A copy moves bytes: rows of whole 8-byte words go as int64, 8 bytes at a time (an FP8 entry row of 584
+        # bytes: 73 words, not 584 single bytes).
+        if all(
+            t.element_size() < 8 and t.shape[-1] * t.element_size() % 8 == 0 and t.data_ptr() % 8 == 0 for t in tensors
+        ):
+            tensors = [t.view(torch.int64) for t in tensors]
+        ring, values, second_ring, second_values = tensors[:2] + tensors[-2:]
+        width = ring.shape[2]
+        block = min(ROW_BLOCK, triton.next_power_of_2(width))
+        _write_rings_kernel[(last.numel(), triton.cdiv(width, block))](
             ring,
-            values.contiguous(),
+            values,
             second_ring,
-            second_values.contiguous(),
+            second_values,
             last,
             at[0],
             at[1],
             shape[1],
-            shape[2],
+            width,
             TWO=len(rings) == 2,
             BLOCK=block,
         )
