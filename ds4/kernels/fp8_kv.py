@@ -157,21 +157,19 @@ def store_fp8_entries(row_ptr, even, odd, pair, row_ok, nope, rope_dim, ROWS: tl
     # x / 2^e equals x * 2^-e (a power of two, exact): 2^-e built from its bits.
     inverse = ((-exponent + _BIAS_K) << 23).to(tl.float32, bitcast=True)
     inverse = tl.reshape(tl.broadcast_to(inverse[:, :, None], (ROWS, GROUPS, _BLOCK_K // 2)), (ROWS, BLOCK_P))
-    ok = row_ok[:, None] & is_nope
+    # Entries start on _ALIGN_K bytes (kv_entry_bytes): with the hint each store writes runs of 8 bytes, and
+    # the channels go back in order (pairs interleaved) so that a thread's bytes are one contiguous run.
     row = row_ptr[:, None]
-    at = row + 2 * pair[None, :]
+    channel = tl.arange(0, 2 * BLOCK_P)[None, :]
     even_code = _e4m3_code(tl.minimum(tl.maximum(even * inverse, -_MAX_K), _MAX_K))
     odd_code = _e4m3_code(tl.minimum(tl.maximum(odd * inverse, -_MAX_K), _MAX_K))
-    tl.store(at, even_code.to(tl.uint8), mask=ok)
-    tl.store(at + 1, odd_code.to(tl.uint8), mask=ok)
-    # The RoPE channels as bf16, little-endian: channel c at byte nope + 2 (c - nope).
+    codes = tl.reshape(tl.join(even_code, odd_code), (ROWS, 2 * BLOCK_P))
+    tl.store(tl.multiple_of(row + channel, [1, _ALIGN_K]), codes.to(tl.uint8), mask=row_ok[:, None] & (channel < nope))
+    # The RoPE channels as bf16, little-endian: channel c at byte nope + 2 (c - nope), a pair one 4-byte word.
     ok = row_ok[:, None] & (pair >= nope // 2)[None, :] & (pair < (nope + rope_dim) // 2)[None, :]
-    at = row + nope + 4 * (pair - nope // 2)[None, :]
-    even_bits, odd_bits = bf16_bits(even), bf16_bits(odd)
-    tl.store(at, ((even_bits >> 16) & 0xFF).to(tl.uint8), mask=ok)
-    tl.store(at + 1, ((even_bits >> 24) & 0xFF).to(tl.uint8), mask=ok)
-    tl.store(at + 2, ((odd_bits >> 16) & 0xFF).to(tl.uint8), mask=ok)
-    tl.store(at + 3, ((odd_bits >> 24) & 0xFF).to(tl.uint8), mask=ok)
+    words = (bf16_bits(odd) & -65536) | ((bf16_bits(even) >> 16) & 0xFFFF)
+    at = (row + nope).to(tl.pointer_type(tl.int32)) + (pair - nope // 2)[None, :]
+    tl.store(tl.multiple_of(at, [1, _ALIGN_K]), words, mask=ok)
     # The exponent bytes, then zeros up to the entry's end.
     scales = nope + 2 * rope_dim
     group = tl.arange(0, GROUPS)[None, :]
