@@ -12,7 +12,9 @@ def rw():
     return interpreted(ds4.kernels.ring_write, "_write_rings_kernel")
 
 
-@pytest.mark.parametrize("width,dtype,two", [(584, torch.uint8, False), (40, torch.float32, True)])
+@pytest.mark.parametrize(
+    "width,dtype,two", [(584, torch.uint8, False), (40, torch.float32, True), (7, torch.uint8, True)]
+)
 def test_matches_reference(rw, width, dtype, two):
     g = torch.Generator().manual_seed(width)
 
