@@ -5,7 +5,9 @@ torch._scaled_mm at 8192^3. A shape's roofline is the larger of its bytes (fp8 w
 output out) over the bandwidth and its FLOPs over the fp8 rate. Every timing is a CUDA-graph replay (median,
 L2 flushed before each), so decode-sized calls are not measured as Python launch overhead. Beside ds4's choice
 (`auto`) the table shows the Triton kernel and cuBLAS at every M either takes, and bf16 F.linear on the
-dequantised weight. `--sweep` times the Triton kernel under other tile settings per M family and prints the
+dequantised weight. A second table times fp32_product at decode sizes (bf16 weights, fp32 output: the router's,
+the compressors' and the head's shapes): its Triton GEMV against cuBLAS (what GEMV_TOKENS in fp32_product.py
+follows). `--sweep` times the Triton kernel under other tile settings per M family and prints the
 settings with the least summed time over the shapes (what TILE_TABLE in fp8_linear.py holds).
 """
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from ds4.bench.ceilings import copy_bandwidth, gemm_rate, graph_ms
 from ds4.checkpoint.quant import fp8_block_quantize
 from ds4.kernels import fp8_linear as fl
+from ds4.kernels import fp32_product as fp
 from ds4.kernels._device import num_sms
 
 # name: (N, K, groups, act_quant): DeepSeek-V4-Flash's FP8 linears (hidden 4096, q rank 1024, 64 heads x 512,
@@ -38,6 +41,11 @@ SHAPES = {
     "4096x4096": (4096, 4096, 1, True),
 }
 MS = (1, 4, 16, 64, 128, 8192)
+# name: (N, K) of DeepSeek-V4-Flash's fp32 products of bf16 weights: the router (and the indexer compressor's
+# projections, 2 x 128 rows: the same shape), the compressors' projections (CSA windows overlap: 2 x 512; HCA 512),
+# the head (vocabulary).
+FP32_SHAPES = {"router": (256, 4096), "csa_wkv": (1024, 4096), "hca_wkv": (512, 4096), "head": (129280, 4096)}
+FP32_MS = (1, 2, 4, 8)
 TRITON_BENCH_MAX_M = 256
 SWEEP_SHAPES = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 SWEEP_REP_MS = 50
@@ -109,6 +117,19 @@ def bench_shape(name: str, m: int, bandwidth: float, rate: float, rep: int = 200
     return row
 
 
+def bench_fp32_product(name: str, m: int, bandwidth: float, rep: int = 200) -> dict:
+    n, k = FP32_SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(n + m)
+    w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    row = {"shape": name, "m": m, "n": n, "k": k, "roofline_ms": (n * k * 2 + m * k * 2 + m * n * 4) / bandwidth * 1e3}
+    row["gemv_ms"] = graph_ms(lambda: fp.fp32_gemv(x, w), rep)
+    row["cublas_ms"] = graph_ms(lambda: torch.mm(x, w.t(), out_dtype=torch.float32), rep)
+    row["auto_ms"] = row["gemv_ms"] if m <= fp.GEMV_TOKENS else row["cublas_ms"]
+    row["fraction_of_roofline"] = row["roofline_ms"] / row["auto_ms"]
+    return row
+
+
 def sweep(family: str, shapes: list[str], rep: int = SWEEP_REP_MS) -> list[dict]:
     """The Triton kernel under each candidate tile setting of `family` at every shape (a plan the device cannot
     run is reported, not fatal). rep=0 runs each plan once without timing it (compiles it)."""
@@ -167,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.m:
             rows.append(bench_shape(name, m, bandwidth, rate, args.rep))
             print(f"{name} M={m} done", file=sys.stderr)
+    products = [bench_fp32_product(name, m, bandwidth, args.rep) for name in FP32_SHAPES for m in FP32_MS]
     sweeps = {}
     if args.sweep:
         shapes = [s for s in SWEEP_SHAPES if s in args.shapes]
@@ -178,11 +200,19 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['shape']:>10} {r['m']:>5} {' '.join(cells)} {r['roofline_ms']:9.4f} {r['fraction_of_roofline']:6.2f}"
         )
+    print(f"{'fp32 prod':>10} {'M':>5} {'auto ms':>9} {'GEMV':>9} {'cuBLAS':>9} {'roofline':>9} {'frac':>6}")
+    for r in products:
+        cells = " ".join(f"{r[c]:9.4f}" for c in ("auto_ms", "gemv_ms", "cublas_ms", "roofline_ms"))
+        print(f"{r['shape']:>10} {r['m']:>5} {cells} {r['fraction_of_roofline']:6.2f}")
     for family, sweep_rows in sweeps.items():
         ranked = best_settings(sweep_rows)
         for total, tiles in ranked[:3]:
             print(f"sweep {family}: {total:.4f} ms summed over the shapes, {tiles}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "fp8_rate": rate, "rows": rows, "sweeps": sweeps}, f, indent=1)
+            json.dump(
+                {"bandwidth": bandwidth, "fp8_rate": rate, "rows": rows, "fp32_products": products, "sweeps": sweeps},
+                f,
+                indent=1,
+            )
     return 0
