@@ -42,12 +42,14 @@ PROJECTION_BLOCK_K = 64
 PROJECTION_WAVES = 1
 PROJECTION_MAX_STAGES = 3
 PROJECTION_PRECISION = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3"}  # by stream dtype; else "ieee"
-SPLIT_BLOCK = 32  # partial rows the collapse sums per step
-CHANNEL_BLOCK = 512
+WARPS = 4
+# 1024 = WARPS x 32 threads x one 16-byte load of 16-bit streams: each thread then holds all hc streams of its
+# channels and the sums over the streams stay in its registers (with 512, hc is split over warps and summed
+# through shared memory, and the result moved to the store's layout).
+CHANNEL_BLOCK = 1024
 COLLAPSE_WAVES = 4
 COLLAPSE_MAX_TOKENS = 8
 COLLAPSE_TILE = 1024  # channels x tokens a collapse step of several tokens takes
-WARPS = 4
 
 
 def hc_split_sinkhorn(
@@ -134,9 +136,9 @@ def _projection_kernel(
 
 
 @triton.jit
-def _pick(mix, cols, offsets):
-    """mix[:, offsets] of a small register tile [tokens, cols] (registers cannot be indexed: one-hot sums)."""
-    return tl.sum(tl.where(cols[None, None, :] == offsets[None, :, None], mix[:, None, :], 0.0), axis=2)
+def _split_rows(row, ok, columns):
+    """[splits, tokens, columns] of the partial rows `row` (masked rows and tokens read as zero)."""
+    return tl.load(row[:, :, None] + columns[None, None, :], mask=ok[:, :, None], other=0.0)
 
 
 @triton.jit(do_not_specialize=["T", "splits", "iters", "chunks", "parts"])
@@ -173,39 +175,58 @@ def _collapse_kernel(
     t_ok = t < T
     t = t.to(tl.int64)
     part = tl.program_id(1)
+    mixes = part == 0
     i = tl.arange(0, HC)
-    cols = tl.arange(0, MIX_PAD)
-    block = tl.arange(0, SPLIT_BLOCK)
-    mix = tl.zeros((TOKENS, MIX_PAD), tl.float32)
-    for first in range(0, splits, SPLIT_BLOCK):
-        split = first + block
-        rows = (split * T).to(tl.int64)[:, None] + t[None, :]
-        ok = (split < splits)[:, None] & t_ok[None, :]
-        mix += tl.sum(tl.load(part_ptr + rows[:, :, None] * MIX_PAD + cols, mask=ok[:, :, None], other=0.0), 0)
-    norm = 1.0 / tl.sqrt(tl.sum(tl.where(cols[None, :] == MIX, mix, 0.0), axis=1) / K + norm_eps)[:, None]
-    pre = tl.sigmoid(_pick(mix, cols, i) * norm * tl.load(scale_ptr) + tl.load(base_ptr + i)[None, :]) + hc_eps
+    jk = tl.arange(0, HC * HC)
+    # Whatever does not wait on the gates is read first, the first chunk of streams included: a token's programs
+    # are few and short, so their time is that of the reads one after another.
+    scale = tl.load(scale_ptr)
+    base = tl.load(base_ptr + i)[None, :]
+    if MIXING:
+        post_scale = tl.load(scale_ptr + 1, mask=mixes, other=0.0)
+        post_base = tl.load(base_ptr + HC + i, mask=mixes, other=0.0)[None, :]
+        comb_scale = tl.load(scale_ptr + 2, mask=mixes, other=0.0)
+        comb_base = tl.reshape(tl.load(base_ptr + 2 * HC + jk, mask=mixes, other=0.0), (HC, HC))[None, :, :]
+    h = _streams(h_ptr, h_stride, t, t_ok, i, part, D, BLOCK_D)
+    # A token's projection is the sum of its split rows (at most the SM count: one step), each gate's columns
+    # summed apart (no picking out of a row of all the columns).
+    split = tl.arange(0, SPLIT_BLOCK)
+    row = part_ptr + ((split * T).to(tl.int64)[:, None] + t[None, :]) * MIX_PAD
+    ok = (split < splits)[:, None] & t_ok[None, :]
+    squares = tl.load(row + MIX, mask=ok, other=0.0)
+    pre_mix = _split_rows(row, ok, i)
+    if MIXING:
+        post_mix = _split_rows(row, ok & mixes, HC + i)
+        logits = _split_rows(row, ok & mixes, 2 * HC + jk)
+    norm = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + norm_eps)[:, None]
+    pre = tl.sigmoid(tl.sum(pre_mix, 0) * norm * scale + base) + hc_eps
+    for chunk in range(part, chunks, parts):
+        x = tl.sum(pre[:, :, None] * h.to(tl.float32), axis=1)
+        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+        tl.store(x_ptr + t[:, None] * x_stride + d[None, :], x.to(x_ptr.dtype.element_ty), mask=t_ok[:, None] & (d < D))
+        h = _streams(h_ptr, h_stride, t, t_ok, i, chunk + parts, D, BLOCK_D)
+    # The mixing outputs wait for hc_post only: their Sinkhorn steps follow the collapse's stores.
     if MIXING:
         if part == 0:
-            post_mix = _pick(mix, cols, HC + i) * norm
-            post = 2.0 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i)[None, :])
+            post = 2.0 * tl.sigmoid(tl.sum(post_mix, 0) * norm * post_scale + post_base)
             tl.store(post_ptr + t[:, None] * HC + i[None, :], post, mask=t_ok[:, None])
-            jk = i[:, None] * HC + i[None, :]
-            logits = tl.reshape(_pick(mix, cols, 2 * HC + tl.arange(0, HC * HC)) * norm, (TOKENS, HC, HC))
-            logits = logits * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + jk)[None, :, :]
-            e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+            mix = tl.reshape(tl.sum(logits, 0) * norm, (TOKENS, HC, HC)) * comb_scale + comb_base
+            e = tl.exp(mix - tl.max(mix, axis=2)[:, :, None])
             comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
             comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
             for _ in range(1, iters):
                 comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
                 comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-            tl.store(comb_ptr + t[:, None, None] * HC * HC + jk[None, :, :], comb, mask=t_ok[:, None, None])
-    for chunk in range(part, chunks, parts):
-        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
-        ok = t_ok[:, None] & (d < D)[None, :]
-        at = h_ptr + t[:, None, None] * h_stride + i[None, :, None] * D + d[None, None, :]
-        h = tl.load(at, mask=ok[:, None, :], other=0.0)
-        x = tl.sum(pre[:, :, None] * h.to(tl.float32), axis=1)
-        tl.store(x_ptr + t[:, None] * x_stride + d[None, :], x.to(x_ptr.dtype.element_ty), mask=ok)
+            out = comb_ptr + t[:, None] * HC * HC + jk[None, :]
+            tl.store(out, tl.reshape(comb, (TOKENS, HC * HC)), mask=t_ok[:, None])
+
+
+@triton.jit
+def _streams(h_ptr, h_stride, t, t_ok, i, chunk, D, BLOCK_D: tl.constexpr):
+    """h[t, :, chunk] [tokens, hc, BLOCK_D] (zero past D: a chunk past the last reads nothing)."""
+    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    at = h_ptr + t[:, None, None] * h_stride + i[None, :, None] * D + d[None, None, :]
+    return tl.load(at, mask=(t_ok[:, None] & (d < D)[None, :])[:, None, :], other=0.0)
 
 
 @triton.jit
@@ -336,7 +357,7 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         MIX=mix,
         MIX_PAD=mix_pad,
         MIXING=mixing,
-        SPLIT_BLOCK=max(1, SPLIT_BLOCK // launch.collapse_tokens),
+        SPLIT_BLOCK=triton.next_power_of_2(launch.splits),
         TOKENS=launch.collapse_tokens,
         BLOCK_D=launch.block_d,
         num_warps=WARPS,
