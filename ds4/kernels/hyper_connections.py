@@ -245,16 +245,19 @@ def _expand_kernel(
 ):
     """new[t, k, chunk] = post[t, k] * out[t, chunk] + sum_j comb[t, j, k] * h[t, j, chunk]."""
     t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, HC)
+    k = tl.arange(0, HC)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
-    h = tl.load(h_ptr + t * h_stride + i[:, None] * D + d[None, :], mask=d_ok[None, :], other=0.0).to(tl.float32)
+    # Stream by stream: each [BLOCK_D] row takes the layout of the new streams' columns, so that no [hc, hc,
+    # BLOCK_D] product picks a layout of its own (and the rows no move through shared memory to fit it).
+    mixed = tl.zeros((HC, BLOCK_D), tl.float32)
+    for j in tl.static_range(HC):
+        h = tl.load(h_ptr + t * h_stride + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        mixed += tl.load(comb_ptr + t * HC * HC + j * HC + k)[:, None] * h[None, :]
     out = tl.load(out_ptr + t * out_stride + d, mask=d_ok, other=0.0).to(tl.float32)
-    comb = tl.load(comb_ptr + t * HC * HC + i[:, None] * HC + i[None, :])
-    post = tl.load(post_ptr + t * HC + i)
-    new = post[:, None] * out[None, :] + tl.sum(comb[:, :, None] * h[:, None, :], axis=0)
+    new = tl.load(post_ptr + t * HC + k)[:, None] * out[None, :] + mixed
     tl.store(
-        new_ptr + t * new_stride + i[:, None] * D + d[None, :], new.to(new_ptr.dtype.element_ty), mask=d_ok[None, :]
+        new_ptr + t * new_stride + k[:, None] * D + d[None, :], new.to(new_ptr.dtype.element_ty), mask=d_ok[None, :]
     )
 
 
