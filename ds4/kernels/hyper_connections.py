@@ -248,8 +248,8 @@ def _expand_kernel(
     k = tl.arange(0, HC)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
-    # Stream by stream: each [BLOCK_D] row takes the layout of the new streams' columns, so that no [hc, hc,
-    # BLOCK_D] product picks a layout of its own (and the rows no move through shared memory to fit it).
+    # Stream by stream: each [BLOCK_D] row takes the layout of the new streams' columns (a [hc, hc, BLOCK_D]
+    # product would pick a layout of its own, and the rows would move through shared memory to fit it).
     mixed = tl.zeros((HC, BLOCK_D), tl.float32)
     for j in tl.static_range(HC):
         h = tl.load(h_ptr + t * h_stride + j * D + d, mask=d_ok, other=0.0).to(tl.float32)
