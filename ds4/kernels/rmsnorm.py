@@ -14,6 +14,7 @@ import triton.language as tl
 # elements each thread holds.
 ROW_TILE = 4096
 ELEMENTS_PER_THREAD = 16
+VECTOR_BYTES = 16  # the widest load or store of one thread
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -45,9 +46,13 @@ def _rms_norm_kernel(
     WEIGHTED: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    RUN: tl.constexpr,
 ):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
+    # Columns in contiguous runs of RUN (the same columns), so that the rows and the weight load RUN values a
+    # thread alike: an fp32 weight's 16-byte loads hold half as many values as bf16 rows' and the weight, loaded
+    # in its own layout, would be moved through shared memory to the rows'.
+    d = tl.arange(0, BLOCK_D) // RUN * RUN + tl.arange(0, BLOCK_D) % RUN
     ok = (r < rows)[:, None] & (d < D)[None, :]
     x = tl.load(x_ptr + r[:, None] * x_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
     y = x * inverse_rms(tl.sum(x * x, axis=1), D, eps)[:, None]
@@ -68,6 +73,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
     if rows.shape[0]:
         block_d = triton.next_power_of_2(d)
         per_program = max(1, ROW_TILE // block_d)
+        widest = max(x.element_size(), weight.element_size() if weight is not None else 1)
         warps = min(16, max(1, per_program * block_d // (32 * ELEMENTS_PER_THREAD)))
         _rms_norm_kernel[(triton.cdiv(rows.shape[0], per_program),)](
             rows,
@@ -81,6 +87,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
             WEIGHTED=weight is not None,
             ROWS=per_program,
             BLOCK_D=block_d,
+            RUN=min(block_d, VECTOR_BYTES // widest),
             num_warps=warps,
         )
     return y.view(x.shape)
