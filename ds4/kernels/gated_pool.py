@@ -47,7 +47,7 @@ def gated_pool_reference(
     return (kv * score.softmax(dim=1)).sum(dim=1)
 
 
-@triton.jit(do_not_specialize=["ring_rows", "skip", "span", "ratio", "head_dim", "out_stride"])
+@triton.jit(do_not_specialize=["ring_rows", "skip", "span", "ratio", "out_stride"])
 def _pooled_entries_kernel(
     ring_kv_ptr,
     ring_score_ptr,
@@ -89,50 +89,51 @@ def _pooled_entries_kernel(
     target = n
     if TARGETS:
         target = tl.load(target_ptr + n).to(tl.int64)
-    live = target != skip  # a window whose entry nothing reads (decode: unfinished, padding) costs no work
-    # Pool a block of channels at a time into the pooled row (rounded to the compute dtype, as the entry is)...
-    for start in range(0, head_dim * live.to(tl.int32), BLOCK_C):
-        c = start + tl.arange(0, BLOCK_C)
-        col = c[None, :]
-        if OVERLAP:
-            col += (j >= span // 2).to(tl.int32)[:, None] * head_dim
-        ok = (c < head_dim)[None, :]
-        from_ring, from_fresh = ok & in_ring[:, None], ok & in_fresh[:, None]
-        score = tl.load(ring_score_ptr + ring_at + col, mask=from_ring, other=0.0)
-        score = tl.where(from_fresh, tl.load(fresh_score_ptr + fresh_at + col, mask=from_fresh, other=0.0), score)
-        score = score + tl.load(ape_ptr + ape_at + col, mask=ok & (j < span)[:, None], other=0.0)
-        score = tl.where(from_ring | from_fresh, score, float("-inf"))  # empty rows and padding weigh nothing
-        kv = tl.load(ring_kv_ptr + ring_at + col, mask=from_ring, other=0.0)
-        kv = tl.where(from_fresh, tl.load(fresh_kv_ptr + fresh_at + col, mask=from_fresh, other=0.0), kv)
-        e = tl.exp(score - tl.max(score, axis=0)[None, :])
-        weight = e / tl.sum(e, axis=0)[None, :]
-        pooled = rounded(tl.sum(kv * weight, axis=0), pooled_ptr.dtype.element_ty)
-        tl.store(pooled_row + c, pooled.to(pooled_ptr.dtype.element_ty), mask=c < head_dim)
-    # ... then finish the whole row, read back by the program's other threads.
-    tl.debug_barrier()
-    pair = tl.arange(0, BLOCK_P)
-    p_ok = pair < head_dim // 2
-    even = tl.load(pooled_row + 2 * pair, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
-    odd = tl.load(pooled_row + 2 * pair + 1, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
-    position = tl.load(index_ptr + n + tl.arange(0, 1)) * ratio
-    finish_entries(
-        even,
-        odd,
-        pair,
-        tl.full((1,), 1, tl.int1) & live,
-        out_ptr + target * out_stride + tl.arange(0, 1),
-        w_ptr,
-        position,
-        freq_ptr,
-        head_dim,
-        eps,
-        True,
-        FP8,
-        HALF,
-        1,
-        BLOCK_P,
-        pooled_ptr.dtype.element_ty,
-    )
+    # A window whose entry nothing reads (decode: unfinished, padding) costs no work: neither pooled nor finished.
+    if target != skip:
+        # Pool a block of channels at a time into the pooled row (rounded to the compute dtype, as the entry is)...
+        for start in range(0, head_dim, BLOCK_C):
+            c = start + tl.arange(0, BLOCK_C)
+            col = c[None, :]
+            if OVERLAP:
+                col += (j >= span // 2).to(tl.int32)[:, None] * head_dim
+            ok = (c < head_dim)[None, :]
+            from_ring, from_fresh = ok & in_ring[:, None], ok & in_fresh[:, None]
+            score = tl.load(ring_score_ptr + ring_at + col, mask=from_ring, other=0.0)
+            score = tl.where(from_fresh, tl.load(fresh_score_ptr + fresh_at + col, mask=from_fresh, other=0.0), score)
+            score = score + tl.load(ape_ptr + ape_at + col, mask=ok & (j < span)[:, None], other=0.0)
+            score = tl.where(from_ring | from_fresh, score, float("-inf"))  # empty rows and padding weigh nothing
+            kv = tl.load(ring_kv_ptr + ring_at + col, mask=from_ring, other=0.0)
+            kv = tl.where(from_fresh, tl.load(fresh_kv_ptr + fresh_at + col, mask=from_fresh, other=0.0), kv)
+            e = tl.exp(score - tl.max(score, axis=0)[None, :])
+            weight = e / tl.sum(e, axis=0)[None, :]
+            pooled = rounded(tl.sum(kv * weight, axis=0), pooled_ptr.dtype.element_ty)
+            tl.store(pooled_row + c, pooled.to(pooled_ptr.dtype.element_ty), mask=c < head_dim)
+        # ... then finish the whole row, read back by the program's other threads.
+        tl.debug_barrier()
+        pair = tl.arange(0, BLOCK_P)
+        p_ok = pair < head_dim // 2
+        even = tl.load(pooled_row + 2 * pair, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+        odd = tl.load(pooled_row + 2 * pair + 1, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+        position = tl.load(index_ptr + n + tl.arange(0, 1)) * ratio
+        finish_entries(
+            even,
+            odd,
+            pair,
+            tl.full((1,), 1, tl.int1),
+            out_ptr + target * out_stride + tl.arange(0, 1),
+            w_ptr,
+            position,
+            freq_ptr,
+            head_dim,
+            eps,
+            True,
+            FP8,
+            HALF,
+            1,
+            BLOCK_P,
+            pooled_ptr.dtype.element_ty,
+        )
 
 
 def pooled_entries_reference(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None, skip=-1):
