@@ -23,6 +23,7 @@ from ds4.kernels.norm_rope import EntryForm, finish_entries, pair_block, rounded
 # Chosen settings: scores (and as many values) a program pools at a time (a window's span x a block of channels,
 # at least MIN_CHANNELS of them), and its warps.
 POOL_TILE, MIN_CHANNELS, WARPS = 4096, 16, 8
+VECTOR = 4  # fp32 values in one 16-byte load
 
 
 def window_rows(ring: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor, empty: float) -> torch.Tensor:
@@ -75,6 +76,7 @@ def _pooled_entries_kernel(
     SPAN: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    RUN: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     width = (2 if OVERLAP else 1) * head_dim
@@ -93,7 +95,7 @@ def _pooled_entries_kernel(
     if target != skip:
         # Pool a block of channels at a time into the pooled row (rounded to the compute dtype, as the entry is)...
         for start in range(0, head_dim, BLOCK_C):
-            c = start + tl.arange(0, BLOCK_C)
+            c = start + tl.arange(0, BLOCK_C) // RUN * RUN + tl.arange(0, BLOCK_C) % RUN  # runs of RUN: see channel_run
             col = c[None, :]
             if OVERLAP:
                 col += (j >= span // 2).to(tl.int32)[:, None] * head_dim
@@ -136,6 +138,16 @@ def _pooled_entries_kernel(
         )
 
 
+def channel_run(block_c: int) -> int:
+    """Contiguous channels a thread loads of a window row: a 16-byte vector, or fewer where that spreads the block
+    over all the program's threads. Each thread then holds whole spans of its channels: the softmax and the sum
+    over the span stay in its registers, and the pooled row is already in its store's layout (16-byte runs would
+    split a CSA window's 8 rows over two warps: sums across warps through shared memory, the row moved for the
+    store)."""
+    threads = 32 * WARPS
+    return VECTOR if block_c < threads else min(VECTOR, block_c // threads)
+
+
 def pooled_entries_reference(ring, fresh, ape, rows, index, form: EntryForm, pool=None, targets=None, skip=-1):
     """The spec of pooled_entries, composed of torch ops."""
     pooled = gated_pool_reference(ring, fresh, ape, rows).to(form.dtype)
@@ -167,6 +179,7 @@ def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=N
         raise ValueError(f"pooled_entries: pool rows {out.dtype} {list(out.shape)} do not hold entries of {size}")
     if n:
         pooled = torch.empty(n, head_dim, dtype=form.dtype, device=kv.device)
+        block_c = max(MIN_CHANNELS, min(triton.next_power_of_2(head_dim), POOL_TILE // triton.next_power_of_2(span)))
         _pooled_entries_kernel[(n,)](
             ring_kv,
             ring_score,
@@ -192,8 +205,9 @@ def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=N
             FP8=form.fp8,
             HALF=form.inv_freq.numel(),
             SPAN=triton.next_power_of_2(span),
-            BLOCK_C=max(MIN_CHANNELS, min(triton.next_power_of_2(head_dim), POOL_TILE // triton.next_power_of_2(span))),
+            BLOCK_C=block_c,
             BLOCK_P=pair_block(head_dim),
+            RUN=channel_run(block_c),
             num_warps=WARPS,
         )
     return None if pool is not None else out
