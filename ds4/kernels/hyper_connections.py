@@ -141,6 +141,14 @@ def _split_rows(row, ok, columns):
     return tl.load(row[:, :, None] + columns[None, None, :], mask=ok[:, :, None], other=0.0)
 
 
+@triton.jit
+def _streams(h_ptr, h_stride, t, t_ok, i, chunk, D, BLOCK_D: tl.constexpr):
+    """h[t, :, chunk] [tokens, hc, BLOCK_D] (zero past D: a chunk past the last reads nothing)."""
+    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    at = h_ptr + t[:, None, None] * h_stride + i[None, :, None] * D + d[None, None, :]
+    return tl.load(at, mask=(t_ok[:, None] & (d < D)[None, :])[:, None, :], other=0.0)
+
+
 @triton.jit(do_not_specialize=["T", "splits", "iters", "chunks", "parts"])
 def _collapse_kernel(
     h_ptr,
@@ -207,7 +215,7 @@ def _collapse_kernel(
         h = _streams(h_ptr, h_stride, t, t_ok, i, chunk + parts, D, BLOCK_D)
     # The mixing outputs wait for hc_post only: their Sinkhorn steps follow the collapse's stores.
     if MIXING:
-        if part == 0:
+        if mixes:
             post = 2.0 * tl.sigmoid(tl.sum(post_mix, 0) * norm * post_scale + post_base)
             tl.store(post_ptr + t[:, None] * HC + i[None, :], post, mask=t_ok[:, None])
             mix = tl.reshape(tl.sum(logits, 0) * norm, (TOKENS, HC, HC)) * comb_scale + comb_base
@@ -219,14 +227,6 @@ def _collapse_kernel(
                 comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
             out = comb_ptr + t[:, None] * HC * HC + jk[None, :]
             tl.store(out, tl.reshape(comb, (TOKENS, HC * HC)), mask=t_ok[:, None])
-
-
-@triton.jit
-def _streams(h_ptr, h_stride, t, t_ok, i, chunk, D, BLOCK_D: tl.constexpr):
-    """h[t, :, chunk] [tokens, hc, BLOCK_D] (zero past D: a chunk past the last reads nothing)."""
-    d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
-    at = h_ptr + t[:, None, None] * h_stride + i[None, :, None] * D + d[None, None, :]
-    return tl.load(at, mask=(t_ok[:, None] & (d < D)[None, :])[:, None, :], other=0.0)
 
 
 @triton.jit
