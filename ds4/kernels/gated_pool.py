@@ -48,6 +48,28 @@ def gated_pool_reference(
     return (kv * score.softmax(dim=1)).sum(dim=1)
 
 
+@triton.jit
+def _pooled_block(sources, window, head_dim, start, OVERLAP: tl.constexpr, BLOCK_C: tl.constexpr, RUN: tl.constexpr):
+    """The pooled channels start .. start + BLOCK_C of a window (fp32, 0 past head_dim): `sources` the rings, the
+    fresh rows and ape, `window` its rows (index j, span, where each is) and their offsets in the sources."""
+    ring_kv_ptr, ring_score_ptr, fresh_kv_ptr, fresh_score_ptr, ape_ptr = sources
+    j, span, in_ring, in_fresh, ring_at, fresh_at, ape_at = window
+    c = start + tl.arange(0, BLOCK_C) // RUN * RUN + tl.arange(0, BLOCK_C) % RUN  # runs of RUN: see channel_run
+    col = c[None, :]
+    if OVERLAP:
+        col += (j >= span // 2).to(tl.int32)[:, None] * head_dim
+    ok = (c < head_dim)[None, :]
+    from_ring, from_fresh = ok & in_ring[:, None], ok & in_fresh[:, None]
+    score = tl.load(ring_score_ptr + ring_at + col, mask=from_ring, other=0.0)
+    score = tl.where(from_fresh, tl.load(fresh_score_ptr + fresh_at + col, mask=from_fresh, other=0.0), score)
+    score = score + tl.load(ape_ptr + ape_at + col, mask=ok & (j < span)[:, None], other=0.0)
+    score = tl.where(from_ring | from_fresh, score, float("-inf"))  # empty rows and padding weigh nothing
+    kv = tl.load(ring_kv_ptr + ring_at + col, mask=from_ring, other=0.0)
+    kv = tl.where(from_fresh, tl.load(fresh_kv_ptr + fresh_at + col, mask=from_fresh, other=0.0), kv)
+    e = tl.exp(score - tl.max(score, axis=0)[None, :])
+    return tl.where(c < head_dim, tl.sum(kv * (e / tl.sum(e, axis=0)[None, :]), axis=0), 0.0)
+
+
 @triton.jit(do_not_specialize=["ring_rows", "skip", "span", "ratio", "out_stride"])
 def _pooled_entries_kernel(
     ring_kv_ptr,
@@ -93,34 +115,27 @@ def _pooled_entries_kernel(
         target = tl.load(target_ptr + n).to(tl.int64)
     # A window whose entry nothing reads (decode: unfinished, padding) costs no work: neither pooled nor finished.
     if target != skip:
-        # Pool a block of channels at a time into the pooled row (rounded to the compute dtype, as the entry is)...
-        for start in range(0, head_dim, BLOCK_C):
-            c = start + tl.arange(0, BLOCK_C) // RUN * RUN + tl.arange(0, BLOCK_C) % RUN  # runs of RUN: see channel_run
-            col = c[None, :]
-            if OVERLAP:
-                col += (j >= span // 2).to(tl.int32)[:, None] * head_dim
-            ok = (c < head_dim)[None, :]
-            from_ring, from_fresh = ok & in_ring[:, None], ok & in_fresh[:, None]
-            score = tl.load(ring_score_ptr + ring_at + col, mask=from_ring, other=0.0)
-            score = tl.where(from_fresh, tl.load(fresh_score_ptr + fresh_at + col, mask=from_fresh, other=0.0), score)
-            score = score + tl.load(ape_ptr + ape_at + col, mask=ok & (j < span)[:, None], other=0.0)
-            score = tl.where(from_ring | from_fresh, score, float("-inf"))  # empty rows and padding weigh nothing
-            kv = tl.load(ring_kv_ptr + ring_at + col, mask=from_ring, other=0.0)
-            kv = tl.where(from_fresh, tl.load(fresh_kv_ptr + fresh_at + col, mask=from_fresh, other=0.0), kv)
-            e = tl.exp(score - tl.max(score, axis=0)[None, :])
-            weight = e / tl.sum(e, axis=0)[None, :]
-            pooled = rounded(tl.sum(kv * weight, axis=0), pooled_ptr.dtype.element_ty)
-            tl.store(pooled_row + c, pooled.to(pooled_ptr.dtype.element_ty), mask=c < head_dim)
-        # ... then finish the whole row, read back by the program's other threads.
-        tl.debug_barrier()
+        sources = (ring_kv_ptr, ring_score_ptr, fresh_kv_ptr, fresh_score_ptr, ape_ptr)
+        window = (j, span, in_ring, in_fresh, ring_at, fresh_at, ape_at)
+        # Pooled values are rounded to the compute dtype, as the entry is.
+        dtype = pooled_ptr.dtype.element_ty
         pair = tl.arange(0, BLOCK_P)
-        p_ok = pair < head_dim // 2
-        even = tl.load(pooled_row + 2 * pair, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
-        odd = tl.load(pooled_row + 2 * pair + 1, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+        if BLOCK_C == 2 * BLOCK_P:  # one block is the whole row: its pairs are split apart in registers
+            pooled = rounded(_pooled_block(sources, window, head_dim, 0, OVERLAP, BLOCK_C, RUN), dtype)
+            even, odd = tl.split(tl.reshape(pooled, (BLOCK_P, 2)))
+        else:  # a block at a time into the pooled row, then read back in pairs by the program's other threads
+            for start in range(0, head_dim, BLOCK_C):
+                c = start + tl.arange(0, BLOCK_C) // RUN * RUN + tl.arange(0, BLOCK_C) % RUN
+                pooled = rounded(_pooled_block(sources, window, head_dim, start, OVERLAP, BLOCK_C, RUN), dtype)
+                tl.store(pooled_row + c, pooled.to(dtype), mask=c < head_dim)
+            tl.debug_barrier()
+            p_ok = pair < head_dim // 2
+            even = tl.load(pooled_row + 2 * pair, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            odd = tl.load(pooled_row + 2 * pair + 1, mask=p_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         position = tl.load(index_ptr + n + tl.arange(0, 1)) * ratio
         finish_entries(
-            even,
-            odd,
+            even[None, :],
+            odd[None, :],
             pair,
             tl.full((1,), 1, tl.int1),
             out_ptr + target * out_stride + tl.arange(0, 1),
