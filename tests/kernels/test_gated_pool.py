@@ -42,7 +42,8 @@ def test_reference_hand_example(pool):
 @pytest.mark.parametrize(
     "ratio,overlap,head_dim,rope,dtype,fp8",
     [(4, True, 80, 16, torch.float32, True), (8, False, 128, 64, torch.bfloat16, True),
-     (4, True, 64, 32, torch.bfloat16, False), (3, False, 80, 16, torch.float32, False)],
+     (4, True, 64, 32, torch.bfloat16, False), (3, False, 80, 16, torch.float32, False),
+     (64, False, 128, 64, torch.bfloat16, True)],  # 64 x 128: a row pooled in channel blocks (HCA's path)
 )  # fmt: skip
 def test_matches_reference(pool, ratio, overlap, head_dim, rope, dtype, fp8):
     g = torch.Generator().manual_seed(ratio + head_dim)
