@@ -76,6 +76,7 @@ def _pooled_entries_kernel(
     ring_score_ptr,
     fresh_kv_ptr,
     fresh_score_ptr,
+    fresh_stride,
     ring_rows,
     ape_ptr,
     rows_ptr,
@@ -107,7 +108,7 @@ def _pooled_entries_kernel(
     in_ring = (row >= 0) & (row < ring_rows)
     in_fresh = row >= ring_rows
     ring_at = row[:, None] * width
-    fresh_at = (row - ring_rows)[:, None] * width
+    fresh_at = (row - ring_rows)[:, None] * fresh_stride
     ape_at = (j % ratio)[:, None] * width
     pooled_row = pooled_ptr + n * head_dim
     target = n
@@ -180,11 +181,13 @@ def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=N
     ratio, width = ape.shape
     overlap = span > ratio
     head_dim = width // 2 if overlap else width
-    tensors = (ring_kv, ring_score, kv, score, ape)
-    if any(t.dim() != 2 or t.shape[1] != width or not t.is_contiguous() for t in tensors) or span % ratio:
+    rings_ok = all(t.dim() == 2 and t.shape[1] == width and t.is_contiguous() for t in (ring_kv, ring_score, ape))
+    # The fresh rows may be row slices of a wider buffer (StackedLinears' outputs), of one row stride.
+    fresh_ok = all(t.dim() == 2 and t.shape[1] == width and t.stride(1) == 1 for t in (kv, score))
+    if not (rings_ok and fresh_ok and kv.stride(0) == score.stride(0)) or span % ratio:
         raise ValueError(
             f"pooled_entries: rings {list(ring_kv.shape)}, fresh {list(kv.shape)}, ape {list(ape.shape)} and rows "
-            f"{list(rows.shape)} do not fit contiguous rows of {width}"
+            f"{list(rows.shape)} do not fit rows of {width} (contiguous rings, fresh rows of one stride)"
         )
     if not form.fits_kernel(head_dim):
         raise ValueError(f"pooled_entries: {form.rope_dim} RoPE dims do not fit entries of {head_dim}")
@@ -200,6 +203,7 @@ def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=N
             ring_score,
             kv,
             score,
+            kv.stride(0),
             ring_kv.shape[0],
             ape,
             rows.contiguous(),

@@ -30,6 +30,7 @@ def _write_rings_kernel(
     values_ptr,
     second_ring_ptr,
     second_values_ptr,
+    values_stride,
     last_ptr,
     slot_ptr,
     row_ptr,
@@ -41,7 +42,7 @@ def _write_rings_kernel(
     i = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < width
-    source = tl.load(last_ptr + i).to(tl.int64) * width + c
+    source = tl.load(last_ptr + i).to(tl.int64) * values_stride + c
     target = (tl.load(slot_ptr + i).to(tl.int64) * ring_rows + tl.load(row_ptr + i)) * width + c
     tl.store(ring_ptr + target, tl.load(values_ptr + source, mask=ok), mask=ok)
     if TWO:
@@ -59,11 +60,18 @@ def write_rings_triton(rings: list[Ring], last: torch.Tensor, at: tuple[torch.Te
     ):
         raise ValueError(f"write_rings: one or two contiguous rings of one shape and dtype, got {len(rings)}")
     if last.numel():
-        tensors = [t for ring_values in rings for t in (ring_values[0], ring_values[1].contiguous())]
+        # Values may be row slices of a wider buffer (StackedLinears' outputs), of one row stride.
+        strides = {v.stride(0) for _, v in rings}
+        if len(strides) > 1 or any(v.stride(-1) != 1 for _, v in rings):
+            rings = [(r, v.contiguous()) for r, v in rings]
+        tensors = [t for ring_values in rings for t in ring_values]
         # A copy moves bytes: rows of whole 8-byte words go as int64, 8 bytes at a time (an FP8 entry row of 584
         # bytes: 73 words, not 584 single bytes).
         if all(
-            t.element_size() < 8 and t.shape[-1] * t.element_size() % 8 == 0 and t.data_ptr() % 8 == 0 for t in tensors
+            t.element_size() < 8
+            and t.data_ptr() % 8 == 0
+            and all(n * t.element_size() % 8 == 0 for n in (t.shape[-1], *t.stride()[:-1]))
+            for t in tensors
         ):
             tensors = [t.view(torch.int64) for t in tensors]
         ring, values, second_ring, second_values = tensors[:2] + tensors[-2:]
@@ -74,6 +82,7 @@ def write_rings_triton(rings: list[Ring], last: torch.Tensor, at: tuple[torch.Te
             values,
             second_ring,
             second_values,
+            values.stride(0),
             last,
             at[0],
             at[1],

@@ -27,7 +27,7 @@ from ds4.kernels.norm_rope import EntryForm
 from ds4.kernels.ring_write import write_rings
 from ds4.model.batch import LayerStep
 from ds4.model.cache import CompressorState, entries_per_page, store_entries
-from ds4.model.linear import Linear, Norm, fp32_param
+from ds4.model.linear import Linear, Norm, StackedLinears, fp32_param
 from ds4.model.paging import table_entry_rows
 
 
@@ -54,6 +54,7 @@ class Compressor(nn.Module):
         # (the checkpoint's bf16 on CUDA), their products with the bf16 input exact in fp32.
         self.wkv = Linear(hidden, width, dtype, device, fp32_output=True)
         self.wgate = Linear(hidden, width, dtype, device, fp32_output=True)
+        self.projections = StackedLinears(self.wkv, self.wgate)
         self.norm = Norm(head_dim, device)
 
     def forward(
@@ -69,7 +70,7 @@ class Compressor(nn.Module):
 
         `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots (overlap only)."""
         batch, ratio = step.batch, self.ratio
-        kv, score = self.wkv(x), self.wgate(x)
+        kv, score = self.projections(x)  # row slices of one product (ring writes and pooling take them so)
         ring_rows, width = state.kv.shape[1], kv.shape[1]
         ring = (state.kv.view(-1, width), state.score.view(-1, width))
 

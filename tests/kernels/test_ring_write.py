@@ -21,7 +21,11 @@ def test_matches_reference(rw, width, dtype, two):
     def tensor(*shape):
         return torch.randint(0, 200, shape, generator=g).to(dtype)
 
-    rings = [(tensor(3, 5, width), tensor(4, width)) for _ in range(2 if two else 1)]
+    if two:  # the values row slices of one buffer, as a compressor's stacked projections give them
+        values = tensor(4, 2 * width)
+        rings = [(tensor(3, 5, width), values[:, :width]), (tensor(3, 5, width), values[:, width:])]
+    else:
+        rings = [(tensor(3, 5, width), tensor(4, width))]
     last = torch.tensor([2, 1, 2, 3])
     at = (torch.tensor([2, 0, 2, 1]), torch.tensor([4, 0, 4, 3]))  # slot 2 row 4 written twice, with one value
     want = [(ring.clone(), values) for ring, values in rings]
