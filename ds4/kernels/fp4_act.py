@@ -111,10 +111,17 @@ def round_to(x, dtype: tl.constexpr):
 
 @triton.jit
 def hadamard(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
-    """hadamard_rotate of the rows of an fp32 [ROWS, N] tile, in fp32 (the caller rounds to the reference's dtype)."""
-    for _ in tl.static_range(LOG_N):
-        a, b = tl.split(tl.permute(tl.reshape(x, [ROWS, 2, N // 2]), [0, 2, 1]))
-        x = tl.reshape(tl.join(a + b, a - b), [ROWS, N])
+    """hadamard_rotate of the rows of an fp32 [ROWS, N] tile, in fp32 (the caller rounds to the reference's dtype).
+
+    The reference's rounds with the entries left in place: round i pairs the entries whose indices differ in bit
+    LOG_N - 1 - i, the pairs whose a + b and a - b the reference's round i interleaves, so every add is the
+    same and the last round leaves each entry where the reference puts it. Each entry takes its partner by a
+    gather along the row, which compiles to warp shuffles (a row lies in one warp); the reference's reordering
+    of the halves would move the whole tile through shared memory every round."""
+    col = tl.arange(0, N)[None, :] + tl.zeros([ROWS, N], tl.int32)
+    for i in tl.static_range(LOG_N):
+        partner = tl.gather(x, col ^ (N >> (i + 1)), 1)
+        x = tl.where((col & (N >> (i + 1))) != 0, partner - x, x + partner)
     return x * (N**-0.5)
 
 
@@ -146,24 +153,26 @@ def rotate_fp4(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr, BLOC
     return round_to(fp4_round(x, ROWS, N, BLOCK), dtype)
 
 
-@triton.jit(do_not_specialize=["rows", "x_stride", "y_stride"])
+@triton.jit(do_not_specialize=["x_row4", "y_row4", "rows"])
 def _rotate_fp4_kernel(
     x_ptr,
-    x_stride,
+    x_row4,
     y_ptr,
-    y_stride,
+    y_row4,
     rows,
     N: tl.constexpr,
     LOG_N: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
+    # Strides in 4-element units: rows load and store 4 elements at a time, the layout of the rotation's
+    # gathers (wider loads would be converted to it through shared memory, and back for the stores).
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     ok = (r < rows)[:, None]
     d = tl.arange(0, N)[None, :]
-    x = tl.load(x_ptr + r[:, None] * x_stride + d, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r[:, None] * (x_row4 * 4) + d, mask=ok, other=0.0).to(tl.float32)
     y = rotate_fp4(x, ROWS, N, LOG_N, BLOCK, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + r[:, None] * y_stride + d, y.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + r[:, None] * (y_row4 * 4) + d, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def rotate_fp4_triton(x: torch.Tensor) -> torch.Tensor:
@@ -172,16 +181,16 @@ def rotate_fp4_triton(x: torch.Tensor) -> torch.Tensor:
     if n & (n - 1) or n % FP4_BLOCK:
         raise ValueError(f"rotate_fp4: the last dim must be a power of two and a multiple of {FP4_BLOCK}, got {n}")
     rows = x.reshape(-1, n)
-    if rows.stride(-1) != 1:
+    if rows.stride(-1) != 1 or rows.stride(0) % 4:  # the kernel takes strides in 4-element units
         rows = rows.contiguous()
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         per_program = max(1, ROTATE_TILE // n)
         _rotate_fp4_kernel[(triton.cdiv(rows.shape[0], per_program),)](
             rows,
-            rows.stride(0),
+            rows.stride(0) // 4,
             y,
-            y.stride(0),
+            y.stride(0) // 4,
             rows.shape[0],
             N=n,
             LOG_N=n.bit_length() - 1,

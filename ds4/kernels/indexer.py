@@ -396,14 +396,15 @@ def quantize_e4m3(x):
     return e4m3_bytes(tl.minimum(tl.maximum(v, -448.0), 448.0)), scale
 
 
-@triton.jit(do_not_specialize=["rows", "heads", "q_stride", "w_stride"])
+@triton.jit(do_not_specialize=["rows", "heads", "q_row4", "w_stride", "values_row4"])
 def _index_queries_kernel(
     q_ptr,
-    q_stride,
+    q_row4,
     w_ptr,
     w_stride,
     weight_scale,
     values_ptr,
+    values_row4,
     scaled_w_ptr,
     rows,
     heads,
@@ -412,26 +413,29 @@ def _index_queries_kernel(
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    # ROWS (token, head) rows of D channels a program.
+    # ROWS (token, head) rows of D channels a program. Row strides come in 4-element units: rows then load and
+    # store 4 elements at a time, the layout of the rotation's gathers (16-byte accesses would move the tile
+    # through shared memory to that layout and back).
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     ok = r < rows
     d = tl.arange(0, D)[None, :]
-    x = tl.load(q_ptr + r[:, None] * q_stride + d, mask=ok[:, None], other=0.0).to(tl.float32)
+    x = tl.load(q_ptr + r[:, None] * (q_row4 * 4) + d, mask=ok[:, None], other=0.0).to(tl.float32)
     values, scale = quantize_e4m3(rotate_fp4(x, ROWS, D, LOG_D, BLOCK, q_ptr.dtype.element_ty))
-    tl.store(values_ptr + r[:, None] * D + d, values.to(tl.uint8), mask=ok[:, None])
+    tl.store(values_ptr + r[:, None] * (values_row4 * 4) + d, values.to(tl.uint8), mask=ok[:, None])
     w = tl.load(w_ptr + (r // heads) * w_stride + r % heads, mask=ok, other=0.0).to(tl.float32)
     tl.store(scaled_w_ptr + r, w * weight_scale * scale, mask=ok)
 
 
-@triton.jit(do_not_specialize=["n", "keys_stride", "per_page"])
+@triton.jit(do_not_specialize=["n", "keys_row4", "per_page"])
 def _write_keys_kernel(
-    keys_ptr, keys_stride, slots_ptr, bytes_ptr, words_ptr, n, per_page, D: tl.constexpr, ROWS: tl.constexpr
+    keys_ptr, keys_row4, slots_ptr, bytes_ptr, words_ptr, n, per_page, D: tl.constexpr, ROWS: tl.constexpr
 ):
     # ROWS keys a program: quantised, then their vectors and scales stored where their slots' pages keep them.
+    # The keys' row stride comes in 4-element units: 4 elements a load, the layout of the 4-byte vector stores.
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     ok = r < n
     d = tl.arange(0, D)[None, :]
-    x = tl.load(keys_ptr + r[:, None] * keys_stride + d, mask=ok[:, None], other=0.0).to(tl.float32)
+    x = tl.load(keys_ptr + r[:, None] * (keys_row4 * 4) + d, mask=ok[:, None], other=0.0).to(tl.float32)
     values, scale = quantize_e4m3(x)
     slot = tl.load(slots_ptr + r, mask=ok, other=0).to(tl.int64)
     page, offset = slot // per_page, slot % per_page
@@ -698,8 +702,10 @@ def _choose(impl: str, x: torch.Tensor) -> str:
 
 
 def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x's rows with a contiguous last dim and a row stride of whole 4-element units, which the kernels take
+    (rows then load 4 elements at a time, in the layout their byte stores use: no conversion between)."""
     rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
+    return rows if rows.stride(-1) == 1 and rows.stride(0) % 4 == 0 else rows.contiguous()
 
 
 def index_queries(
@@ -720,11 +726,12 @@ def index_queries(
         per_program = _ROW_TILE // HEAD_DIM
         _index_queries_kernel[(triton.cdiv(rows.shape[0], per_program),)](
             rows,
-            rows.stride(0),
+            rows.stride(0) // 4,
             weights,
             weights.stride(0),
             weight_scale,
             values,
+            HEAD_DIM // 4,
             scaled,
             rows.shape[0],
             q.shape[1],
@@ -748,7 +755,7 @@ def write_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Ten
         per_program = _ROW_TILE // HEAD_DIM
         _write_keys_kernel[(triton.cdiv(rows.shape[0], per_program),)](
             rows,
-            rows.stride(0),
+            rows.stride(0) // 4,
             slots,
             cache,
             cache.view(torch.float32),
