@@ -77,6 +77,18 @@ def test_hard_inputs_equal_torch_topk(topk, impl):
     assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))
 
 
+def test_rows_within_the_candidate_block_are_selected_whole(topk):
+    """A row no longer than the candidate block (2 k entries, at least 256) is its own candidate set, read once
+    and selected in registers: every kind of hard row (ties past the places left among them), lengths around
+    k, and the decode shape (k 512 of 576 entries)."""
+    for k, cols in ((16, 200), (512, 576)):
+        scores = hard_rows(cols)
+        lengths = torch.tensor([cols, cols - 1, k + 1, k, k - 1, 1])
+        got = topk.topk_indices(scores, lengths, k, impl="triton")
+        assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))
+        check_against_torch(scores, lengths, k, got)
+
+
 def test_triton_equals_reference_across_group_sizes_and_strides(topk):
     g = torch.Generator().manual_seed(1)
     base = torch.randn(3, 9000, generator=g)
