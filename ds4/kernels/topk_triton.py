@@ -23,9 +23,9 @@ workspaces (no host sync, graph-safe).
      When the candidates did not fit in CAP (tie-dominated rows, for instance), an exact radix select
      over the whole row instead (4 byte passes, then an in-order gather that takes the lowest-column
      ties). An overflowing buffer only changes which path runs, never the result.
-A row no longer than the candidate block (CAP entries; at k 512 the indexer's row of a context up to 4096 tokens)
-skips steps 1-2: it is its own candidate set, so one program reads it once into registers and selects
-as step 3 does (`_select_row_kernel`), with no maxima, workspaces or second read between.
+A row of one program no longer than the candidate block (CAP entries; at k 512 the indexer's row of a context up
+to 4096 tokens, however wide the block tables make the launch) skips steps 1-2: it is its own candidate set, so
+the program reads it once into registers and selects as step 3 does, with no maxima, workspaces or second read.
 Radix selects use 5-bit digits (a 32-bin tl.histogram costs a third of a 256-bin one per bit), read
 digits that all live keys share off the largest key, and stop at the first digit whose threshold bin
 holds exactly the keys still wanted, so a select over spread-out values takes two or three histograms.
@@ -607,6 +607,15 @@ def _exact_row(row_scores, length, rank, out_row, k, TILE: tl.constexpr, K_PAD: 
 
 
 @triton.jit
+def _select_row(row_scores, length, k, out_row, CAP: tl.constexpr, K_PAD: tl.constexpr):
+    """Step 3 over a whole row of at most CAP entries, its own candidate set: read once, selected in registers."""
+    cols = tl.arange(0, CAP)
+    live = cols < length
+    keys = _order_key(tl.load(row_scores + cols, mask=live, other=0.0))
+    _select_candidates(keys, cols, live, tl.minimum(k, length), out_row, k, K_PAD, RADIX_BITS)
+
+
+@triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
 
@@ -816,6 +825,12 @@ def _scan_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     length = _row_length(lengths_ptr, row, n_cols)
+    if FUSED:
+        if length <= CAP:  # the row is its own candidate set
+            _select_row(
+                _row_scores(scores_ptr, row, stride_row, VEC), length, k, out_ptr + row.to(tl.int64) * k, CAP, K_PAD
+            )
+            return
     if STAGGER:
         _stagger_start(row, length, stagger_rows, stagger_sms, stagger_ns_per_entry)
     row_scores = _row_scores(scores_ptr, row, stride_row, VEC)
@@ -864,20 +879,6 @@ def _scan_kernel(
             TAU_LINEAR,
             COARSE_LIST,
         )
-
-
-@triton.jit(do_not_specialize=["stride_row", "n_cols", "k"])
-def _select_row_kernel(
-    scores_ptr, stride_row, lengths_ptr, n_cols, out_ptr, k, BLOCK: tl.constexpr, K_PAD: tl.constexpr, VEC: tl.constexpr
-):
-    """A row no longer than the candidate block, in one program: the whole row is its own candidate set, read
-    once and selected in registers as step 3 selects candidates (no maxima, workspaces or second read)."""
-    row = tl.program_id(0)
-    length = _row_length(lengths_ptr, row, n_cols)
-    cols = tl.arange(0, BLOCK)
-    live = cols < length
-    keys = _order_key(tl.load(_row_scores(scores_ptr, row, stride_row, VEC) + cols, mask=live, other=0.0))
-    _select_candidates(keys, cols, live, tl.minimum(k, length), out_ptr + row.to(tl.int64) * k, k, K_PAD, RADIX_BITS)
 
 
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "stride_gm", "k", "tiles_per_split", "n_splits"])
@@ -977,8 +978,7 @@ def topk_indices_triton(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> 
 
 def launch(scores: torch.Tensor, lengths: torch.Tensor, k: int, settings: Settings) -> torch.Tensor:
     """The Triton path under the given settings: one program a row when the batch fills a wave of programs or
-    a row fits one split tile (selecting from the whole row when it fits the candidate block), otherwise each
-    row split over about a wave's share of programs."""
+    a row fits one split tile, otherwise each row split over about a wave's share of programs."""
     rows, n_cols = scores.shape
     device = scores.device
     out = torch.empty((rows, k), dtype=torch.int32, device=device)
@@ -992,25 +992,6 @@ def launch(scores: torch.Tensor, lengths: torch.Tensor, k: int, settings: Settin
     tile = layout.tile
     k_pad = triton.next_power_of_2(k)
     cap = max(settings.cap_per_k * k_pad, MIN_CAP)
-    stride = scores.stride(0)
-    vec = scores.data_ptr() % 16 == 0 and stride % 4 == 0
-    lengths = lengths.to(device=device, dtype=torch.int32)
-    if n_cols <= cap:  # the row is its own candidate set: one program reads it once and selects
-        whole = settings.one_program
-        _select_row_kernel[(rows,)](
-            scores,
-            stride,
-            lengths,
-            n_cols,
-            out,
-            k,
-            BLOCK=triton.next_power_of_2(n_cols),
-            K_PAD=k_pad,
-            VEC=vec,
-            num_warps=whole.warps,
-            **({} if whole.max_registers is None else dict(maxnreg=whole.max_registers)),
-        )
-        return out
     group = _group_size(n_cols, k, settings.groups_per_k)
     coarse = _coarse_size(n_cols, k, group, tile, settings.units_per_k)
     tiles = triton.cdiv(n_cols, tile)
@@ -1020,6 +1001,9 @@ def launch(scores: torch.Tensor, lengths: torch.Tensor, k: int, settings: Settin
     count_tiles = tiles_per_split * settings.count_merge
     count_splits = triton.cdiv(tiles, count_tiles)
     gm_stride = triton.cdiv(triton.cdiv(n_cols, group), 16) * 16
+    stride = scores.stride(0)
+    vec = scores.data_ptr() % 16 == 0 and stride % 4 == 0
+    lengths = lengths.to(device=device, dtype=torch.int32)
     arrivals = torch.empty(rows if count_splits > 1 else 0, dtype=torch.int32, device=device)  # reset by the scan
     gm = torch.empty((rows, 2, gm_stride), dtype=torch.int32, device=device)  # group maxima, coarse maxima
     hot = torch.empty((rows, gm_stride), dtype=torch.int32, device=device)

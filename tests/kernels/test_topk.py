@@ -78,12 +78,17 @@ def test_hard_inputs_equal_torch_topk(topk, impl):
 
 
 def test_rows_within_the_candidate_block_are_selected_whole(topk):
-    """A row no longer than the candidate block (2 k entries, at least 256) is its own candidate set, read once
-    and selected in registers: every kind of hard row (ties past the places left among them), lengths around
-    k, and the decode shape (k 512 of 576 entries)."""
-    for k, cols in ((16, 200), (512, 576)):
+    """A row of one program no longer than the candidate block (2 k entries, at least 256) is its own candidate
+    set, read once and selected in registers: every kind of hard row (ties past the places left among them),
+    lengths around k, the decode shape (k 512 of 576 entries), and short rows of a wider batch (a decode step's
+    block tables span more entries than its rows hold) beside a row that is not short."""
+    for k, cols, lengths in (
+        (16, 200, [200, 199, 17, 16, 15, 1]),
+        (512, 576, [576, 575, 513, 512, 511, 0]),
+        (16, 3000, [256, 255, 3000, 16, 15, 0]),
+    ):
         scores = hard_rows(cols)
-        lengths = torch.tensor([cols, cols - 1, k + 1, k, k - 1, 1])
+        lengths = torch.tensor(lengths)
         got = topk.topk_indices(scores, lengths, k, impl="triton")
         assert torch.equal(got, topk.topk_indices_reference(scores, lengths, k))
         check_against_torch(scores, lengths, k, got)
