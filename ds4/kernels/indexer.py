@@ -391,9 +391,13 @@ def e4m3_bytes(v):
 def quantize_e4m3(x):
     """quantize_rows of the rows of an fp32 [ROWS, D] tile: (e4m3 bytes int32 [ROWS, D], fp32 scales [ROWS])."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.52316384526264e-37)  # 2^-120
-    scale = pow2(ceil_log2(tl.math.div_rn(amax, 448.0)))
-    v = tl.math.div_rn(x, scale[:, None])  # exact: a power of two
-    return e4m3_bytes(tl.minimum(tl.maximum(v, -448.0), 448.0)), scale
+    e = ceil_log2(tl.math.div_rn(amax, 448.0))
+    # x / 2^e as a product by 2^-e, the same single rounding (IEEE division compiles to a Newton sequence and a
+    # slow-path call an element); 2^-e is past fp32's range for e < -126 (e >= -128 here), so there x takes
+    # 2^64 first, exactly.
+    low = e < -126
+    v = x * pow2(tl.where(low, 64, -e))[:, None] * pow2(tl.where(low, -e - 64, 0))[:, None]
+    return e4m3_bytes(tl.minimum(tl.maximum(v, -448.0), 448.0)), pow2(e)
 
 
 @triton.jit(do_not_specialize=["rows", "heads", "q_row4", "w_stride", "values_row4"])
