@@ -480,8 +480,11 @@ def _entry_rows_kernel(
 _PREFILL_TILE = (256, 64, 4, 3)
 _DECODE_TILE = (128, 16, 4, 3)
 _DECODE_MAX_N = 256
-# The query, key-write and picked-rows kernels: elements of a program's tile, picks a program.
-_ROW_TILE = 4096
+# The query, key-write and picked-rows kernels: elements of a program's tile, picks a program. A query or key
+# program's code is straight-line, its time about its elements a thread (~115 instructions each in the query
+# kernel on sm_90): 512 is 4 a thread of the 4 warps, one 8-byte load of bf16 in the layout of the rotation's
+# gathers and the byte stores (4096 took a batch-1 step's 64 query rows in 2 programs of 3800 instructions).
+_ROW_TILE = 512
 _PICKS_BLOCK = 1024
 
 
