@@ -89,6 +89,19 @@ def test_batches_of_one_program_a_row_are_exact(k):
     assert_exact(scores, lengths, k, tk.topk_indices(scores, lengths, k))
 
 
+@pytest.mark.parametrize("rows", [1, 64])
+def test_decode_rows_within_the_candidate_block_are_exact(rows):
+    """A decode step's rows (a batch of 1 or 64, k 512): rows of at most 2 k entries, selected whole by their
+    one program, in a table exactly that wide and in one four times wider (the graphs' block-table buckets)."""
+    g = torch.Generator(device="cuda").manual_seed(17 + rows)
+    for cols in (576, 4096):
+        for kind in KINDS:
+            scores = data(kind, rows, cols, g)
+            lengths = torch.randint(400, 1025, (rows,), device="cuda", generator=g).clamp(max=cols)
+            lengths[0] = min(cols, 1024)
+            assert_exact(scores, lengths, 512, tk.topk_indices(scores, lengths, 512))
+
+
 def test_short_rows_batch_and_row_stride():
     g = torch.Generator(device="cuda").manual_seed(7)
     base = torch.randn(300, 20000, device="cuda", generator=g)
