@@ -27,27 +27,32 @@ from ds4.kernels import fp8_linear as fl
 from ds4.kernels import fp32_product as fp
 from ds4.kernels._device import num_sms
 
-# name: (N, K, groups, act_quant): DeepSeek-V4-Flash's FP8 linears (hidden 4096, q rank 1024, 64 heads x 512,
-# o: 8 groups of 1024 rows, shared expert 2048, indexer 64 heads x 128); 4096x4096 is the MTP's e_proj / h_proj.
+# name: (N, K, groups, act_quant): DeepSeek-V4-Flash's FP8 linears as the model runs them (hidden 4096, q rank
+# 1024, 64 heads x 512, o: 8 groups of 1024 rows, shared expert 2048, indexer 64 heads x 128), the linears of one
+# input stacked (StackedLinears: wq_a with wkv, the shared expert's w1 with w3; 4096 x 4096 is also the MTP's
+# e_proj / h_proj).
 SHAPES = {
-    "wq_a": (1024, 4096, 1, True),
+    "wq_a+wkv": (1024 + 512, 4096, 1, True),
     "wq_b": (32768, 1024, 1, True),
-    "wkv": (512, 4096, 1, True),
     "wo_a": (8 * 1024, 4096, 8, False),
     "wo_b": (4096, 8192, 1, True),
-    "shared_w13": (2048, 4096, 1, True),
+    "shared_w1+w3": (2 * 2048, 4096, 1, True),
     "shared_w2": (4096, 2048, 1, True),
     "idx_wq_b": (8192, 1024, 1, True),
-    "4096x4096": (4096, 4096, 1, True),
 }
 MS = (1, 4, 16, 64, 128, 8192)
-# name: (N, K) of DeepSeek-V4-Flash's fp32 products of bf16 weights: the router (and the indexer compressor's
-# projections, 2 x 128 rows: the same shape), the compressors' projections (CSA windows overlap: 2 x 512; HCA 512),
-# the head (vocabulary).
-FP32_SHAPES = {"router": (256, 4096), "csa_wkv": (1024, 4096), "hca_wkv": (512, 4096), "head": (129280, 4096)}
+# name: (N, K) of DeepSeek-V4-Flash's fp32 products of bf16 weights: the router, each compressor's wkv and wgate
+# stacked (the indexer's 2 x 2 x 128 rows, HCA 2 x 512, CSA's overlapping windows 2 x 2 x 512), the head.
+FP32_SHAPES = {
+    "router": (256, 4096),
+    "idx_wkv+wgate": (512, 4096),
+    "hca_wkv+wgate": (1024, 4096),
+    "csa_wkv+wgate": (2048, 4096),
+    "head": (129280, 4096),
+}
 FP32_MS = (1, 2, 4, 8)
 TRITON_BENCH_MAX_M = 256
-SWEEP_SHAPES = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+SWEEP_SHAPES = ("wq_a+wkv", "wq_b", "wo_a", "wo_b", "shared_w1+w3")
 SWEEP_REP_MS = 50
 # Candidate tile settings (block_n, block_k, programs_per_sm, max_stages, num_warps) per family.
 FMA_CANDIDATES = [
@@ -193,17 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         shapes = [s for s in SWEEP_SHAPES if s in args.shapes]
         sweeps = {family: sweep(family, shapes) for family in SWEEPS}
-    head = f"{'shape':>10} {'M':>5} {'auto ms':>9} {'triton':>9} {'cuBLAS':>9} {'bf16':>9} {'roofline':>9} {'frac':>6}"
+    head = f"{'shape':>13} {'M':>5} {'auto ms':>9} {'triton':>9} {'cuBLAS':>9} {'bf16':>9} {'roofline':>9} {'frac':>6}"
     print(head)
     for r in rows:
         cells = [f"{r[c]:9.4f}" if c in r else f"{'-':>9}" for c in ("auto_ms", "triton_ms", "cublas_ms", "bf16_ms")]
         print(
-            f"{r['shape']:>10} {r['m']:>5} {' '.join(cells)} {r['roofline_ms']:9.4f} {r['fraction_of_roofline']:6.2f}"
+            f"{r['shape']:>13} {r['m']:>5} {' '.join(cells)} {r['roofline_ms']:9.4f} {r['fraction_of_roofline']:6.2f}"
         )
-    print(f"{'fp32 prod':>10} {'M':>5} {'auto ms':>9} {'GEMV':>9} {'cuBLAS':>9} {'roofline':>9} {'frac':>6}")
+    print(f"{'fp32 product':>13} {'M':>5} {'auto ms':>9} {'GEMV':>9} {'cuBLAS':>9} {'roofline':>9} {'frac':>6}")
     for r in products:
         cells = " ".join(f"{r[c]:9.4f}" for c in ("auto_ms", "gemv_ms", "cublas_ms", "roofline_ms"))
-        print(f"{r['shape']:>10} {r['m']:>5} {cells} {r['fraction_of_roofline']:6.2f}")
+        print(f"{r['shape']:>13} {r['m']:>5} {cells} {r['fraction_of_roofline']:6.2f}")
     for family, sweep_rows in sweeps.items():
         ranked = best_settings(sweep_rows)
         for total, tiles in ranked[:3]:

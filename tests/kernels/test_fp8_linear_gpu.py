@@ -59,15 +59,10 @@ def test_grouped_projection_without_act_quant(m):
     assert rel_err(fl.fp8_linear(x, w, s, groups=8, quantize_x=False), want) < 3e-3
 
 
-# DeepSeek-V4-Flash's FP8 linears: (N, K, groups, act_quant), as `ds4 bench linear` times them (its square MTP
-# shape aside).
-FLASH_SHAPES = {name: shape for name, shape in SHAPES.items() if name != "4096x4096"}
-
-
 @pytest.mark.parametrize("m", [1, 2, 5, 16, 33, 64])
-@pytest.mark.parametrize("shape", list(FLASH_SHAPES))
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_decode_shapes_match_reference_bit_identical_and_in_graphs(shape, m):
-    n, k, groups, quantize_x = FLASH_SHAPES[shape]
+    n, k, groups, quantize_x = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
     x = torch.randn(m, groups * k, device="cuda", generator=g).to(torch.bfloat16)
     w, s = weights(n, k, g)
@@ -97,7 +92,7 @@ def test_decode_shapes_match_reference_bit_identical_and_in_graphs(shape, m):
 @pytest.mark.parametrize("shape", ["wq_b", "wo_a", "wo_b"])
 def test_small_shared_memory_plan(shape, m):
     """The plan a 99 KB GPU (sm_120, GB10) would get, run on this one."""
-    n, k, groups, quantize_x = FLASH_SHAPES[shape]
+    n, k, groups, quantize_x = SHAPES[shape]
     g = torch.Generator(device="cuda").manual_seed(m * 3 + n)
     x = torch.randn(m, groups * k, device="cuda", generator=g).to(torch.bfloat16)
     w, s = weights(n, k, g)
