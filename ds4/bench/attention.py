@@ -1,7 +1,8 @@
 """`ds4 bench attention`: the sparse attention kernel at a model's shapes against its roofline.
 
 One layer's attention of a batch over the FP8 (or bf16) cache, as the model calls it: the window (128 entries),
-then CSA's top-k or every HCA entry. Decode: `batch` requests of one token at `context`; prefill: one request's
+then CSA's top-k or every HCA entry; the projection's queries finished (norm, RoPE) in the launch and the output
+turned back (RotaryQueries). Decode: `batch` requests of one token at `context`; prefill: one request's
 chunk of `tokens` from position 0. Decode is timed as a CUDA-graph replay (a captured step's cost), prefill
 eagerly. The roofline is the larger of the bytes a step must read (the query, each distinct attended entry
 once, the index lists, the output) over the measured copy bandwidth and its FLOPs (QK and PV) over the
@@ -21,7 +22,9 @@ from ds4.bench.ceilings import copy_bandwidth, gemm_rate, median_ms
 from ds4.config import load_config
 from ds4.configs import config_dict
 from ds4.kernels.fp8_kv import kv_entry_bytes, quantize_kv
-from ds4.kernels.sparse_attention import AttentionPlan, attention_plan, sparse_attention
+from ds4.kernels.norm_rope import EntryForm
+from ds4.kernels.rope import rope_inv_freq
+from ds4.kernels.sparse_attention import AttentionPlan, RotaryQueries, attention_plan, sparse_attention
 
 DECODE = [(b, c) for b in (1, 64) for c in (4096, 16384, 65536)]
 PREFILL = [8192]
@@ -90,9 +93,13 @@ def bench_case(cfg, kind, positions, decode: bool, fp8, bandwidth, rate, plan, d
     gen = torch.Generator(device=device).manual_seed(0)
     q, key_sets, sink = _inputs(cfg, kind, positions, decode, fp8, device, gen)
     rope = cfg.qk_rope_head_dim if fp8 else None
+    inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta).to(device)
+    rotary = RotaryQueries(EntryForm(None, inv_freq, cfg.rms_norm_eps, q.dtype), positions)
 
     def call():
-        return sparse_attention(q, key_sets, sink, cfg.head_dim**-0.5, rope, impl="triton", plan=plan, splits=splits)
+        return sparse_attention(
+            q, key_sets, sink, cfg.head_dim**-0.5, rope, impl="triton", plan=plan, splits=splits, rotary=rotary
+        )
 
     ms = _graph_ms(call, device) if decode else median_ms(call, device)
     nbytes, flops = _cost(cfg, q, key_sets, fp8)

@@ -7,7 +7,8 @@ kernel rounds to the compute dtype where the composed ops return it (after the n
 differs from them only in the order of the norm's fp32 sum (and, as the rope kernel, in fused multiply-adds of the
 rotation), and the FP8 bytes are quantize_kv's of its values.
 
-`finish_entries` is that computation on rows already in registers, shared with the compressor's pooling kernel.
+`finish_entries` is that computation on rows already in registers, shared with the compressor's pooling kernel;
+`normalized_rotated` (the values, not stored) with the sparse attention kernel, which finishes its queries itself.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, bf16_bits, kv_entry_bytes, quantize_kv, store_fp8_entries
 from ds4.kernels.rmsnorm import inverse_rms, rms_norm_reference
-from ds4.kernels.rope import apply_rope_reference, turn_pairs
+from ds4.kernels.rope import apply_rope_reference, turn_row_pairs
 
 # Chosen settings: elements of a program's tile (rows x the row length rounded up to a power of two).
 ROW_TILE = 2048  # H200, 8K tokens x 64 query heads of 512: 0.85 ms at 4096 (153 registers), 0.58 at 2048
@@ -44,7 +45,7 @@ class EntryForm:
     def fits_kernel(self, head_dim: int) -> bool:
         """Whether the Triton kernels take rows of head_dim: a power-of-two count of frequencies (32 and 64 in
         DeepSeek-V4) that fits, on whole channel pairs, the rotated ones starting at a multiple of it (their angles
-        are tiled over the row, see finish_entries)."""
+        are tiled over the row, see turn_row_pairs)."""
         half = self.inv_freq.numel()
         fits = half & (half - 1) == 0 and 2 * half <= head_dim and head_dim % 2 == 0
         return fits and (head_dim // 2 - half) % half == 0
@@ -80,6 +81,36 @@ def rounded(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def normalized_rotated(
+    even,
+    odd,
+    pair,
+    w_ptr,
+    positions,
+    freq_ptr,
+    D,
+    eps,
+    WEIGHTED: tl.constexpr,
+    HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Rows of channels 2 * pair (even) and 2 * pair + 1 (odd), fp32 [rows, BLOCK_P] (0 past D) at `positions`
+    [ROWS] (see turn_row_pairs): normalised (times the weight when WEIGHTED), rounded to DTYPE, rotated (the last HALF
+    pairs, see turn_row_pairs) and rounded again, as the composed ops return them; fp32 (even, odd)."""
+    p_ok = pair < D // 2
+    inverse = inverse_rms(tl.sum(even * even, axis=1) + tl.sum(odd * odd, axis=1), D, eps)[:, None]
+    even, odd = even * inverse, odd * inverse
+    if WEIGHTED:
+        even = even * tl.load(w_ptr + 2 * pair, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+        odd = odd * tl.load(w_ptr + 2 * pair + 1, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+    even, odd = rounded(even, DTYPE), rounded(odd, DTYPE)
+    even, odd = turn_row_pairs(even, odd, pair, positions, freq_ptr, D, 1.0, HALF, ROWS, BLOCK_P)
+    return rounded(even, DTYPE), rounded(odd, DTYPE)
+
+
+@triton.jit
 def finish_entries(
     even,
     odd,
@@ -98,27 +129,11 @@ def finish_entries(
     BLOCK_P: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
-    """Rows [ROWS] of channels 2 * pair (even) and 2 * pair + 1 (odd), fp32 [ROWS, BLOCK_P] (0 past D) at
-    `positions` [ROWS]: normalised, rotated and written to out_row [ROWS] (pointers to the rows: FP8 entries,
-    or values of out_row's type). The sines and cosines of the HALF rotated pairs only, tiled over the row (a
-    query head of 512 channels: 32 a row, not 256): the rotated pairs start at a multiple of HALF."""
-    p_ok = pair < D // 2
-    inverse = inverse_rms(tl.sum(even * even, axis=1) + tl.sum(odd * odd, axis=1), D, eps)[:, None]
-    even, odd = even * inverse, odd * inverse
-    if WEIGHTED:
-        even = even * tl.load(w_ptr + 2 * pair, mask=p_ok, other=0.0).to(tl.float32)[None, :]
-        odd = odd * tl.load(w_ptr + 2 * pair + 1, mask=p_ok, other=0.0).to(tl.float32)[None, :]
-    even, odd = rounded(even, DTYPE), rounded(odd, DTYPE)
-    lead = D // 2 - HALF
-    is_rope = (pair >= lead) & p_ok
-    # Pair p >= lead turns by frequency p - lead, i.e. p % HALF.
-    angle = positions.to(tl.float32)[:, None] * tl.load(freq_ptr + tl.arange(0, HALF))[None, :]
-    tiles: tl.constexpr = (ROWS, BLOCK_P // HALF, HALF)
-    cos = tl.reshape(tl.broadcast_to(tl.cos(angle)[:, None, :], tiles), (ROWS, BLOCK_P))
-    sin = tl.reshape(tl.broadcast_to(tl.sin(angle)[:, None, :], tiles), (ROWS, BLOCK_P))
-    turned_even, turned_odd = turn_pairs(even, odd, cos, sin)
-    even = tl.where(is_rope[None, :], rounded(turned_even, DTYPE), even)
-    odd = tl.where(is_rope[None, :], rounded(turned_odd, DTYPE), odd)
+    """normalized_rotated's rows written to out_row [ROWS] (pointers to the rows: FP8 entries, or values of
+    out_row's type)."""
+    even, odd = normalized_rotated(
+        even, odd, pair, w_ptr, positions, freq_ptr, D, eps, WEIGHTED, HALF, ROWS, BLOCK_P, DTYPE
+    )
     if FP8:
         store_fp8_entries(out_row, even, odd, pair, row_ok, D - 2 * HALF, 2 * HALF, ROWS, BLOCK_P)
     else:  # the pairs interleaved back into whole rows: one contiguous store

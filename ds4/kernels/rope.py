@@ -80,6 +80,35 @@ def turn_pairs(even, odd, cos, sin):
     return even * cos - odd * sin, even * sin + odd * cos
 
 
+@triton.jit
+def turn_row_pairs(
+    even,
+    odd,
+    pair,
+    positions,
+    freq_ptr,
+    D,
+    SIGN: tl.constexpr,
+    HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Rows of channel pairs (even, odd) fp32 [rows, BLOCK_P] at `positions` [ROWS] (ROWS = rows, or 1: all at one
+    position), the pairs numbered `pair` [BLOCK_P] within rows of D channels: the last HALF pairs of a row turned by
+    their angles (SIGN -1.0: back), the others as they are. The sines and cosines of the HALF frequencies only,
+    tiled over the block (a query head of 512 channels: 32 a row, not 256): the rotated pairs and the block start
+    at multiples of HALF."""
+    lead = D // 2 - HALF
+    is_rope = (pair >= lead) & (pair < D // 2)
+    # Pair p >= lead turns by frequency p - lead, i.e. p % HALF.
+    angle = positions.to(tl.float32)[:, None] * tl.load(freq_ptr + tl.arange(0, HALF))[None, :]
+    tiles: tl.constexpr = (ROWS, BLOCK_P // HALF, HALF)
+    cos = tl.reshape(tl.broadcast_to(tl.cos(angle)[:, None, :], tiles), (ROWS, BLOCK_P))
+    sin = tl.reshape(tl.broadcast_to(SIGN * tl.sin(angle)[:, None, :], tiles), (ROWS, BLOCK_P))
+    turned_even, turned_odd = turn_pairs(even, odd, cos, sin)
+    return tl.where(is_rope[None, :], turned_even, even), tl.where(is_rope[None, :], turned_odd, odd)
+
+
 # D and the row strides are the model's (few variants): specialised, so that rows load as wide vectors.
 @triton.jit(do_not_specialize=["rows", "heads"])
 def _rope_kernel(

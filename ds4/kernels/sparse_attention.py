@@ -13,7 +13,9 @@ the heads are the MMA's M dimension, so one key tile read from the cache serves 
 token's key lists tile by tile with an online softmax whose running maximum starts at the sink. A small decode
 batch splits each token's tiles over several programs (up to one per SM) and a second launch combines them.
 Prefill chunks and decode steps (one or a few tokens a request) are the same launch; no host sync, every length
-and stride a runtime argument. The output [T, H, D] is what inverse RoPE and the grouped wo_a read.
+and stride a runtime argument. With RotaryQueries (the model's call) q is the projection's: each program
+normalises and rotates its heads as norm_rope does, and the output's RoPE pairs are turned back before they are
+written (by the combining launch when split), so the output [T, H, D] is what the grouped wo_a reads.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from triton.runtime.errors import OutOfResources
 
 from ds4.kernels._device import interpreting, num_sms, shared_memory_per_block
 from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, dequantize_kv, kv_entry_bytes
+from ds4.kernels.norm_rope import EntryForm, norm_rope, normalized_rotated, rounded
+from ds4.kernels.rope import apply_rope, apply_rope_reference, turn_row_pairs
 
 # The torch reference gathers keys for a piece of tokens at a time, at most this many bytes of fp32 keys.
 _PIECE_BYTES = 1 << 28
@@ -62,15 +66,38 @@ def _check(q: torch.Tensor, key_sets, rope_dim: int | None) -> bool:
     return fp8
 
 
+@dataclass(frozen=True)
+class RotaryQueries:
+    """Queries as the projection gives them: each head normalised and rotated at its token's position as `form`
+    says (norm_rope's EntryForm, without a weight or the FP8 form), and the output's RoPE channels rotated back to
+    that position (apply_rope, inverse): DeepSeek-V4's two steps around the attention, done in its launch."""
+
+    form: EntryForm
+    positions: torch.Tensor  # [T]
+
+    def check(self, q: torch.Tensor) -> None:
+        form = self.form
+        if form.weight is not None or form.fp8 or form.dtype != q.dtype or self.positions.shape != q.shape[:1]:
+            raise ValueError(
+                f"sparse_attention: rotary queries need an unweighted {q.dtype} form and {q.shape[0]} positions, got"
+                f" weight {form.weight is not None}, fp8 {form.fp8}, {form.dtype}, {list(self.positions.shape)}"
+            )
+
+
 def sparse_attention_reference(
     q: torch.Tensor,
     key_sets: list[tuple[torch.Tensor, torch.Tensor]],
     sink: torch.Tensor,
     scale: float,
     rope_dim: int | None = None,
+    rotary: RotaryQueries | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], key_sets [(kv pool, indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype."""
+    """q [T, H, D], key_sets [(kv pool, indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype;
+    with `rotary` q is finished first and the output rotated back (see RotaryQueries)."""
     fp8 = _check(q, key_sets, rope_dim)
+    if rotary is not None:
+        rotary.check(q)
+        q = rotary.form.reference(q, rotary.positions)
     out = torch.empty_like(q)
     keys_per_token = sum(idx.shape[1] for _, idx in key_sets)
     piece = max(1, _PIECE_BYTES // max(1, keys_per_token * q.shape[2] * 4))
@@ -78,6 +105,8 @@ def sparse_attention_reference(
         rows = slice(start, start + piece)
         sets = [(kv, idx[rows]) for kv, idx in key_sets]
         out[rows] = _attend(q[rows], sets, sink, scale, rope_dim if fp8 else None)
+    if rotary is not None:
+        out = apply_rope_reference(out, rotary.positions, rotary.form.inv_freq, inverse=True)
     return out
 
 
@@ -199,6 +228,27 @@ def _dequantize(
     return tl.reshape(k, (BLOCK_N, DP)).to(DOT)
 
 
+@triton.jit
+def _rotated_back(
+    out,
+    first_pair,
+    position,
+    freq_ptr,
+    D,
+    HALF: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Output rows fp32 [ROWS, BLOCK_D] of channels 2 * first_pair on, rounded to DTYPE and their RoPE pairs
+    turned back from `position`: apply_rope(inverse) of the rounded output."""
+    even, odd = tl.split(tl.reshape(rounded(out, DTYPE), (ROWS, BLOCK_D // 2, 2)))
+    pair = first_pair + tl.arange(0, BLOCK_D // 2)
+    positions = tl.zeros([1], tl.float32) + position  # one token's rows: their angles once
+    even, odd = turn_row_pairs(even, odd, pair, positions, freq_ptr, D, -1.0, HALF, 1, BLOCK_D // 2)
+    return tl.reshape(tl.join(even, odd), (ROWS, BLOCK_D))
+
+
 @triton.jit(
     do_not_specialize=[
         "n_heads",
@@ -220,6 +270,9 @@ def _sparse_attention_kernel(
     stride_oh,
     part_ptr,
     sink_ptr,
+    pos_ptr,
+    freq_ptr,
+    eps,
     n_heads,
     scale_log2,
     pool0,
@@ -248,6 +301,8 @@ def _sparse_attention_kernel(
     DOT: tl.constexpr,
     IEEE: tl.constexpr,
     SPLIT: tl.constexpr,
+    ROTARY: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -255,13 +310,29 @@ def _sparse_attention_kernel(
     # tiles counted end to end), with an online softmax in the log2 domain whose running max starts at the sink
     # in the first split.
     # SPLIT: the running max, denominator and numerator go to part_ptr for _combine_splits, else the output.
+    # ROTARY: q is the projection's; its heads are finished here and the output turned back (RotaryQueries).
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     head_in = heads < n_heads
     dims = tl.arange(0, DP)  # D padded to a power of two
     live = head_in[:, None] & (dims < D)[None, :]
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=live, other=0.0).to(DOT)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=live, other=0.0)
+    if ROTARY:
+        position = tl.load(pos_ptr + t).to(tl.float32)
+        even, odd = tl.split(tl.reshape(q.to(tl.float32), (BLOCK_H, DP // 2, 2)))
+        even, odd = normalized_rotated(
+            even, odd, tl.arange(0, DP // 2), q_ptr, tl.zeros([1], tl.float32) + position, freq_ptr, D, eps,
+            False, HALF, 1, DP // 2, q_ptr.dtype.element_ty,
+        )  # fmt: skip
+        # Through this token's output rows (the result overwrites them; splits write the same values) and back:
+        # loaded, q becomes the MMA's operand in shared memory, computed Triton keeps it in registers (64 a thread
+        # at 64 x 512, which the accumulator's 128 then spill into the loop).
+        scratch = out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(scratch, tl.reshape(tl.join(even, odd), (BLOCK_H, DP)).to(out_ptr.dtype.element_ty), mask=live)
+        tl.debug_barrier()
+        q = tl.load(scratch, mask=live, other=0.0)
+    q = q.to(DOT)
     sink = tl.load(sink_ptr + heads, mask=head_in, other=0.0).to(tl.float32) * 1.4426950408889634
     m = tl.where(split == 0, sink, float("-inf"))
     denom = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
@@ -301,6 +372,8 @@ def _sparse_attention_kernel(
         tl.store(part_ptr + row + D + 1, denom, mask=head_in)
     else:
         out = acc / denom[:, None]
+        if ROTARY:
+            out = _rotated_back(out, 0, position, freq_ptr, D, HALF, BLOCK_H, DP, out_ptr.dtype.element_ty)
         tl.store(
             out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -314,14 +387,18 @@ def _combine_splits(
     out_ptr,
     stride_ot,
     stride_oh,
+    pos_ptr,
+    freq_ptr,
     n_heads,
     splits,
     D: tl.constexpr,
+    ROTARY: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     # One program: one token's BLOCK_H heads, BLOCK_D of the dims; the splits' softmax pieces rescaled to their
-    # common maximum.
+    # common maximum. ROTARY: the output turned back (BLOCK_D a multiple of 2 * HALF, so that the angles tile it).
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_in = heads < n_heads
@@ -338,9 +415,14 @@ def _combine_splits(
         weight = tl.exp2(tl.load(part_ptr + row + D, mask=head_in, other=0.0) - peak)
         denom += weight * tl.load(part_ptr + row + D + 1, mask=head_in, other=0.0)
         acc += weight[:, None] * tl.load(part_ptr + row[:, None] + dims[None, :], mask=live, other=0.0)
+    out = acc / tl.where(head_in, denom, 1.0)[:, None]
+    if ROTARY:
+        position = tl.load(pos_ptr + t).to(tl.float32)
+        first_pair = tl.program_id(2) * (BLOCK_D // 2)
+        out = _rotated_back(out, first_pair, position, freq_ptr, D, HALF, BLOCK_H, BLOCK_D, out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-        (acc / tl.where(head_in, denom, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
+        out.to(out_ptr.dtype.element_ty),
         mask=live,
     )
 
@@ -417,16 +499,18 @@ def sparse_attention(
     impl: str = "auto",
     plan: AttentionPlan | None = None,
     splits: int | None = None,
+    rotary: RotaryQueries | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], key_sets [(kv pool, indices [T, K_i] int, -1 = none)], sink [H] -> [T, H, D] in q's dtype.
 
     Pools: rows [N, D] or FP8 entries uint8 [N, kv_entry_bytes] (then rope_dim is needed), all of one kind.
+    rotary: q is the projection's, finished in the launch, and the output rotated back (see RotaryQueries).
     impl: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the reference), or "auto" (triton on CUDA).
     plan, splits: override the launch settings and the split of each token's keys (tests, benchmarks)."""
     if impl == "auto":
         impl = "triton" if q.is_cuda else "torch"
     if impl == "torch":
-        return sparse_attention_reference(q, key_sets, sink, scale, rope_dim)
+        return sparse_attention_reference(q, key_sets, sink, scale, rope_dim, rotary)
     if impl != "triton":
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     fp8 = _check(q, key_sets, rope_dim)
@@ -435,10 +519,16 @@ def sparse_attention(
     t, heads, head_dim = q.shape
     if q.stride(2) != 1 or q.dtype not in _DOT_TYPES:
         raise ValueError(f"sparse_attention: q must be [T, H, D] contiguous in D, got {q.dtype} {tuple(q.stride())}")
+    if rotary is not None:
+        rotary.check(q)
+        if not rotary.form.fits_kernel(head_dim):  # angles the kernel cannot tile: the separate launches
+            positions, form = rotary.positions, rotary.form
+            out = sparse_attention(norm_rope(q, positions, form), key_sets, sink, scale, rope_dim, impl, plan, splits)
+            return apply_rope(out, positions, form.inv_freq, inverse=True, in_place=True)
     out = torch.empty((t, heads, head_dim), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    key = (q.device, heads, head_dim, fp8, q.dtype)
+    key = (q.device, heads, head_dim, fp8, q.dtype, rotary is not None)
     chosen = plan or _FITTING_PLANS.get(key) or attention_plan(q.device, heads, head_dim)
     sets = []
     if fp8 and rope_dim > KV_QUANT_BLOCK:
@@ -456,7 +546,7 @@ def sparse_attention(
         sets += sets[:4] + [0]  # an empty list (the first set's tensors, width 0): its loop never runs
     while True:
         try:
-            _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, chosen, splits)
+            _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, chosen, splits, rotary)
             break
         except OutOfResources:
             if plan is not None or _smaller(chosen) is None:
@@ -466,7 +556,7 @@ def sparse_attention(
     return out
 
 
-def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) -> None:
+def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, rotary) -> None:
     t, heads, head_dim = q.shape
     dot_f32 = interpreting() or q.dtype == torch.float32
     head_blocks = triton.cdiv(heads, plan.block_h)
@@ -475,6 +565,11 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) ->
     per_split = max(1, triton.cdiv(tiles, splits))
     splits = max(1, triton.cdiv(tiles, per_split))
     part = torch.empty(t * splits * heads * (head_dim + 4) if splits > 1 else 0, dtype=torch.float32, device=q.device)
+    if rotary is None:
+        positions, freqs, eps, half = sink, sink, 0.0, 1  # placeholders, never read
+    else:
+        positions, eps, half = rotary.positions, rotary.form.eps, rotary.form.inv_freq.numel()
+        freqs = rotary.form.inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     _sparse_attention_kernel[(t, head_blocks, splits)](
         q,
         q.stride(0),
@@ -484,6 +579,9 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) ->
         out.stride(1),
         part,
         sink,
+        positions,
+        freqs,
+        eps,
         heads,
         scale * _LOG2E,
         *sets,
@@ -498,21 +596,28 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits) ->
         DOT=tl.float32 if dot_f32 else _DOT_TYPES[q.dtype],
         IEEE=dot_f32,
         SPLIT=splits > 1,
+        ROTARY=rotary is not None,
+        HALF=half,
         BLOCK_H=plan.block_h,
         BLOCK_N=plan.block_n,
         num_warps=plan.num_warps,
     )
     if splits > 1:
-        block_d = min(_COMBINE_BLOCK_D, triton.next_power_of_2(head_dim))
+        # with rotary queries a block holds whole tiles of the angles (see _combine_splits)
+        block_d = min(max(_COMBINE_BLOCK_D, 2 * half), triton.next_power_of_2(head_dim))
         grid = (t, triton.cdiv(heads, _COMBINE_BLOCK_H), triton.cdiv(head_dim, block_d))
         _combine_splits[grid](
             part,
             out,
             out.stride(0),
             out.stride(1),
+            positions,
+            freqs,
             heads,
             splits,
             D=head_dim,
+            ROTARY=rotary is not None,
+            HALF=half,
             BLOCK_H=_COMBINE_BLOCK_H,
             BLOCK_D=block_d,
         )

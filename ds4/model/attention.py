@@ -7,7 +7,8 @@ RoPE channels are rotated back to the query position before the grouped low-rank
 Entries are stored as the cache keeps them (with the FP8 cache: the reference's e4m3 + bf16 RoPE entries, so the
 step's own keys are rounded exactly as the ring will hold them); ds4.kernels.sparse_attention reads them in place
 (its Triton kernel on CUDA, its torch reference elsewhere). A query's heads and the kv are normalised, rotated
-and (kv) put in the cache's form by ds4.kernels.norm_rope, one launch each on CUDA.
+and (kv) put in the cache's form as ds4.kernels.norm_rope does: the kv by its launch, the query in the attention's
+(which also rotates the output back).
 
 A token's window keys come from two places: its request's ring (positions before the step) and the step's
 fresh kv (positions in it); the ring takes the step's tokens afterwards (row position % rows). The same
@@ -33,8 +34,7 @@ from ds4.distributed.parallel import Parallel
 from ds4.kernels.norm_rope import EntryForm, norm_rope
 from ds4.kernels.ring_write import write_rings
 from ds4.kernels.rmsnorm import rms_norm
-from ds4.kernels.rope import apply_rope
-from ds4.kernels.sparse_attention import sparse_attention
+from ds4.kernels.sparse_attention import RotaryQueries, sparse_attention
 from ds4.model.batch import ForwardBatch, LayerStep, StepLayout
 from ds4.model.cache import FP8, LayerCache
 from ds4.model.compressor import Compressor
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         t, pos = x.shape[0], batch.positions
         q_a, kv = self.q_a_and_kv(x)
         qr = rms_norm(q_a, self.q_norm.weight, self.eps)
-        q = norm_rope(self.wq_b(qr).view(t, self.heads, self.head_dim), pos, self._form(None, False))
+        q = self.wq_b(qr).view(t, self.heads, self.head_dim)  # finished (norm, RoPE) by sparse_attention
         # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
         kv = norm_rope(kv, pos, self._form(self.kv_norm.weight, self.fp8_kv))
 
@@ -135,12 +135,11 @@ class Attention(nn.Module):
 
                 rows = batch.shared(("visible entries", self.ratio, per_page, width), visible)
             key_sets.append((cache.compressed.flatten(0, 1), rows))
-        o = sparse_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5, self.rope_dim)
+        rotary = RotaryQueries(self._form(None, False), pos)
+        o = sparse_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5, self.rope_dim, rotary=rotary)
         self._snapshot_windows(kv, step)
         self._store_window(kv, step)
-
-        o = apply_rope(o, pos, self.inv_freq, inverse=True, in_place=True).flatten(1)
-        return self.parallel.all_reduce(self.wo_b(self.wo_a(o)))
+        return self.parallel.all_reduce(self.wo_b(self.wo_a(o.flatten(1))))
 
     def _form(self, weight: torch.Tensor | None, fp8: bool) -> EntryForm:
         return EntryForm(weight, self.inv_freq, self.eps, self.dtype, fp8)

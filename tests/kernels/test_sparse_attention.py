@@ -5,14 +5,20 @@ import torch
 from attention_cases import build_case
 from interpreted import interpreted
 
+import ds4.kernels.fp8_kv
+import ds4.kernels.norm_rope
+import ds4.kernels.rmsnorm
+import ds4.kernels.rope
 import ds4.kernels.sparse_attention as sa
 from ds4.kernels.fp8_kv import dequantize_kv
+from ds4.kernels.rope import apply_rope_reference, rope_inv_freq
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernel through the CPU interpreter")
 
 
 def _kernel():
-    return interpreted(sa, "_sparse_attention_kernel")
+    deps = (ds4.kernels.fp8_kv, ds4.kernels.rmsnorm, ds4.kernels.rope, ds4.kernels.norm_rope)
+    return interpreted(sa, "_sparse_attention_kernel", *deps)
 
 
 def test_reference_is_softmax_with_the_sink_in_the_denominator():
@@ -123,3 +129,48 @@ def test_plan_fits_the_shared_memory_and_the_accumulator_the_registers(smem, mon
         assert (plan.block_h + plan.block_n) * head_dim * 2 <= smem and plan.block_h * head_dim * 4 <= smem
         assert plan.block_h * head_dim // (plan.num_warps * 32) <= 128
         assert plan.num_warps in (4, 8) and plan.block_h >= 16
+
+
+def _positions(requests):
+    return torch.cat([torch.arange(context, context + new) for context, new in requests])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,rope,splits", [(128, 64, 1), (128, 64, 3), (80, 16, 2), (72, 16, 1)])
+def test_rotary_queries_are_finished_and_the_output_turned_back(dtype, head_dim, rope, splits):
+    """RotaryQueries: the projection's q is normalised and rotated at its position in the kernel, and the output's
+    RoPE pairs turned back (in the kernel, or with splits in the combining launch), as norm_rope before the
+    attention and apply_rope(inverse) after it. 72 channels with 8 frequencies do not tile: the separate launches."""
+    mod = _kernel()
+    requests = [(40, 1), (5, 3)]
+    fp8 = (head_dim - rope) % 64 == 0  # else plain rows (the FP8 entries take blocks of 64)
+    case = build_case(requests, heads=4, head_dim=head_dim, rope_dim=rope, kind="csa", topk=20, fp8=fp8, seed=5)
+    q = (case.q * 10.0 ** torch.randint(-2, 2, (case.q.shape[0], 4, 1))).to(dtype)
+    positions = _positions(requests) * 997  # angles of large positions too
+    form = ds4.kernels.norm_rope.EntryForm(None, rope_inv_freq(rope, 10000.0, 8.0, 4096), 1e-6, dtype)
+    rotary = mod.RotaryQueries(form, positions)
+    finished = form.reference(q, positions)
+    want = mod.sparse_attention_reference(finished, case.key_sets, case.sink, 0.09, case.rope_dim)
+    want = apply_rope_reference(want, positions, form.inv_freq, inverse=True)
+    assert torch.equal(mod.sparse_attention_reference(q, case.key_sets, case.sink, 0.09, case.rope_dim, rotary), want)
+    got = mod.sparse_attention(
+        q, case.key_sets, case.sink, 0.09, case.rope_dim, impl="triton", splits=splits, rotary=rotary
+    )
+    assert got.dtype == dtype
+    # fp32: the norm's sum in another order; bf16: that can move a query value one bf16 step (2^-8 relative)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_rotary_queries_refuse_a_form_they_do_not_take():
+    case = build_case([(4, 2)], heads=2, head_dim=128, kind="hca", fp8=True)
+    inv_freq = rope_inv_freq(64, 10000.0)
+    positions = _positions([(4, 2)])
+    for form, n in (
+        (ds4.kernels.norm_rope.EntryForm(torch.ones(128), inv_freq, 1e-6, torch.float32), 2),
+        (ds4.kernels.norm_rope.EntryForm(None, inv_freq, 1e-6, torch.bfloat16), 2),
+        (ds4.kernels.norm_rope.EntryForm(None, inv_freq, 1e-6, torch.float32), 3),
+    ):
+        rotary = sa.RotaryQueries(form, positions[:n] if n <= 2 else torch.arange(n))
+        with pytest.raises(ValueError, match="rotary queries"):
+            sa.sparse_attention(case.q, case.key_sets, case.sink, 0.1, 64, rotary=rotary)

@@ -11,6 +11,8 @@ import torch
 from attention_cases import build_case
 
 from ds4.kernels import sparse_attention as sa
+from ds4.kernels.norm_rope import EntryForm
+from ds4.kernels.rope import rope_inv_freq
 
 pytestmark = pytest.mark.gpu
 FLASH = dict(heads=64, head_dim=512, window=128, topk=512, dtype=torch.bfloat16, device="cuda")
@@ -56,6 +58,20 @@ def test_plan_for_a_smaller_shared_memory_runs_here(smem, monkeypatch):
     want = sa.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.05, case.rope_dim)
     got = sa.sparse_attention(case.q, case.key_sets, case.sink, 0.05, case.rope_dim, plan=plan)
     assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("requests", [[(5000, 1)], [(70, 3), (131071, 1)], [(100, 160)]], ids=["b1", "b2", "prefill"])
+def test_rotary_queries_at_flash_shapes(requests):
+    """The projection's q finished in the kernel and the output turned back (split or not) against norm_rope's
+    reference before the attention and apply_rope's (inverse) after it (tolerance as above)."""
+    case = build_case(requests, kind="csa", ratio=4, per_page=64, fp8=True, seed=3, **FLASH)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in requests]).cuda()
+    form = EntryForm(None, rope_inv_freq(64, 160000.0, 16.0, 65536).cuda(), 1e-6, torch.bfloat16)
+    rotary = sa.RotaryQueries(form, positions)
+    q = case.q * 30  # the projection's scale: the norm matters
+    want = sa.sparse_attention_reference(q, case.key_sets, case.sink, 512**-0.5, 64, rotary)
+    got = sa.sparse_attention(q, case.key_sets, case.sink, 512**-0.5, 64, rotary=rotary)
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (got.float() - want.float()).abs().max()
 
 
 def test_cuda_graph_replay_follows_new_indices():

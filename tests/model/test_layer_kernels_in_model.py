@@ -28,7 +28,6 @@ KERNELS = [
     (ds4.model.block, "rms_norm", rmsnorm.rms_norm_triton),
     (ds4.model.attention, "rms_norm", rmsnorm.rms_norm_triton),
     (ds4.model.deepseek_v4, "rms_norm", rmsnorm.rms_norm_triton),
-    (ds4.model.attention, "apply_rope", rope.apply_rope_triton),
     (ds4.model.indexer, "apply_rope", rope.apply_rope_triton),
     (ds4.model.attention, "norm_rope", norm_rope.norm_rope_triton),
     (ds4.model.compressor, "pooled_entries", gated_pool.pooled_entries_triton),
