@@ -136,8 +136,8 @@ def kernel_breakdown(layer: MoE, tokens: int) -> dict[str, float]:
     return {"launches": launches, **dict(sorted(times.items(), key=lambda kv: -kv[1]))}
 
 
-def _plan(bm, weight_rows, bk, warps, stages):
-    return km.GemmPlan(bm=bm, weight_rows=weight_rows, bk=bk, warps=warps, stages=stages)
+def _plan(bm, weight_rows, bk, warps, stages, tma=False):
+    return km.GemmPlan(bm=bm, weight_rows=weight_rows, bk=bk, warps=warps, stages=stages, tma=tma)
 
 
 SWEEP = {
@@ -148,7 +148,14 @@ SWEEP = {
         _plan(16, 64, 512, 4, 3),
         _plan(16, 64, 128, 4, 6),
     ],
-    "prefill": [_plan(256, 128, 64, 8, 4), _plan(256, 128, 128, 8, 3), _plan(128, 128, 64, 4, 4)],
+    "prefill": [
+        _plan(256, 128, 64, 8, 4),
+        _plan(256, 128, 128, 8, 3),
+        _plan(128, 128, 64, 4, 4),
+        _plan(256, 128, 64, 8, 4, tma=True),
+        _plan(256, 128, 128, 8, 3, tma=True),
+        _plan(128, 128, 64, 4, 4, tma=True),
+    ],
 }
 
 

@@ -53,6 +53,14 @@ def has_fp8(device: torch.device) -> bool:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
 
 
+def has_tma(device: torch.device) -> bool:
+    """True when `device` copies tiles by TMA descriptors (sm_90+; the interpreter reads them too). Triton lowers
+    descriptors to plain loads on older parts, without its pipelining: there the kernels keep pointer loads."""
+    if device.type != "cuda":
+        return True
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
 def launches_dependents_early(device: torch.device) -> bool:
     """True when a kernel may start before the one it depends on ends (programmatic dependent launch, sm_90+)."""
     if device.type != "cuda":

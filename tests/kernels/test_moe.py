@@ -195,6 +195,28 @@ def test_interpreted_kernels_split_a_heavy_expert_into_tiles(kernels):
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
 
 
+@pytest.mark.parametrize("bm", [16, 32])
+def test_interpreted_tma_plans_read_the_activations_in_expert_order(kernels, bm):
+    """A TMA plan: the act_quant pass writes each slot's token row in expert order and the GEMMs read [bm, bk]
+    boxes of it (the down pass of h's rows, already in that order); a tile's rows past its expert (the next
+    expert's, zeros past the end) are computed and not stored. As the pointer plan, and the reference."""
+    gen = torch.Generator().manual_seed(9)
+    e, d, i, t, k = 8, 128, 64, 40, 2
+    experts = _packed(_dense(e, d, i, gen))
+    x = torch.randn(t, d, generator=gen).to(torch.bfloat16)
+    indices = torch.stack((torch.full((t,), 2), torch.randint(0, 5, (t,), generator=gen)), dim=1)
+    weights = torch.rand(t, k, generator=gen)
+    pointers = kernels.GemmPlan(bm=bm, weight_rows=64, bk=64, warps=4, stages=2)
+    tma = kernels.GemmPlan(bm=bm, weight_rows=64, bk=64, warps=4, stages=2, tma=True)
+    want = routed_experts_reference(x, weights, indices, experts, 10.0)
+    got = kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (tma, tma))
+    assert torch.equal(got, kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (pointers, pointers)))
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+    with pytest.raises(ValueError, match="TMA plans take MXFP4"):
+        dense = _dense(e, d, i, gen)
+        kernels.routed_experts_triton(x.float(), weights, indices, dense, 10.0, (tma, tma))
+
+
 def test_interpreted_kernels_equal_the_reference_dequantized(kernels):
     gen = torch.Generator().manual_seed(5)
     e, d, i, t, k = 5, 96, 80, 6, 2
@@ -217,12 +239,13 @@ def test_plans_follow_the_device():
     assert batch.bm == 16 and batch.weight_rows > one_token.weight_rows
     big = gemm_plan(49152, 256, 2048, 4096, True, True, 2, 132, 232448)
     small = gemm_plan(49152, 256, 2048, 4096, True, True, 2, 188, 101376)
-    assert big.bm == 256 and big.stages >= 3
+    assert big.bm == 256 and big.stages >= 3 and big.tma and not batch.tma
+    assert not gemm_plan(49152, 256, 2048, 4096, True, True, 2, 108, 166912, tma=False).tma  # sm_80
     for plan, smem in ((big, 232448), (small, 101376)):
         assert plan_shared_memory(plan, True, 2) <= smem
     assert plan_shared_memory(small, True, 2) < plan_shared_memory(big, True, 2)
     dense = gemm_plan(49152, 256, 2048, 4096, True, False, 2, 188, 101376)
-    assert plan_shared_memory(dense, False, 2) <= 101376 and dense.stages >= 2
+    assert plan_shared_memory(dense, False, 2) <= 101376 and dense.stages >= 2 and not dense.tma
     assert 96 % gemm_plan(6, 8, 64, 96, False, True, 2, 132, 232448).bk == 0
 
 

@@ -2,6 +2,8 @@
 expert-by-expert oracle (quant.py's dequantisation, fp8_kv's e4m3 rounding); graph replay equals eager. The
 router's logits and routing kernels against the CPU path; the whole layer under graph replay."""
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -103,6 +105,23 @@ def test_e2m1_tile_decodes_every_code_in_the_mma_column_order(bk):
 def test_flash_sizes_match_the_oracle(experts, tokens):
     x, weights, indices = routing(tokens, tokens)
     assert_close(moe.routed_experts(x, weights, indices, experts, LIMIT), oracle(x, weights, indices, experts))
+
+
+@pytest.mark.parametrize("smem", [None, 101376], ids=["H200", "99KB"])
+def test_prefill_tma_plan_equals_the_pointer_plan(experts, smem, monkeypatch):
+    """Prefill's plan reads the activations by TMA, in expert order: the same bits as reading them by row
+    pointers (the plan otherwise the same), also in the plan a ~99 KB part gets."""
+    if smem is not None:
+        monkeypatch.setattr(moe, "shared_memory_per_block", lambda device: smem)
+    monkeypatch.setattr(moe, "_FITTED", {})  # only this call's plans
+    x, weights, indices = routing(8192, 11)
+    routes = moe.group_by_expert(indices, experts.gate.shape[0])
+    tma = moe.routed_experts(x, weights, indices, experts, LIMIT, routes)
+    fitted = {key[1]: plan for key, plan in moe._FITTED.items() if key[0].tma and key[-1] == x.device}
+    assert set(fitted) == {"gate-up", "down"}, "the 8K prefill did not take TMA plans"
+    pointers = tuple(dataclasses.replace(fitted[name], tma=False) for name in ("gate-up", "down"))
+    got = moe.routed_experts_triton(x, weights, indices, experts, LIMIT, pointers, routes)
+    assert torch.equal(tma, got)
 
 
 def test_hash_routing_with_repeated_experts(experts):
