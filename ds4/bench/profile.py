@@ -54,6 +54,7 @@ _KERNEL_MODULES = (
 _FUNCTIONS = (
     ("ds4.model.block", "hc_pre", "mHC"),
     ("ds4.model.block", "hc_post", "mHC"),
+    ("ds4.model.block", "hc_post_pre", "mHC"),
     ("ds4.model.deepseek_v4", "hc_head", "mHC"),
     ("ds4.model.block", "rms_norm", "norms"),
     ("ds4.model.attention", "rms_norm", "norms"),

@@ -53,6 +53,21 @@ def has_fp8(device: torch.device) -> bool:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
 
 
+ARRIVAL_COUNTERS = 1 << 14  # int32 counters a launch may use (per device)
+
+
+@functools.cache
+def arrival_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters for kernels whose last program to arrive at a tile finishes it (split-K sums, the
+    fused mHC collapse): each launch leaves the ones it used zero again. Launches on one device share them, so
+    they must run one after another (one stream at a time)."""
+    if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "arrival counters: run the kernel once outside CUDA-graph capture first (they are made then)"
+        )
+    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+
+
 def has_tma(device: torch.device) -> bool:
     """True when `device` copies tiles by TMA descriptors (sm_90+; the interpreter reads them too). Triton lowers
     descriptors to plain loads on older parts, without its pipelining: there the kernels keep pointer loads."""

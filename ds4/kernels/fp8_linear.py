@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import interpreting, num_sms
+from ds4.kernels._device import ARRIVAL_COUNTERS, arrival_counters, interpreting, num_sms
 from ds4.kernels.fp8_kv import pow2_ceil
 
 QUANT_BLOCK = 128  # activation groups and weight blocks are 128 wide along K (and weight blocks 128 tall)
@@ -64,7 +64,6 @@ TRITON_UP_TO = ((1, 1 << 62), (16, 16 << 20), (64, 4 << 20))
 CUBLAS_MIN_M_DEQUANTIZED = 128  # without act_quant, dequantising the weight per call pays off above this
 PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 1/this of the weight's bytes
 CUBLAS_ROWS = 16  # rows padded to a multiple of this for cuBLAS
-ARRIVAL_COUNTERS = 1 << 14  # output tiles a split launch may have (one int32 counter each, per device)
 SMEM_RESERVE = 8 << 10  # shared memory left to the compiler's own scratch (barriers, the epilogue)
 ACT_QUANT_ROWS = 8  # rows an act_quant program quantises (H200, 8192 x 4096: 0.094 ms at 32, 0.048 at 8)
 DEQUANTIZE_ROWS, DEQUANTIZE_COLS = 32, 512  # a weight dequantisation program's tile
@@ -328,7 +327,7 @@ def linear_plan(
     chunks = triton.cdiv(k, block_k)
     partial_cap = max(1, k // (PARTIAL_SHARE * 4 * block_m))  # partial bytes 4*splits*M*N <= weight bytes N*K / share
     splits = max(1, min(triton.cdiv(t.programs_per_sm * sms, tile_count), chunks, partial_cap))
-    if tile_count > ARRIVAL_COUNTERS:
+    if tile_count > ARRIVAL_COUNTERS:  # one counter an output tile
         splits = 1
     per_split = triton.cdiv(chunks, splits)
     return LinearPlan(
@@ -341,15 +340,6 @@ def fma_weight_run(plan: LinearPlan, x_bytes: int) -> int:
     [1, BLOCK_K] tile (16 bytes, fewer where the tile has fewer columns than 16 bytes a thread), so the weight tile
     gets x's layout and the product needs no layout change (which moved the whole tile through shared memory)."""
     return max(1, min(16 // x_bytes, plan.block_k // (32 * plan.num_warps)))
-
-
-@functools.cache
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed arrival counters of the split kernel on `device`: each launch leaves them zero again. Launches on one
-    device share them, so they must run one after another (one stream at a time)."""
-    if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("fp8_linear: run it once outside CUDA-graph capture first (its counters are allocated then)")
-    return torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
 
 
 def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | None) -> torch.Tensor:
@@ -375,7 +365,7 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
         part,
         part.stride(0) if split else 0,
         part.stride(1) if split else 0,
-        _arrival_counters(x.device) if split else out,
+        arrival_counters(x.device) if split else out,
         m,
         rows,
         k,

@@ -18,6 +18,10 @@ on tensor cores as three TF32 products
 product dropped): the streams' low parts are zero, so only the weight's rest is rounded, about 2^-22 of a
 product instead of the 2^-24 of IEEE fp32 FMAs; fp32 streams keep IEEE fp32 FMAs (an fp32 model agrees with its
 CPU run up to the order of the sums). H200, 8192 bf16 tokens: hc_pre 1.31 ms, 1.65 with IEEE FMA dot products.
+A decode step's hc_post and the hc_pre after it (`hc_post_pre`, up to POST_PRE_TOKENS tokens) are one launch:
+each program expands a block of channels and writes that block's projection row (fp32 FMAs: too few tokens for an
+MMA), and the last program to arrive (an arrival counter) runs the collapse from the rows and streams the others
+wrote; more tokens take the two launches of each.
 Shapes are launch arguments and nothing waits on the host: the launches are CUDA-graph capturable. hc must be a
 power of two (the real models' 4; other values take the reference).
 """
@@ -31,7 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import num_sms, shared_memory_per_block
+from ds4.kernels._device import arrival_counters, num_sms, shared_memory_per_block
+from ds4.kernels.norm_rope import rounded
 
 # Chosen settings. Projection: a program's tile of tokens (fewer for small batches, where tokens are padding) and
 # of flattened channels; programs per SM the split-K aims for. Collapse / expand: channels per program step and
@@ -50,6 +55,7 @@ CHANNEL_BLOCK = 1024
 COLLAPSE_WAVES = 4
 COLLAPSE_MAX_TOKENS = 8
 COLLAPSE_TILE = 1024  # channels x tokens a collapse step of several tokens takes
+POST_PRE_TOKENS = 4  # up to this many tokens hc_post and the next hc_pre are one launch (its collapse is serial)
 
 
 def hc_split_sinkhorn(
@@ -136,17 +142,98 @@ def _projection_kernel(
 
 
 @triton.jit
-def _split_rows(row, ok, columns):
+def _split_rows(row, ok, columns, CACHE: tl.constexpr):
     """[splits, tokens, columns] of the partial rows `row` (masked rows and tokens read as zero)."""
-    return tl.load(row[:, :, None] + columns[None, None, :], mask=ok[:, :, None], other=0.0)
+    return tl.load(row[:, :, None] + columns[None, None, :], mask=ok[:, :, None], other=0.0, cache_modifier=CACHE)
 
 
 @triton.jit
-def _streams(h_ptr, h_stride, t, t_ok, i, chunk, D, BLOCK_D: tl.constexpr):
+def _streams(h_ptr, h_stride, t, t_ok, i, chunk, D, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
     """h[t, :, chunk] [tokens, hc, BLOCK_D] (zero past D: a chunk past the last reads nothing)."""
     d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     at = h_ptr + t[:, None, None] * h_stride + i[None, :, None] * D + d[None, None, :]
-    return tl.load(at, mask=(t_ok[:, None] & (d < D)[None, :])[:, None, :], other=0.0)
+    return tl.load(at, mask=(t_ok[:, None] & (d < D)[None, :])[:, None, :], other=0.0, cache_modifier=CACHE)
+
+
+@triton.jit
+def _collapse_tokens(
+    h_ptr,
+    h_stride,
+    part_ptr,
+    scale_ptr,
+    base_ptr,
+    x_ptr,
+    x_stride,
+    post_ptr,
+    comb_ptr,
+    t,
+    t_ok,
+    part,
+    T,
+    D,
+    K,
+    splits,
+    iters,
+    chunks,
+    parts,
+    hc_eps,
+    norm_eps,
+    HC: tl.constexpr,
+    MIX: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+    MIXING: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    TOKENS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """x[t, chunk] = sum_i pre_i h[t, i, chunk] for the tokens t [TOKENS] (int64) and the chunks part, part +
+    parts, ...; with MIXING (hc_pre, not hc_head) the first part also writes post[t] and comb[t]. CACHE: the
+    loads' cache modifier (".cg" for rows that other programs of the launch wrote)."""
+    mixes = part == 0
+    i = tl.arange(0, HC)
+    jk = tl.arange(0, HC * HC)
+    # Whatever does not wait on the gates is read first, the first chunk of streams included: a token's programs
+    # are few and short, so their time is that of the reads one after another.
+    scale = tl.load(scale_ptr)
+    base = tl.load(base_ptr + i)[None, :]
+    if MIXING:
+        post_scale = tl.load(scale_ptr + 1, mask=mixes, other=0.0)
+        post_base = tl.load(base_ptr + HC + i, mask=mixes, other=0.0)[None, :]
+        comb_scale = tl.load(scale_ptr + 2, mask=mixes, other=0.0)
+        comb_base = tl.reshape(tl.load(base_ptr + 2 * HC + jk, mask=mixes, other=0.0), (HC, HC))[None, :, :]
+    h = _streams(h_ptr, h_stride, t, t_ok, i, part, D, BLOCK_D, CACHE)
+    # A token's projection is the sum of its split rows (at most the SM count: one step), each gate's columns
+    # summed apart (no picking out of a row of all the columns).
+    split = tl.arange(0, SPLIT_BLOCK)
+    row = part_ptr + ((split * T).to(tl.int64)[:, None] + t[None, :]) * MIX_PAD
+    ok = (split < splits)[:, None] & t_ok[None, :]
+    squares = tl.load(row + MIX, mask=ok, other=0.0, cache_modifier=CACHE)
+    pre_mix = _split_rows(row, ok, i, CACHE)
+    if MIXING:
+        post_mix = _split_rows(row, ok & mixes, HC + i, CACHE)
+        logits = _split_rows(row, ok & mixes, 2 * HC + jk, CACHE)
+    norm = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + norm_eps)[:, None]
+    pre = tl.sigmoid(tl.sum(pre_mix, 0) * norm * scale + base) + hc_eps
+    for chunk in range(part, chunks, parts):
+        x = tl.sum(pre[:, :, None] * h.to(tl.float32), axis=1)
+        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+        tl.store(x_ptr + t[:, None] * x_stride + d[None, :], x.to(x_ptr.dtype.element_ty), mask=t_ok[:, None] & (d < D))
+        h = _streams(h_ptr, h_stride, t, t_ok, i, chunk + parts, D, BLOCK_D, CACHE)
+    # The mixing outputs wait for hc_post only: their Sinkhorn steps follow the collapse's stores.
+    if MIXING:
+        if mixes:
+            post = 2.0 * tl.sigmoid(tl.sum(post_mix, 0) * norm * post_scale + post_base)
+            tl.store(post_ptr + t[:, None] * HC + i[None, :], post, mask=t_ok[:, None])
+            mix = tl.reshape(tl.sum(logits, 0) * norm, (TOKENS, HC, HC)) * comb_scale + comb_base
+            e = tl.exp(mix - tl.max(mix, axis=2)[:, :, None])
+            comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+            for _ in range(1, iters):
+                comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+            out = comb_ptr + t[:, None] * HC * HC + jk[None, :]
+            tl.store(out, tl.reshape(comb, (TOKENS, HC * HC)), mask=t_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["T", "splits", "iters", "chunks", "parts"])
@@ -177,56 +264,14 @@ def _collapse_kernel(
     TOKENS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """x[t, chunk] = sum_i pre_i h[t, i, chunk] for TOKENS tokens and the chunks part, part + parts, ...; with
-    MIXING (hc_pre, not hc_head) the first part also writes post[t] and comb[t]."""
+    """_collapse_tokens for TOKENS tokens and one part of their chunks a program."""
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     t_ok = t < T
-    t = t.to(tl.int64)
-    part = tl.program_id(1)
-    mixes = part == 0
-    i = tl.arange(0, HC)
-    jk = tl.arange(0, HC * HC)
-    # Whatever does not wait on the gates is read first, the first chunk of streams included: a token's programs
-    # are few and short, so their time is that of the reads one after another.
-    scale = tl.load(scale_ptr)
-    base = tl.load(base_ptr + i)[None, :]
-    if MIXING:
-        post_scale = tl.load(scale_ptr + 1, mask=mixes, other=0.0)
-        post_base = tl.load(base_ptr + HC + i, mask=mixes, other=0.0)[None, :]
-        comb_scale = tl.load(scale_ptr + 2, mask=mixes, other=0.0)
-        comb_base = tl.reshape(tl.load(base_ptr + 2 * HC + jk, mask=mixes, other=0.0), (HC, HC))[None, :, :]
-    h = _streams(h_ptr, h_stride, t, t_ok, i, part, D, BLOCK_D)
-    # A token's projection is the sum of its split rows (at most the SM count: one step), each gate's columns
-    # summed apart (no picking out of a row of all the columns).
-    split = tl.arange(0, SPLIT_BLOCK)
-    row = part_ptr + ((split * T).to(tl.int64)[:, None] + t[None, :]) * MIX_PAD
-    ok = (split < splits)[:, None] & t_ok[None, :]
-    squares = tl.load(row + MIX, mask=ok, other=0.0)
-    pre_mix = _split_rows(row, ok, i)
-    if MIXING:
-        post_mix = _split_rows(row, ok & mixes, HC + i)
-        logits = _split_rows(row, ok & mixes, 2 * HC + jk)
-    norm = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + norm_eps)[:, None]
-    pre = tl.sigmoid(tl.sum(pre_mix, 0) * norm * scale + base) + hc_eps
-    for chunk in range(part, chunks, parts):
-        x = tl.sum(pre[:, :, None] * h.to(tl.float32), axis=1)
-        d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
-        tl.store(x_ptr + t[:, None] * x_stride + d[None, :], x.to(x_ptr.dtype.element_ty), mask=t_ok[:, None] & (d < D))
-        h = _streams(h_ptr, h_stride, t, t_ok, i, chunk + parts, D, BLOCK_D)
-    # The mixing outputs wait for hc_post only: their Sinkhorn steps follow the collapse's stores.
-    if MIXING:
-        if mixes:
-            post = 2.0 * tl.sigmoid(tl.sum(post_mix, 0) * norm * post_scale + post_base)
-            tl.store(post_ptr + t[:, None] * HC + i[None, :], post, mask=t_ok[:, None])
-            mix = tl.reshape(tl.sum(logits, 0) * norm, (TOKENS, HC, HC)) * comb_scale + comb_base
-            e = tl.exp(mix - tl.max(mix, axis=2)[:, :, None])
-            comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
-            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-            for _ in range(1, iters):
-                comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-                comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-            out = comb_ptr + t[:, None] * HC * HC + jk[None, :]
-            tl.store(out, tl.reshape(comb, (TOKENS, HC * HC)), mask=t_ok[:, None])
+    _collapse_tokens(
+        h_ptr, h_stride, part_ptr, scale_ptr, base_ptr, x_ptr, x_stride, post_ptr, comb_ptr, t.to(tl.int64), t_ok,
+        tl.program_id(1), T, D, K, splits, iters, chunks, parts, hc_eps, norm_eps, HC, MIX, MIX_PAD, MIXING,
+        SPLIT_BLOCK, TOKENS, BLOCK_D, "",
+    )  # fmt: skip
 
 
 @triton.jit
@@ -259,6 +304,84 @@ def _expand_kernel(
     tl.store(
         new_ptr + t * new_stride + k[:, None] * D + d[None, :], new.to(new_ptr.dtype.element_ty), mask=d_ok[None, :]
     )
+
+
+@triton.jit(do_not_specialize=["T", "iters"])
+def _post_project_kernel(
+    out_ptr,
+    out_stride,
+    h_ptr,
+    h_stride,
+    post_ptr,
+    comb_ptr,
+    new_ptr,
+    new_stride,
+    fn_ptr,
+    part_ptr,
+    arrivals_ptr,
+    scale_ptr,
+    base_ptr,
+    x_ptr,
+    x_stride,
+    next_post_ptr,
+    next_comb_ptr,
+    T,
+    D,
+    K,
+    iters,
+    hc_eps,
+    norm_eps,
+    HC: tl.constexpr,
+    MIX: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    COLLAPSE_D: tl.constexpr,
+):
+    """hc_post, then the next hc_pre, in one launch for a few tokens (T <= BLOCK_T, one program a block of
+    BLOCK_D channels): new[t, k, block] = post[t, k] * out[t, block] + sum_j comb[t, j, k] h[t, j, block] (stored
+    in the streams' dtype), and part[block, t] its products with fn's columns of the block and its sum of squares,
+    as the projection kernel's split rows; the last program to arrive (a counter, reset for the next launch) runs
+    the collapse of the tokens, one at a time, from the rows and streams the others wrote."""
+    block = tl.program_id(0)
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    t = t.to(tl.int64)
+    k = tl.arange(0, HC)
+    d = block * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = t_ok[:, None] & (d < D)[None, :]
+    mixed = tl.zeros((BLOCK_T, HC, BLOCK_D), tl.float32)
+    for j in tl.static_range(HC):
+        h = tl.load(h_ptr + t[:, None] * h_stride + j * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        c = tl.load(comb_ptr + t[:, None] * HC * HC + j * HC + k[None, :], mask=t_ok[:, None], other=0.0)
+        mixed += c[:, :, None] * h[:, None, :]
+    out = tl.load(out_ptr + t[:, None] * out_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t[:, None] * HC + k[None, :], mask=t_ok[:, None], other=0.0)
+    new = rounded(post[:, :, None] * out[:, None, :] + mixed, new_ptr.dtype.element_ty)
+    at = new_ptr + t[:, None, None] * new_stride + k[None, :, None] * D + d[None, None, :]
+    tl.store(at, new.to(new_ptr.dtype.element_ty), mask=ok[:, None, :])
+    # The projection of the block's flattened channels k * D + d, from the stored (rounded) values, by fp32 FMAs
+    # (a few tokens: no MMA tile to fill).
+    flat = tl.reshape(new, (BLOCK_T, HC * BLOCK_D))
+    cols = tl.arange(0, MIX_PAD)
+    w_at = fn_ptr + cols[None, None, :] * K + (k[:, None, None] * D + d[None, :, None])
+    w_ok = (cols < MIX)[None, None, :] & (d < D)[None, :, None]
+    w = tl.reshape(tl.load(w_at, mask=w_ok, other=0.0), (HC * BLOCK_D, MIX_PAD))
+    acc = tl.sum(flat[:, :, None] * w[None, :, :], axis=1)
+    acc = tl.where(cols[None, :] == MIX, tl.sum(flat * flat, axis=1)[:, None], acc)
+    tl.store(part_ptr + (block * T + t)[:, None] * MIX_PAD + cols[None, :], acc, mask=t_ok[:, None])
+    tl.debug_barrier()  # every thread's stores are made before the release below
+    if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        chunks = tl.cdiv(D, COLLAPSE_D)
+        for token in range(0, T):
+            one = token + tl.zeros([1], tl.int64)
+            _collapse_tokens(
+                new_ptr, new_stride, part_ptr, scale_ptr, base_ptr, x_ptr, x_stride, next_post_ptr, next_comb_ptr,
+                one, one < T, 0, T, D, K, tl.num_programs(0), iters, chunks, 1, hc_eps, norm_eps, HC, MIX, MIX_PAD,
+                True, SPLIT_BLOCK, 1, COLLAPSE_D, ".cg",
+            )  # fmt: skip
+        tl.atomic_xchg(arrivals_ptr, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,6 +520,38 @@ def hc_post_triton(out, streams, post, comb, block_d: int = CHANNEL_BLOCK) -> to
     return new
 
 
+def hc_post_pre_triton(
+    out, streams, post, comb, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float, block_d=None
+):
+    """hc_post then hc_pre of the new streams in one launch, for at most POST_PRE_TOKENS tokens; returns (new
+    streams, sub-layer input, post, comb). block_d: channels a program (default: a block an SM)."""
+    tokens, _, d = streams.shape
+    if not 0 < tokens <= POST_PRE_TOKENS or fn.shape[0] != (2 + hc) * hc or streams.shape[1] != hc:
+        raise ValueError(f"hc_post_pre: {tokens} tokens (1 to {POST_PRE_TOKENS}), fn {list(fn.shape)}, hc {hc}")
+    if streams.stride(2) != 1 or streams.stride(1) != d or out.stride(-1) != 1 or out.shape != (tokens, d):
+        raise ValueError(f"hc_post_pre: out {list(out.shape)} / streams {list(streams.shape)} layout not supported")
+    _check_streams(streams, fn)
+    mix, k = fn.shape
+    mix_pad = max(16, triton.next_power_of_2(mix + 1))  # one spare column carries the sum of squares
+    dev = streams.device
+    block_d = block_d or max(16, triton.next_power_of_2(triton.cdiv(d, num_sms(dev))))
+    blocks = triton.cdiv(d, block_d)
+    new = torch.empty_like(streams)
+    x = torch.empty(tokens, d, dtype=streams.dtype, device=dev)
+    next_post = torch.empty(tokens, hc, dtype=torch.float32, device=dev)
+    next_comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=dev)
+    part = torch.empty(blocks, tokens, mix_pad, dtype=torch.float32, device=dev)
+    post, comb = post.contiguous(), comb.contiguous()
+    _post_project_kernel[(blocks,)](
+        out, out.stride(0), streams, streams.stride(0), post, comb, new, new.stride(0), fn, part,
+        arrival_counters(dev), scale, base, x, x.stride(0), next_post, next_comb, tokens, d, k, iters, hc_eps,
+        norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=triton.next_power_of_2(tokens), BLOCK_D=block_d,
+        SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=min(CHANNEL_BLOCK, triton.next_power_of_2(d)),
+        num_warps=WARPS,
+    )  # fmt: skip
+    return new, x, next_post, next_comb
+
+
 def _fused(streams: torch.Tensor) -> bool:
     hc = streams.shape[1]
     return streams.is_cuda and hc & (hc - 1) == 0
@@ -414,6 +569,15 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
     if _fused(streams):
         return hc_post_triton(out, streams, post, comb)
     return hc_post_reference(out, streams, post, comb)
+
+
+def hc_post_pre(out, streams, post, comb, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    """hc_post, then hc_pre of the new streams: (new streams [T, hc, D], sub-layer input [T, D], post, comb);
+    one launch for a few tokens (decode), else hc_post's and hc_pre's."""
+    if _fused(streams) and 0 < streams.shape[0] <= POST_PRE_TOKENS:
+        return hc_post_pre_triton(out, streams, post, comb, fn, scale, base, hc, iters, hc_eps, norm_eps)
+    new = hc_post(out, streams, post, comb)
+    return (new, *hc_pre(new, fn, scale, base, hc, iters, hc_eps, norm_eps))
 
 
 def hc_head(streams: torch.Tensor, fn, scale, base, hc_eps: float, norm_eps: float) -> torch.Tensor:

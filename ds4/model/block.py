@@ -7,13 +7,16 @@ from torch import nn
 
 from ds4.config import ModelConfig
 from ds4.distributed.parallel import Parallel
-from ds4.kernels.hyper_connections import hc_post, hc_pre
+from ds4.kernels.hyper_connections import hc_post, hc_post_pre, hc_pre
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.model.attention import Attention
 from ds4.model.batch import ForwardBatch, StepLayout
 from ds4.model.cache import LayerCache
 from ds4.model.linear import DEQUANTIZED, Norm, fp32_param
 from ds4.model.moe import MoE
+
+# A sub-layer's input, post and comb from hc_pre.
+Mixed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class Block(nn.Module):
@@ -41,15 +44,29 @@ class Block(nn.Module):
         self.hc_attn_scale, self.hc_ffn_scale = fp32_param(3, device=device), fp32_param(3, device=device)
 
     def forward(
-        self, h: torch.Tensor, batch: ForwardBatch, layout: StepLayout | None, cache: LayerCache
-    ) -> torch.Tensor:
-        """h: the hc_mult residual streams [T, hc, D]; layout None for a decode_only batch (the capturable path)."""
-        x, post, comb = self._pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        layout: StepLayout | None,
+        cache: LayerCache,
+        mixed: Mixed | None = None,
+        following: Block | None = None,
+    ) -> tuple[torch.Tensor, Mixed | None]:
+        """h: the hc_mult residual streams [T, hc, D]; layout None for a decode_only batch (the capturable path).
+        Returns the new streams and, when `following` (the next block) is given, its attention's hc_pre of them,
+        which it takes as `mixed`: each hc_post and the hc_pre after it are one step (one launch at decode)."""
+        if mixed is None:
+            mixed = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *self._mhc())
+        x, post, comb = mixed
         x = self.attn(rms_norm(x, self.attn_norm.weight, self.eps), batch, layout, cache)
-        h = hc_post(x, h, post, comb)
-        x, post, comb = self._pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        h, *mixed = hc_post_pre(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *self._mhc())
+        x, post, comb = mixed
         x = self.ffn(rms_norm(x, self.ffn_norm.weight, self.eps), batch.input_ids)
-        return hc_post(x, h, post, comb)
+        if following is None:
+            return hc_post(x, h, post, comb), None
+        f = following
+        h, *mixed = hc_post_pre(x, h, post, comb, f.hc_attn_fn, f.hc_attn_scale, f.hc_attn_base, *f._mhc())
+        return h, tuple(mixed)
 
-    def _pre(self, h, fn, scale, base):
-        return hc_pre(h, fn, scale, base, self.hc, self.iters, self.hc_eps, self.eps)
+    def _mhc(self) -> tuple[int, int, float, float]:
+        return self.hc, self.iters, self.hc_eps, self.eps

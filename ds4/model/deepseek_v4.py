@@ -110,8 +110,10 @@ class DeepseekV4Model(nn.Module):
         batch.derived.clear()
         layout = _layout(batch)
         h = self.embed(batch.input_ids).unsqueeze(1).repeat(1, self.cfg.hc_mult, 1)
+        mixed = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, layout, cache.layers[i])
+            following = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            h, mixed = layer(h, batch, layout, cache.layers[i], mixed, following)
         return h
 
     @torch.inference_mode()
@@ -128,7 +130,7 @@ class DeepseekV4Model(nn.Module):
         batch.derived.clear()
         mtp = self.mtp[0]
         h = mtp.embed_inputs(self.embed(batch.input_ids), hidden)
-        return mtp(h, batch, _layout(batch), cache.layers[self.cfg.num_hidden_layers])
+        return mtp(h, batch, _layout(batch), cache.layers[self.cfg.num_hidden_layers])[0]
 
     @torch.inference_mode()
     def compute_mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:

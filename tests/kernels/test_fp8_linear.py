@@ -88,7 +88,7 @@ def test_triton_kernel_matches_reference(fp8, m, n, k, groups, quantize_x, use_d
     # Exact products, fp32 sums in another order.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     # The last program of each tile resets its arrival counter for the next launch.
-    assert plan.use_dot == use_dot and not fp8._arrival_counters(x.device).any()
+    assert plan.use_dot == use_dot and not fp8.arrival_counters(x.device).any()
 
 
 def test_split_runs_are_bit_identical_and_write_the_output_dtype(fp8):

@@ -1,7 +1,6 @@
-"""The model with its layer kernels (mHC, RMSNorm, RoPE, the entries' norm + RoPE + FP8 form, gated pooling, ring
-writes) run by
-the Triton interpreter on the CPU gives the logits of their torch references: the kernels fit the model's own calls
-(shapes, strides, dtypes), with either cache dtype."""
+"""The model with its layer kernels (mHC, hc_post with the next hc_pre in one launch, RMSNorm, RoPE, the entries'
+norm + RoPE + FP8 form, gated pooling, ring writes) run by the Triton interpreter on the CPU gives the logits of
+their torch references: the kernels fit the model's own calls (shapes, strides, dtypes), with either cache dtype."""
 
 from collections import Counter
 
@@ -21,9 +20,19 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="with CUDA the model runs the kernels (model GPU tests)"
 )
 
+
+def _hc_post_pre(out, streams, post, comb, fn, *args):
+    """hc_post_pre as on CUDA: one launch for a few tokens, else hc_post's and hc_pre's."""
+    if streams.shape[0] <= hyper_connections.POST_PRE_TOKENS:
+        return hyper_connections.hc_post_pre_triton(out, streams, post, comb, fn, *args)
+    new = hyper_connections.hc_post_triton(out, streams, post, comb)
+    return (new, *hyper_connections.hc_pre_triton(new, fn, *args))
+
+
 KERNELS = [
     (ds4.model.block, "hc_pre", hyper_connections.hc_pre_triton),
     (ds4.model.block, "hc_post", hyper_connections.hc_post_triton),
+    (ds4.model.block, "hc_post_pre", _hc_post_pre),
     (ds4.model.deepseek_v4, "hc_head", hyper_connections.hc_head_triton),
     (ds4.model.block, "rms_norm", rmsnorm.rms_norm_triton),
     (ds4.model.attention, "rms_norm", rmsnorm.rms_norm_triton),
