@@ -29,11 +29,12 @@ from ds4.kernels._device import num_sms
 
 # name: (N, K, groups, act_quant): DeepSeek-V4-Flash's FP8 linears as the model runs them (hidden 4096, q rank
 # 1024, 64 heads x 512, o: 8 groups of 1024 rows, shared expert 2048, indexer 64 heads x 128), the linears of one
-# input stacked (StackedLinears: wq_a with wkv, the shared expert's w1 with w3; 4096 x 4096 is also the MTP's
-# e_proj / h_proj).
+# input stacked (StackedLinears: wq_a with wkv, the shared expert's w1 with w3, a CSA layer's wq_b with its
+# indexer's; 4096 x 4096 is also the MTP's e_proj / h_proj).
 SHAPES = {
     "wq_a+wkv": (1024 + 512, 4096, 1, True),
     "wq_b": (32768, 1024, 1, True),
+    "wq_b+idx_wq_b": (32768 + 8192, 1024, 1, True),
     "wo_a": (8 * 1024, 4096, 8, False),
     "wo_b": (4096, 8192, 1, True),
     "shared_w1+w3": (2 * 2048, 4096, 1, True),

@@ -109,15 +109,17 @@ def turn_row_pairs(
     return tl.where(is_rope[None, :], turned_even, even), tl.where(is_rope[None, :], turned_odd, odd)
 
 
-# D and the row strides are the model's (few variants): specialised, so that rows load as wide vectors.
+# D and the strides are the model's (few variants): specialised, so that rows load as wide vectors.
 @triton.jit(do_not_specialize=["rows", "heads"])
 def _rope_kernel(
     x_ptr,
-    x_stride,
+    x_token_stride,
+    x_head_stride,
     pos_ptr,
     freq_ptr,
     y_ptr,
-    y_stride,
+    y_token_stride,
+    y_head_stride,
     rows,
     heads,
     D,
@@ -129,8 +131,9 @@ def _rope_kernel(
 ):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     r_ok = r < rows
-    x_row = x_ptr + r[:, None] * x_stride
-    y_row = y_ptr + r[:, None] * y_stride
+    token, head = r // heads, r % heads
+    x_row = x_ptr + (token * x_token_stride + head * x_head_stride)[:, None]
+    y_row = y_ptr + (token * y_token_stride + head * y_head_stride)[:, None]
     lead = D - 2 * HALF
     if COPY_LEAD:
         for start in range(0, lead, BLOCK_D):
@@ -138,9 +141,7 @@ def _rope_kernel(
             ok = r_ok[:, None] & (d < lead)[None, :]
             tl.store(y_row + d[None, :], tl.load(x_row + d[None, :], mask=ok), mask=ok)
     pair = tl.arange(0, HALF)
-    angle = (
-        tl.load(pos_ptr + r // heads, mask=r_ok, other=0).to(tl.float32)[:, None] * tl.load(freq_ptr + pair)[None, :]
-    )
+    angle = tl.load(pos_ptr + token, mask=r_ok, other=0).to(tl.float32)[:, None] * tl.load(freq_ptr + pair)[None, :]
     # The rotated channels in one contiguous load and store, split into pairs in registers.
     channel = lead + tl.arange(0, 2 * HALF)[None, :]
     ok = r_ok[:, None]
@@ -150,35 +151,49 @@ def _rope_kernel(
     tl.store(y_row + channel, rotated.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+def _token_head_strides(x: torch.Tensor) -> tuple[int, int] | None:
+    """(token, head) strides of x [T, D] or [T, H, D] with contiguous rows; None for other layouts."""
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return None
+    if x.dim() == 2:
+        return x.stride(0), 0
+    if x.dim() == 3:
+        return x.stride(0), x.stride(1)
+    return None
+
+
 def apply_rope_triton(
     x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False, in_place: bool = False
 ) -> torch.Tensor:
     """apply_rope_reference in one launch (CUDA, or the CPU under TRITON_INTERPRET=1); len(inv_freq) must be a
-    power of two (32 and 64 in DeepSeek-V4). in_place: x's rotated channels are overwritten (the leading ones
-    neither read nor written) and x is returned."""
+    power of two (32 and 64 in DeepSeek-V4). x [T, D] or [T, H, D] with contiguous rows, read where it is (a row
+    slice of a wider buffer too); others through a copy. in_place: x's rotated channels are overwritten (the
+    leading ones neither read nor written) and x is returned."""
     half, d, tokens = inv_freq.numel(), x.shape[-1], x.shape[0]
     if half & (half - 1) or 2 * half > d or positions.shape != (tokens,):
         raise ValueError(
             f"apply_rope: {half} frequencies, x {list(x.shape)}, positions {list(positions.shape)} do not fit"
         )
-    rows = x.reshape(-1, d)
-    if rows.stride(-1) != 1 or (in_place and rows.data_ptr() != x.data_ptr()):
-        if in_place:
-            return x.copy_(apply_rope_triton(x, positions, inv_freq, inverse))
-        rows = rows.contiguous()
-    y = rows if in_place else torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
+    strides = _token_head_strides(x)
+    if strides is None:
+        rotated = apply_rope_triton(x.reshape(tokens, -1, d).contiguous(), positions, inv_freq, inverse)
+        return x.copy_(rotated.view(x.shape)) if in_place else rotated.view(x.shape)
+    heads = x[0].numel() // d if tokens else 1
+    y = x if in_place else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y_strides = strides if in_place else (heads * d, d if x.dim() == 3 else 0)
+    if x.numel():
         block_d = triton.next_power_of_2(d)
         per_program = max(1, ROW_TILE // block_d)
-        _rope_kernel[(triton.cdiv(rows.shape[0], per_program),)](
-            rows,
-            rows.stride(0),
+        rows = tokens * heads
+        _rope_kernel[(triton.cdiv(rows, per_program),)](
+            x,
+            *strides,
             positions,
             inv_freq.to(device=x.device, dtype=torch.float32).contiguous(),
             y,
-            y.stride(0),
-            rows.shape[0],
-            rows.shape[0] // tokens,
+            *y_strides,
+            rows,
+            heads,
             d,
             SIGN=-1.0 if inverse else 1.0,
             COPY_LEAD=not in_place,
@@ -186,7 +201,7 @@ def apply_rope_triton(
             ROWS=per_program,
             BLOCK_D=block_d,
         )
-    return x if in_place else y.view(x.shape)
+    return y
 
 
 def apply_rope(

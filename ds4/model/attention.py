@@ -106,6 +106,8 @@ class Attention(nn.Module):
             self.compressor = Compressor(d, self.ratio, hd, self.kind == CSA, self.eps, device, dtype)
         if self.kind == CSA:
             self.indexer = Indexer(cfg, self.ratio, dtype, device, self.fp8_kv, weight_format)
+            # Both query projections take qr: one launch.
+            self.queries = StackedLinears(self.wq_b, self.indexer.wq_b)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, layout: StepLayout | None, cache: LayerCache
@@ -115,7 +117,8 @@ class Attention(nn.Module):
         t, pos = x.shape[0], batch.positions
         q_a, kv = self.q_a_and_kv(x)
         qr = rms_norm(q_a, self.q_norm.weight, self.eps)
-        q = self.wq_b(qr).view(t, self.heads, self.head_dim)  # finished (norm, RoPE) by sparse_attention
+        q, index_q = self.queries(qr) if self.kind == CSA else (self.wq_b(qr), None)
+        q = q.view(t, self.heads, self.head_dim)  # finished (norm, RoPE) by sparse_attention
         # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
         kv = norm_rope(kv, pos, self._form(self.kv_norm.weight, self.fp8_kv))
 
@@ -125,7 +128,7 @@ class Attention(nn.Module):
             self.compressor(x, step, cache.compressor, cache.compressed, snapshot)
             width = self._entry_width(step)
             if self.kind == CSA:
-                rows = self.indexer(x, qr, step, width)
+                rows = self.indexer(x, index_q, step, width)
             else:
                 per_page = cache.compressed.shape[1]
 

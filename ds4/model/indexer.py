@@ -73,9 +73,10 @@ class Indexer(nn.Module):
         )
         self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, step: LayerStep, width: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, q: torch.Tensor, step: LayerStep, width: int) -> torch.Tensor:
         """Pool rows of the entries each token attends to, [T, min(index_topk, width)] (-1 = none); a token's
-        scores span `width` entries (see Attention._entry_width), -inf past the ones it sees."""
+        scores span `width` entries (see Attention._entry_width), -inf past the ones it sees. q: wq_b of the
+        query low-rank residual [T, heads * head_dim] (the attention multiplies it with its own wq_b)."""
         batch, cache = step.batch, step.cache
         snapshot = cache.snapshot.indexer if cache.snapshot is not None else None
         self.compressor(x, step, cache.indexer, cache.index_keys, snapshot)
@@ -83,7 +84,7 @@ class Indexer(nn.Module):
         if k == 0 or x.shape[0] == 0:
             return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
         pool = cache.index_keys
-        q = apply_rope(self.wq_b(qr).view(x.shape[0], self.heads, self.head_dim), batch.positions, step.inv_freq)
+        q = apply_rope(q.view(x.shape[0], self.heads, self.head_dim), batch.positions, step.inv_freq)
         weights = self.weights_proj(x)
         if pool.dtype == torch.uint8:
             q, weights = index_queries(q, weights, self.weight_scale)

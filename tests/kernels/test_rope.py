@@ -40,9 +40,22 @@ def test_matches_reference(rope, shape, dtype, inverse):
     assert torch.equal(got[..., :-32], x[..., :-32])
 
 
+def test_heads_of_a_row_slice_of_a_wider_buffer(rope):
+    """x [T, H, D] as a row slice of a stacked projection's output (token stride wider than H * D): rotated where
+    it lies, the result contiguous."""
+    g = torch.Generator().manual_seed(4)
+    stacked = torch.randn(5, 3 * 64 + 4 * 48, generator=g)
+    x = stacked[:, 3 * 64 :].view(5, 4, 48)
+    positions = torch.randint(0, 1 << 20, (5,), generator=g)
+    inv_freq = rope.rope_inv_freq(32, 10000.0)
+    got = rope.apply_rope_triton(x, positions, inv_freq)
+    assert got.is_contiguous() and x.stride(0) == stacked.stride(0)
+    torch.testing.assert_close(got, rope.apply_rope_reference(x, positions, inv_freq), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_in_place_rotates_x_itself(rope, layout):
-    """in_place writes the rotated channels into x (strided x: through a copy) and returns x; the leading
+    """in_place writes the rotated channels into x (where its rows lie) and returns x; the leading
     channels are untouched, the rotated ones the reference's."""
     g = torch.Generator().manual_seed(3)
     base = torch.randn(6, 4, 96, generator=g)
