@@ -26,7 +26,7 @@ from ds4.kernels.norm_rope import EntryForm
 from ds4.kernels.rope import rope_inv_freq
 from ds4.kernels.sparse_attention import AttentionPlan, RotaryQueries, attention_plan, sparse_attention
 
-DECODE = [(b, c) for b in (1, 64) for c in (4096, 16384, 65536)]
+DECODE = [(b, c) for b in (1, 8, 16, 64) for c in (4096, 16384, 65536)]
 PREFILL = [8192]
 PLANS = [AttentionPlan(h, n, w) for h, n, w in ((64, 16, 8), (64, 32, 8), (64, 64, 8), (32, 16, 4), (16, 32, 4))]
 # Key splits tried in the sweep for decode at batch 1 and 64 (None: the kernel's own choice).
@@ -126,6 +126,7 @@ def main(argv: list[str]) -> int:
     fp8 = args.kv_cache_dtype == "fp8"
     bandwidth, rate = copy_bandwidth(device), gemm_rate(device, torch.bfloat16)
     plan = attention_plan(device, cfg.num_attention_heads, cfg.head_dim)
+    small = attention_plan(device, cfg.num_attention_heads, cfg.head_dim, tokens=1)
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -133,11 +134,13 @@ def main(argv: list[str]) -> int:
         "config": args.config,
         "kv_cache_dtype": args.kv_cache_dtype,
         "plan": plan.__dict__,
+        "small_batch_plan": small.__dict__,
         "copy_bandwidth_tbps": bandwidth / 1e12,
         "bf16_gemm_tflops": rate / 1e12,
         "rows": [],
     }
-    print(f"{report['device']}: copy {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s, plan {plan}")
+    print(f"{report['device']}: copy {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {rate / 1e12:.0f} TFLOP/s")
+    print(f"plan {plan}, for small batches {small}")
     print(f"{'case':34} {'ms':>9} {'roof ms':>9} {'of roof':>8} {'MB':>9} {'GFLOP':>8}")
     cases = [("decode", kind, b, c) for kind in ("csa", "hca") for b, c in DECODE]
     cases += [("prefill", kind, 1, n) for kind in ("csa", "hca", "window") for n in PREFILL]
@@ -148,7 +151,7 @@ def main(argv: list[str]) -> int:
             positions = torch.full((batch,), n - 1, device=device)
         else:
             positions = torch.arange(n, device=device)
-        row = bench_case(cfg, kind, positions, mode == "decode", fp8, bandwidth, rate, plan, device)
+        row = bench_case(cfg, kind, positions, mode == "decode", fp8, bandwidth, rate, None, device)
         row.update(mode=mode, kind=kind, batch=batch, tokens=n)
         report["rows"].append(row)
         name = f"{mode} {kind} " + (f"batch {batch} ctx {n}" if mode == "decode" else f"{n} tokens")
@@ -161,12 +164,14 @@ def main(argv: list[str]) -> int:
         for batch, choices in SPLITS.items():  # decode at 64K with each token's keys split over programs or not
             positions = torch.full((batch,), 65535, device=device)
             for splits in choices:
-                row = bench_case(cfg, "csa", positions, True, fp8, bandwidth, rate, plan, device, splits)
+                row = bench_case(cfg, "csa", positions, True, fp8, bandwidth, rate, None, device, splits)
                 row.update(mode=f"decode batch {batch}", splits=splits or "auto")
                 report["sweep"].append(row)
                 print(f"sweep decode batch {batch} ctx 65536, splits {splits or 'auto'}: {row['ms']:.4f} ms")
         shapes = {
             "decode b1": torch.full((1,), 65535, device=device),
+            "decode b8": torch.full((8,), 65535, device=device),
+            "decode b16": torch.full((16,), 65535, device=device),
             "decode b64": torch.full((64,), 65535, device=device),
             "prefill": torch.arange(8192, device=device),
         }

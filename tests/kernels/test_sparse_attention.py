@@ -131,6 +131,17 @@ def test_plan_fits_the_shared_memory_and_the_accumulator_the_registers(smem, mon
         assert plan.num_warps in (4, 8) and plan.block_h >= 16
 
 
+def test_few_tokens_take_programs_of_16_heads(monkeypatch):
+    """A batch of at most SMs / SMALL_BATCH_SHARE tokens splits 64 heads over four programs; larger ones keep one."""
+    monkeypatch.setattr(sa, "num_sms", lambda device: 132)
+    monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: 232448)
+    device = torch.device("cuda")
+    assert sa.attention_plan(device, 64, 512, tokens=1) == sa.AttentionPlan(16, 32, 4)
+    assert sa.attention_plan(device, 64, 512, tokens=132 // sa.SMALL_BATCH_SHARE).block_h == 16
+    assert sa.attention_plan(device, 64, 512, tokens=64).block_h == 64
+    assert sa.attention_plan(device, 64, 512).block_h == 64
+
+
 def _positions(requests):
     return torch.cat([torch.arange(context, context + new) for context, new in requests])
 
