@@ -30,6 +30,8 @@ import triton.language as tl
 
 from ds4.kernels._device import ARRIVAL_COUNTERS, arrival_counters, interpreting, num_sms
 from ds4.kernels.fp8_kv import pow2_ceil
+from ds4.kernels.norm_rope import rounded
+from ds4.kernels.swiglu import clamped_swiglu, swiglu, swiglu_to
 
 QUANT_BLOCK = 128  # activation groups and weight blocks are 128 wide along K (and weight blocks 128 tall)
 FP8_MAX = 448.0
@@ -178,6 +180,9 @@ def _act_quant_kernel(x_ptr, x_stride, q_ptr, q_stride, scale_ptr, scale_stride,
 def _fp8_linear_kernel(
     x_ptr,
     x_stride,
+    up_ptr,
+    up_stride,
+    limit,
     w_ptr,
     w_stride,
     ws_ptr,
@@ -194,6 +199,7 @@ def _fp8_linear_kernel(
     chunks_per_split,
     splits,
     QUANTIZE_X: tl.constexpr,
+    SWIGLU: tl.constexpr,
     ROW_SCALES: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -206,7 +212,8 @@ def _fp8_linear_kernel(
     """One program: BLOCK_N output rows of one group x BLOCK_M rows of x x one split of the K chunks (BLOCK_K
     columns each), accumulated in fp32 [BLOCK_N, BLOCK_M]: by tl.dot (bf16 operands, or fp32 when DOT_F32), or
     with BLOCK_M = 1 by FMA over K-contiguous weight rows. Each 128-group's weight scale multiplies the
-    activations (exact), or with ROW_SCALES (a tile that crosses 128-row scale blocks) the weight.
+    activations (exact), or with ROW_SCALES (a tile that crosses 128-row scale blocks) the weight. SWIGLU: x is a
+    gate and up_ptr its up: the activations are their clamped SwiGLU, rounded to x's dtype.
 
     SPLIT: each split stores its fp32 partial, and the last program of the tile to arrive (an arrival counter per
     tile, which it resets for the next launch) sums the partials in split order and writes the output: one
@@ -239,6 +246,11 @@ def _fp8_linear_kernel(
             mask=m_live[:, None] & k_live[None, :],
             other=0.0,
         ).to(tl.float32)
+        if SWIGLU:  # x is the gate: the input is swiglu(gate, up) in x's dtype
+            up = tl.load(
+                up_ptr + m[:, None] * up_stride + k[None, :], mask=m_live[:, None] & k_live[None, :], other=0.0
+            )
+            x = rounded(clamped_swiglu(x, up.to(tl.float32), limit), x_ptr.dtype.element_ty)
         if ROW_SCALES:
             scale_ptrs = ws_ptr + (n // 128)[:, None] * ws_stride + kg[None, :]
             ws = tl.load(scale_ptrs, mask=n_live[:, None] & (kg < k_groups)[None, :], other=0.0)
@@ -342,7 +354,7 @@ def fma_weight_run(plan: LinearPlan, x_bytes: int) -> int:
     return max(1, min(16 // x_bytes, plan.block_k // (32 * plan.num_warps)))
 
 
-def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | None) -> torch.Tensor:
+def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | None, up=None, limit=0.0):
     m = x.shape[0]
     n, k = weight.shape
     rows = n // groups
@@ -356,6 +368,9 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
     _fp8_linear_kernel[grid](
         x,
         x.stride(0),
+        up if up is not None else x,
+        up.stride(0) if up is not None else 0,
+        float(limit),
         weight,
         weight.stride(0),
         scale,
@@ -372,6 +387,7 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
         plan.chunks_per_split,
         plan.splits,
         QUANTIZE_X=quantize_x,
+        SWIGLU=up is not None,
         ROW_SCALES=row_scales,
         USE_DOT=plan.use_dot,
         DOT_F32=interpreting() or x.dtype == torch.float32,
@@ -458,6 +474,12 @@ def prefers_triton(m: int, n: int, k: int, groups: int, quantize_x: bool) -> boo
     return any(m <= rows and n * k <= weight_bytes for rows, weight_bytes in TRITON_UP_TO)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [M, K] rows with contiguous columns (a row slice of a wider buffer stays where it is)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -467,12 +489,16 @@ def fp8_linear(
     out_dtype: torch.dtype | None = None,
     impl: str = "auto",
     plan: LinearPlan | None = None,
+    swiglu_up: torch.Tensor | None = None,
+    swiglu_limit: float = 0.0,
 ) -> torch.Tensor:
     """x [..., G*K] -> [..., G*R]; weight float8_e4m3fn [G*R, K]; scale fp32 [ceil(G*R/128), ceil(K/128)].
 
     impl: "auto" (on CUDA the Triton kernel or cuBLAS as `prefers_triton` says; the reference elsewhere),
     "triton" (the Triton kernel at any M; CPU under TRITON_INTERPRET=1), "cublas" or "torch". plan: override
-    the Triton kernel's launch plan (tests run the small-shared-memory plan with it).
+    the Triton kernel's launch plan (tests run the small-shared-memory plan with it). swiglu_up: x is a gate and
+    this its up ([..., K] each, one group): the input is swiglu(x, up, swiglu_limit) in x's dtype, computed as the
+    Triton kernel loads it (before cuBLAS, a launch of its own).
     """
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
@@ -483,8 +509,11 @@ def fp8_linear(
         )
     if tuple(scale.shape) != (-(-n // QUANT_BLOCK), -(-k // QUANT_BLOCK)):
         raise ValueError(f"fp8_linear: scale {list(scale.shape)} does not fit weight {list(weight.shape)}")
+    if swiglu_up is not None and (groups != 1 or swiglu_up.shape != x.shape):
+        raise ValueError(f"fp8_linear: a SwiGLU input takes one group and up like x, got {list(swiglu_up.shape)}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = _rows(x)
+    up2 = _rows(swiglu_up) if swiglu_up is not None else None
     m = x2.shape[0]
     out_dtype = out_dtype or x.dtype
     if impl == "auto":
@@ -492,12 +521,16 @@ def fp8_linear(
             impl = "torch"
         else:
             impl = "triton" if prefers_triton(m, n, k, groups, quantize_x) else "cublas"
+    if up2 is not None and impl == "cublas":  # the SwiGLU first: cuBLAS and the reference take plain rows
+        x2, up2 = swiglu_to(x2, up2, swiglu_limit, x.dtype), None
+    elif up2 is not None and impl == "torch":
+        x2, up2 = swiglu(x2, up2, swiglu_limit).to(x.dtype), None
     if impl == "torch":
         y = fp8_linear_reference(x2, weight, scale, groups, quantize_x, out_dtype)
     elif m == 0:
         y = torch.empty(0, n, dtype=out_dtype, device=x.device)
     elif impl == "triton":
-        y = _triton(x2.contiguous(), weight, scale, groups, quantize_x, out_dtype, plan)
+        y = _triton(x2, weight, scale, groups, quantize_x, out_dtype, plan, up2, swiglu_limit)
     elif impl == "cublas":
         if not cublas_fits(CUBLAS_MIN_M_DEQUANTIZED + 1, n, k, groups, quantize_x):
             raise ValueError(f"fp8_linear: cuBLAS needs one group of whole 128x128 blocks, got {groups} x {[n, k]}")

@@ -41,7 +41,6 @@ import functools
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -49,6 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ds4.kernels._device import has_tma, interpreting, launches_dependents_early, num_sms, shared_memory_per_block
 from ds4.kernels.fp8_linear import act_quant as fp8_act_quant
 from ds4.kernels.moe_routing import group_by_expert
+from ds4.kernels.swiglu import clamped_swiglu, swiglu
 
 ACT_GROUP = 128
 MXFP4_GROUP = 32
@@ -77,15 +77,6 @@ class ExpertWeights:
     @property
     def hidden(self) -> int:
         return self.down.shape[1]
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32 (no clamping when limit <= 0)."""
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(-limit, limit)
-    return F.silu(gate) * up
 
 
 # ---- the torch reference (the spec, the CPU path) ----
@@ -368,11 +359,7 @@ def _grouped_gemm_kernel(
         if ROUND_BF16:
             gate = _round_to_bf16(gate)
             up = _round_to_bf16(up)
-        if limit > 0:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        h = h * tl.load(route_w_ptr + slot, mask=row_ok, other=0.0)[None, :]
+        h = clamped_swiglu(gate, up, limit) * tl.load(route_w_ptr + slot, mask=row_ok, other=0.0)[None, :]
         if ROUND_BF16:
             h = _round_to_bf16(h)
         out_cols = pid_n * BN + tl.arange(0, BN)
@@ -412,7 +399,7 @@ _TIERS = (  # (rows per touched expert up to, plan at most stages deep)
 _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2
 _ACT_QUANT_ELEMENTS = 2048  # an act_quant program's tile
-_ELEMENTWISE_BLOCK = 1024  # columns a program of the slot sum / the shared expert's SwiGLU takes
+_ELEMENTWISE_BLOCK = 1024  # columns a program of the slot sum takes
 
 
 def plan_shared_memory(plan: GemmPlan, mxfp4: bool, a_bytes: int) -> int:
@@ -596,41 +583,6 @@ def _combine(slots: torch.Tensor, k: int, shared: torch.Tensor | None, out_dtype
         slots, slots.stride(0), shared if shared is not None else slots, shared.stride(0) if shared is not None else 0,
         out, out.stride(0), k, n, HAS_SHARED=shared is not None, BN=bn,
     )  # fmt: skip
-    return out
-
-
-@triton.jit(do_not_specialize=["N"])
-def _swiglu_kernel(gate_ptr, up_ptr, stride_in, out_ptr, stride_out, N, limit, BN: tl.constexpr):
-    """out[t] = swiglu(gate[t], up[t], limit), computed in fp32, stored in out's dtype."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    ok = cols < N
-    gate = tl.load(gate_ptr + t * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + t * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
-    if limit > 0:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + t * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def swiglu_to(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
-    """swiglu(gate, up, limit) in `dtype` ([T, N] each): one kernel on CUDA, the torch reference elsewhere."""
-    if gate.is_cuda:
-        return swiglu_triton(gate, up, limit, dtype)
-    return swiglu(gate, up, limit).to(dtype)
-
-
-def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
-    if (
-        gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.stride(0) != up.stride(0)
-    ):  # slices of one buffer pass as they are
-        gate, up = gate.contiguous(), up.contiguous()
-    t, n = gate.shape
-    out = torch.empty(t, n, dtype=dtype, device=gate.device)
-    bn = min(_ELEMENTWISE_BLOCK, triton.next_power_of_2(n))
-    if t:
-        _swiglu_kernel[(t, triton.cdiv(n, bn))](gate, up, gate.stride(0), out, out.stride(0), n, float(limit), BN=bn)
     return out
 
 

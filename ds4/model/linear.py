@@ -15,6 +15,7 @@ from ds4.checkpoint.quant import e8m0_to_float, fp8_block_dequantize
 from ds4.config import ModelConfig
 from ds4.kernels.fp8_linear import QUANT_BLOCK, fp8_linear
 from ds4.kernels.fp32_product import fp32_product
+from ds4.kernels.swiglu import swiglu_to
 from ds4.model.shard import cut, hold, read, read_grouped, region_of
 
 CHECKPOINT, DEQUANTIZED = "checkpoint", "dequantized"
@@ -79,6 +80,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.multiply(x, self.weight, self.scale)
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        """self(swiglu(gate, up, limit) in gate's dtype): an FP8 layer takes gate and up as its kernel's input (no
+        launch of their own at decode)."""
+        if self.scale is not None:
+            return fp8_linear(
+                gate, self.weight, self.scale, self.groups, self.quantize_input, self.dtype, swiglu_up=up,
+                swiglu_limit=limit,
+            )  # fmt: skip
+        return self(swiglu_to(gate, up, limit, gate.dtype))
 
     def multiply(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x times `weight` (with FP8 block `scale`) as this layer multiplies its own: StackedLinears passes the

@@ -16,7 +16,7 @@ from ds4.checkpoint.quant import MXFP4_BLOCK, fp8_block_dequantize, mxfp4_dequan
 from ds4.config import ModelConfig
 from ds4.distributed.parallel import Parallel
 from ds4.kernels.fp32_product import fp32_product
-from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, routed_experts, swiglu_to
+from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, routed_experts
 from ds4.kernels.moe_routing import Routes, route
 from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, StackedLinears, kept_fp8_block
 from ds4.model.shard import Region, cut, read, read_grouped, stored_dtype
@@ -163,7 +163,7 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x)
-        return self.w2(swiglu_to(gate, up, self.limit, x.dtype))
+        return self.w2.gated(gate, up, self.limit)
 
 
 class MoE(nn.Module):

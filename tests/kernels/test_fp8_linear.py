@@ -6,13 +6,19 @@ import pytest
 import torch
 from interpreted import interpreted
 
+import ds4.kernels.fp8_kv
 import ds4.kernels.fp8_linear
+import ds4.kernels.norm_rope
+import ds4.kernels.rmsnorm
+import ds4.kernels.rope
+import ds4.kernels.swiglu
 from ds4.checkpoint.quant import fp8_block_quantize
 
 
 @pytest.fixture(scope="module")
 def fp8():
-    return interpreted(ds4.kernels.fp8_linear, "_fp8_linear_kernel")
+    deps = (ds4.kernels.fp8_kv, ds4.kernels.rmsnorm, ds4.kernels.rope, ds4.kernels.norm_rope, ds4.kernels.swiglu)
+    return interpreted(ds4.kernels.fp8_linear, "_fp8_linear_kernel", *deps)
 
 
 def test_act_quant_hand_example(fp8):
@@ -89,6 +95,27 @@ def test_triton_kernel_matches_reference(fp8, m, n, k, groups, quantize_x, use_d
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     # The last program of each tile resets its arrival counter for the next launch.
     assert plan.use_dot == use_dot and not fp8.arrival_counters(x.device).any()
+
+
+@pytest.mark.parametrize("m, use_dot", [(1, False), (5, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_input_is_the_gate_and_up_activation(fp8, m, use_dot, dtype):
+    """swiglu_up: the kernel's input is swiglu(x, up) in x's dtype, computed as it loads them (the shared expert's
+    w2 takes w1's and w3's outputs so); gate and up may be row slices of one buffer. Without act_quant here: the
+    interpreter does not round e4m3 as the GPU does (the GPU test runs the model's act_quant'ed form)."""
+    g = torch.Generator().manual_seed(m)
+    k = 256
+    stacked = (torch.randn(m, 2 * k, generator=g) * 4).to(dtype)
+    gate, up = stacked[:, :k], stacked[:, k:]
+    w, s = weights(128, k, g)
+    plan = fp8.linear_plan(m, 128, 1, k, stacked.element_size(), sms=4, smem=99 << 10, use_dot=use_dot)
+    args = dict(swiglu_up=up, swiglu_limit=7.0, out_dtype=torch.float32)  # the interpreter truncates bf16 stores
+    got = fp8.fp8_linear(gate, w, s, 1, False, impl="triton", plan=plan, **args)
+    want = fp8.fp8_linear_reference(fp8.swiglu(gate, up, 7.0).to(dtype), w, s, 1, False, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fp8.fp8_linear(gate, w, s, 1, False, impl="torch", **args), want)
+    with pytest.raises(ValueError, match="SwiGLU"):
+        fp8.fp8_linear(gate, w, s, swiglu_up=stacked)
 
 
 def test_split_runs_are_bit_identical_and_write_the_output_dtype(fp8):

@@ -49,6 +49,20 @@ def test_fp8_linear_matches_reference_over_m(m, n, k):
         assert rel_err(fl.fp8_linear(x, w, s, out_dtype=torch.float32, impl="triton"), want) < 1e-5
 
 
+@pytest.mark.parametrize("m", [1, 8, 64, 1000])
+def test_swiglu_input_matches_swiglu_then_the_linear(m):
+    """The shared expert's w2 (2048 -> 4096) taking w1's and w3's outputs (row slices of one product): the kernel's
+    SwiGLU + act_quant as it loads them (decode sizes), swiglu_to then cuBLAS above; against the reference."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    stacked = (torch.randn(m, 2 * 2048, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    gate, up = stacked[:, :2048], stacked[:, 2048:]
+    w, s = weights(4096, 2048, g)
+    h = fl.swiglu(gate, up, 10.0).to(torch.bfloat16)
+    want = fl.fp8_linear_reference(h, w, s, out_dtype=torch.float32)
+    got = fl.fp8_linear(gate, w, s, out_dtype=torch.float32, swiglu_up=up, swiglu_limit=10.0)
+    assert rel_err(got, want) < (1e-5 if m <= 64 else 2e-3)
+
+
 @pytest.mark.parametrize("m", [1, 5, 64, 300])
 def test_grouped_projection_without_act_quant(m):
     """The attention's wo_a at Flash shape: 8 groups of 1024 rows over 4096 columns each, bf16 inputs."""

@@ -9,8 +9,10 @@ from interpreted import interpreted
 
 import ds4.kernels.moe as moe_module
 import ds4.kernels.moe_routing as routing_module
-from ds4.kernels.moe import combine_reference, swiglu
+import ds4.kernels.swiglu as swiglu_module
+from ds4.kernels.moe import combine_reference
 from ds4.kernels.moe_routing import SCORE_FUNCS, route_reference
+from ds4.kernels.swiglu import swiglu
 
 E, K, VOCAB = 12, 3, 40
 
@@ -102,7 +104,7 @@ def test_interpreted_routing_equals_the_reference(
 
 @pytest.fixture(scope="module")
 def moe_kernels():
-    return interpreted(moe_module, "_combine_kernel")
+    return interpreted(moe_module, "_combine_kernel", swiglu_module)
 
 
 def test_interpreted_combine_and_swiglu_equal_their_references(moe_kernels):
@@ -115,5 +117,5 @@ def test_interpreted_combine_and_swiglu_equal_their_references(moe_kernels):
     assert moe_kernels._combine(slots, K, shared, torch.bfloat16).dtype == torch.bfloat16
     gate, up = (torch.randn(4, 40, generator=gen) * 8).bfloat16(), (torch.randn(4, 40, generator=gen) * 8).bfloat16()
     for limit in (0.0, 7.0):
-        got = moe_kernels.swiglu_triton(gate, up, limit, torch.float32)
+        got = interpreted(swiglu_module, "_swiglu_kernel").swiglu_triton(gate, up, limit, torch.float32)
         torch.testing.assert_close(got, swiglu(gate, up, limit), rtol=1e-6, atol=1e-6)
