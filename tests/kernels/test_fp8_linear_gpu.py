@@ -60,7 +60,8 @@ def test_swiglu_input_matches_swiglu_then_the_linear(m):
     h = fl.swiglu(gate, up, 10.0).to(torch.bfloat16)
     want = fl.fp8_linear_reference(h, w, s, out_dtype=torch.float32)
     got = fl.fp8_linear(gate, w, s, out_dtype=torch.float32, swiglu_up=up, swiglu_limit=10.0)
-    assert rel_err(got, want) < (1e-5 if m <= 64 else 2e-3)
+    # the Triton kernel: exact products, fp32 sums in another order; cuBLAS: as in the tests above
+    assert rel_err(got, want) < (1e-5 if fl.prefers_triton(m, 4096, 2048, 1, True) else 2e-3)
 
 
 @pytest.mark.parametrize("m", [1, 5, 64, 300])
