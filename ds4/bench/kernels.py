@@ -214,7 +214,7 @@ MHC_HC, MHC_HIDDEN, MHC_ITERS, MHC_HEADS, MHC_HEAD_DIM = 4, 4096, 20, 64, 512  #
 
 def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, object]]:
     """(op, bytes it must move, ds4 call, torch reference call) at Flash shapes with bf16 streams; "hc_post+pre" is an
-    hc_post and the next hc_pre (one launch at decode sizes); "rope q" is the
+    hc_post, the next hc_pre and its RMSNorm (one launch at decode sizes); "rope q" is the
     rotation of the attention queries [T, heads, head_dim], "kv entry" the kv's norm, rotation and FP8 entry, "pool
     csa" CSA's compressor entries (pooled, finished, FP8) from its rings and fresh rows."""
     hc, d, e, dev = MHC_HC, MHC_HIDDEN, 2, g.device
@@ -242,14 +242,15 @@ def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, ob
     streams, one = tokens * hc * d * e, tokens * d * e
     pre_args = (h, fn, scale, base, hc, MHC_ITERS, 1e-6, 1e-6)
     head_args = (h, head_fn, scale[:1], base[:hc], 1e-6, 1e-6)
+    post_pre_args = (fn, scale, base, norm_weight.float(), hc, MHC_ITERS, 1e-6, 1e-6)
     return [
         ("hc_pre", streams + fn.numel() * 4 + one + gates, lambda: mhc.hc_pre(*pre_args),
          lambda: mhc.hc_pre_reference(*pre_args)),
         ("hc_post", 2 * streams + one + gates, lambda: mhc.hc_post(out, h, post, comb),
          lambda: mhc.hc_post_reference(out, h, post, comb)),
         ("hc_post+pre", 3 * streams + fn.numel() * 4 + 2 * one + 2 * gates,
-         lambda: mhc.hc_post_pre(out, h, post, comb, *pre_args[1:]),
-         lambda: _post_pre_reference(out, h, post, comb, *pre_args[1:])),
+         lambda: mhc.hc_post_pre(out, h, post, comb, *post_pre_args),
+         lambda: _post_pre_reference(out, h, post, comb, *post_pre_args)),
         ("hc_head", streams + head_fn.numel() * 4 + one, lambda: mhc.hc_head(*head_args),
          lambda: mhc.hc_head_reference(*head_args)),
         ("rms_norm", 2 * one + d * 2, lambda: rmsnorm.rms_norm(out, norm_weight, 1e-6),
@@ -265,9 +266,10 @@ def _mhc_ops(tokens: int, g: torch.Generator) -> list[tuple[str, int, object, ob
     ]  # fmt: skip
 
 
-def _post_pre_reference(out, h, post, comb, *pre_args):
+def _post_pre_reference(out, h, post, comb, fn, scale, base, weight, *pre_args):
     new = mhc.hc_post_reference(out, h, post, comb)
-    return (new, *mhc.hc_pre_reference(new, *pre_args))
+    x, post, comb = mhc.hc_pre_reference(new, fn, scale, base, *pre_args)
+    return new, rmsnorm.rms_norm_reference(x, weight, pre_args[-1]), post, comb
 
 
 def _max_diff(got, want) -> float:

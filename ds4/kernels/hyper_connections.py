@@ -18,10 +18,10 @@ on tensor cores as three TF32 products
 product dropped): the streams' low parts are zero, so only the weight's rest is rounded, about 2^-22 of a
 product instead of the 2^-24 of IEEE fp32 FMAs; fp32 streams keep IEEE fp32 FMAs (an fp32 model agrees with its
 CPU run up to the order of the sums). H200, 8192 bf16 tokens: hc_pre 1.31 ms, 1.65 with IEEE FMA dot products.
-A decode step's hc_post and the hc_pre after it (`hc_post_pre`, up to POST_PRE_TOKENS tokens) are one launch:
-each program expands a block of channels and writes that block's projection row (fp32 FMAs: too few tokens for an
-MMA), and the last program to arrive (an arrival counter) runs the collapse from the rows and streams the others
-wrote; more tokens take the two launches of each.
+A decode step's hc_post, the hc_pre after it and that sub-layer's RMSNorm (`hc_post_pre`, up to POST_PRE_TOKENS
+tokens) are one launch: each program expands a block of channels and writes that block's projection row (fp32
+FMAs: too few tokens for an MMA), and the last program to arrive (an arrival counter) runs the collapse from the
+rows and streams the others wrote, then the norm; more tokens take the launches of each.
 Shapes are launch arguments and nothing waits on the host: the launches are CUDA-graph capturable. hc must be a
 power of two (the real models' 4; other values take the reference).
 """
@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ds4.kernels._device import arrival_counters, num_sms, shared_memory_per_block
 from ds4.kernels.norm_rope import rounded
+from ds4.kernels.rmsnorm import inverse_rms, rms_norm
 
 # Chosen settings. Projection: a program's tile of tokens (fewer for small batches, where tokens are padding) and
 # of flattened channels; programs per SM the split-K aims for. Collapse / expand: channels per program step and
@@ -306,6 +307,25 @@ def _expand_kernel(
     )
 
 
+@triton.jit
+def _normalize_row(x_ptr, x_stride, token, w_ptr, D, eps, BLOCK_D: tl.constexpr):
+    """Row `token` of x (D values this program wrote) replaced by its RMSNorm times w_ptr's weights, as rms_norm of
+    the stored values: two passes, the sum of squares then the scaled row."""
+    tl.debug_barrier()  # the row's stores, by every thread, before it is read back
+    row = x_ptr + token * x_stride
+    squares = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, D, BLOCK_D):
+        d = start + tl.arange(0, BLOCK_D)
+        v = tl.load(row + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
+        squares += v * v
+    inverse = inverse_rms(tl.sum(squares, 0), D, eps)
+    for start in range(0, D, BLOCK_D):
+        d = start + tl.arange(0, BLOCK_D)
+        v = tl.load(row + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(row + d, rounded(v * inverse * w, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty), mask=d < D)
+
+
 @triton.jit(do_not_specialize=["T", "iters"])
 def _post_project_kernel(
     out_ptr,
@@ -323,6 +343,7 @@ def _post_project_kernel(
     base_ptr,
     x_ptr,
     x_stride,
+    x_weight_ptr,
     next_post_ptr,
     next_comb_ptr,
     T,
@@ -343,7 +364,8 @@ def _post_project_kernel(
     BLOCK_D channels): new[t, k, block] = post[t, k] * out[t, block] + sum_j comb[t, j, k] h[t, j, block] (stored
     in the streams' dtype), and part[block, t] its products with fn's columns of the block and its sum of squares,
     as the projection kernel's split rows; the last program to arrive (a counter, reset for the next launch) runs
-    the collapse of the tokens, one at a time, from the rows and streams the others wrote."""
+    the collapse of the tokens, one at a time, from the rows and streams the others wrote, and the sub-layer's
+    RMSNorm (x_weight_ptr, norm_eps) of each collapsed row."""
     block = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
@@ -381,6 +403,7 @@ def _post_project_kernel(
                 one, one < T, 0, T, D, K, tl.num_programs(0), iters, chunks, 1, hc_eps, norm_eps, HC, MIX, MIX_PAD,
                 True, SPLIT_BLOCK, 1, COLLAPSE_D, ".cg",
             )  # fmt: skip
+            _normalize_row(x_ptr, x_stride, token, x_weight_ptr, D, norm_eps, COLLAPSE_D)
         tl.atomic_xchg(arrivals_ptr, 0)
 
 
@@ -521,10 +544,11 @@ def hc_post_triton(out, streams, post, comb, block_d: int = CHANNEL_BLOCK) -> to
 
 
 def hc_post_pre_triton(
-    out, streams, post, comb, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float, block_d=None
-):
-    """hc_post then hc_pre of the new streams in one launch, for at most POST_PRE_TOKENS tokens; returns (new
-    streams, sub-layer input, post, comb). block_d: channels a program (default: a block an SM)."""
+    out, streams, post, comb, fn, scale, base, x_weight, hc: int, iters: int, hc_eps: float, norm_eps: float,
+    block_d=None,
+):  # fmt: skip
+    """hc_post, hc_pre of the new streams and the sub-layer input's RMSNorm in one launch, for at most
+    POST_PRE_TOKENS tokens; see hc_post_pre. block_d: channels a program (default: a block an SM)."""
     tokens, _, d = streams.shape
     if not 0 < tokens <= POST_PRE_TOKENS or fn.shape[0] != (2 + hc) * hc or streams.shape[1] != hc:
         raise ValueError(f"hc_post_pre: {tokens} tokens (1 to {POST_PRE_TOKENS}), fn {list(fn.shape)}, hc {hc}")
@@ -544,7 +568,7 @@ def hc_post_pre_triton(
     post, comb = post.contiguous(), comb.contiguous()
     _post_project_kernel[(blocks,)](
         out, out.stride(0), streams, streams.stride(0), post, comb, new, new.stride(0), fn, part,
-        arrival_counters(dev), scale, base, x, x.stride(0), next_post, next_comb, tokens, d, k, iters, hc_eps,
+        arrival_counters(dev), scale, base, x, x.stride(0), x_weight, next_post, next_comb, tokens, d, k, iters, hc_eps,
         norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=triton.next_power_of_2(tokens), BLOCK_D=block_d,
         SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=min(CHANNEL_BLOCK, triton.next_power_of_2(d)),
         num_warps=WARPS,
@@ -571,13 +595,17 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
     return hc_post_reference(out, streams, post, comb)
 
 
-def hc_post_pre(out, streams, post, comb, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float):
-    """hc_post, then hc_pre of the new streams: (new streams [T, hc, D], sub-layer input [T, D], post, comb);
-    one launch for a few tokens (decode), else hc_post's and hc_pre's."""
+def hc_post_pre(
+    out, streams, post, comb, fn, scale, base, x_weight, hc: int, iters: int, hc_eps: float, norm_eps: float
+):  # fmt: skip
+    """hc_post, then hc_pre of the new streams, then the RMSNorm (weight x_weight, eps norm_eps) of its sub-layer
+    input: (new streams [T, hc, D], normalised input [T, D], post, comb); one launch for a few tokens (decode),
+    else hc_post's, hc_pre's and the norm's."""
     if _fused(streams) and 0 < streams.shape[0] <= POST_PRE_TOKENS:
-        return hc_post_pre_triton(out, streams, post, comb, fn, scale, base, hc, iters, hc_eps, norm_eps)
+        return hc_post_pre_triton(out, streams, post, comb, fn, scale, base, x_weight, hc, iters, hc_eps, norm_eps)
     new = hc_post(out, streams, post, comb)
-    return (new, *hc_pre(new, fn, scale, base, hc, iters, hc_eps, norm_eps))
+    x, post, comb = hc_pre(new, fn, scale, base, hc, iters, hc_eps, norm_eps)
+    return new, rms_norm(x, x_weight, norm_eps), post, comb
 
 
 def hc_head(streams: torch.Tensor, fn, scale, base, hc_eps: float, norm_eps: float) -> torch.Tensor:

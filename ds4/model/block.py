@@ -15,7 +15,7 @@ from ds4.model.cache import LayerCache
 from ds4.model.linear import DEQUANTIZED, Norm, fp32_param
 from ds4.model.moe import MoE
 
-# A sub-layer's input, post and comb from hc_pre.
+# A sub-layer's normalised input, post and comb (from hc_pre and the sub-layer's RMSNorm).
 Mixed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -53,20 +53,27 @@ class Block(nn.Module):
         following: Block | None = None,
     ) -> tuple[torch.Tensor, Mixed | None]:
         """h: the hc_mult residual streams [T, hc, D]; layout None for a decode_only batch (the capturable path).
-        Returns the new streams and, when `following` (the next block) is given, its attention's hc_pre of them,
-        which it takes as `mixed`: each hc_post and the hc_pre after it are one step (one launch at decode)."""
+        Returns the new streams and, when `following` (the next block) is given, its attention's normalised input,
+        post and comb from them, which it takes as `mixed`: each hc_post, the hc_pre after it and that sub-layer's
+        RMSNorm are one step (one launch at decode)."""
         if mixed is None:
-            mixed = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *self._mhc())
-        x, post, comb = mixed
-        x = self.attn(rms_norm(x, self.attn_norm.weight, self.eps), batch, layout, cache)
-        h, *mixed = hc_post_pre(x, h, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, *self._mhc())
-        x, post, comb = mixed
-        x = self.ffn(rms_norm(x, self.ffn_norm.weight, self.eps), batch.input_ids)
+            x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, *self._mhc())
+            x = rms_norm(x, self.attn_norm.weight, self.eps)
+        else:
+            x, post, comb = mixed
+        x = self.attn(x, batch, layout, cache)
+        h, x, post, comb = hc_post_pre(x, h, post, comb, *self._ffn_pre(), *self._mhc())
+        x = self.ffn(x, batch.input_ids)
         if following is None:
             return hc_post(x, h, post, comb), None
-        f = following
-        h, *mixed = hc_post_pre(x, h, post, comb, f.hc_attn_fn, f.hc_attn_scale, f.hc_attn_base, *f._mhc())
+        h, *mixed = hc_post_pre(x, h, post, comb, *following._attn_pre(), *following._mhc())
         return h, tuple(mixed)
+
+    def _attn_pre(self) -> tuple[torch.Tensor, ...]:
+        return self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm.weight
+
+    def _ffn_pre(self) -> tuple[torch.Tensor, ...]:
+        return self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm.weight
 
     def _mhc(self) -> tuple[int, int, float, float]:
         return self.hc, self.iters, self.hc_eps, self.eps

@@ -7,10 +7,12 @@ import torch
 from interpreted import interpreted
 
 import ds4.kernels.hyper_connections
+from ds4.kernels.rmsnorm import rms_norm_reference
 
 # fp32 sums in another order: the gates and comb agree to this; bf16 outputs to one bf16 step.
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 BF16_TOL = dict(rtol=2**-7, atol=1e-6)
+BF16_TWO_STEPS = dict(rtol=2**-6, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -109,21 +111,27 @@ def test_hc_post_matches_reference(mhc, hc, d, block_d, dtype):
 @pytest.mark.parametrize("hc,d,tokens,block_d", [(4, 64, 1, 16), (4, 40, 3, 16), (2, 64, 4, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_post_pre_in_one_launch_matches_the_references(mhc, hc, d, tokens, block_d, dtype):
-    """A few tokens' hc_post and the next hc_pre in one launch (programs a block of channels, the last to arrive
-    collapsing): hc_post_reference, then hc_pre_reference of its streams; the arrival counter is left at zero."""
+    """A few tokens' hc_post, the next hc_pre and its sub-layer's RMSNorm in one launch (programs a block of
+    channels, the last to arrive collapsing and normalising): hc_post_reference, then hc_pre_reference of its
+    streams, then rms_norm_reference; the arrival counter is left at zero."""
     g = torch.Generator().manual_seed(hc * d + tokens)
     streams = torch.randn(tokens, hc, d, generator=g).to(dtype)
     out = torch.randn(tokens, d, generator=g).to(dtype)
     post = torch.rand(tokens, hc, generator=g) * 2
     comb = torch.rand(tokens, hc, hc, generator=g)
     fn, scale, base = weights(hc, d, (2 + hc) * hc, g)
-    got = mhc.hc_post_pre_triton(out, streams, post, comb, fn, scale, base, hc, 20, 1e-6, 1e-6, block_d=block_d)
+    norm = torch.rand(d, generator=g) + 0.5
+    got = mhc.hc_post_pre_triton(
+        out, streams, post, comb, fn, scale, base, norm, hc, 20, 1e-6, 1e-6, block_d=block_d
+    )  # fmt: skip
     new = mhc.hc_post_reference(out, streams, post, comb)
-    want = (new, *mhc.hc_pre_reference(new, fn, scale, base, hc, 20, 1e-6, 1e-6))
+    x, next_post, next_comb = mhc.hc_pre_reference(new, fn, scale, base, hc, 20, 1e-6, 1e-6)
+    want = (new, rms_norm_reference(x, norm, 1e-6), next_post, next_comb)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     assert got[0].dtype == got[1].dtype == dtype
     torch.testing.assert_close(got[0].float(), want[0].float(), **tol)
-    torch.testing.assert_close(got[1].float(), want[1].float(), **tol)
+    # the normalised input: the collapse's rounding (one step, see above) and the norm's
+    torch.testing.assert_close(got[1].float(), want[1].float(), **(tol if dtype == torch.float32 else BF16_TWO_STEPS))
     torch.testing.assert_close(got[2], want[2], **FP32_TOL)
     torch.testing.assert_close(got[3], want[3], **FP32_TOL)
     assert not mhc.arrival_counters(streams.device).any()
@@ -135,7 +143,7 @@ def test_hc_post_pre_takes_a_few_tokens_only(mhc):
     streams, out = torch.zeros(tokens, 4, 16), torch.zeros(tokens, 16)
     post, comb = torch.zeros(tokens, 4), torch.zeros(tokens, 4, 4)
     with pytest.raises(ValueError, match="tokens"):
-        mhc.hc_post_pre_triton(out, streams, post, comb, fn, scale, base, 4, 20, 1e-6, 1e-6)
+        mhc.hc_post_pre_triton(out, streams, post, comb, fn, scale, base, torch.ones(16), 4, 20, 1e-6, 1e-6)
 
 
 def test_no_tokens(mhc):

@@ -63,20 +63,23 @@ def test_hc_pre_and_post_match_reference(tokens, dtype):
 
 @pytest.mark.parametrize("tokens", [1, 2, 4])
 def test_hc_post_pre_in_one_launch_matches_reference(tokens):
-    """A decode step's hc_post and the next hc_pre, one launch (the last program to arrive collapses), twice in a
-    row (the arrival counter resets itself) and under graph replay."""
+    """A decode step's hc_post, the next hc_pre and its RMSNorm, one launch (the last program to arrive collapses
+    and normalises), twice in a row (the arrival counter resets itself) and under graph replay."""
     g = torch.Generator(device="cuda").manual_seed(11 + tokens)
     h = streams(tokens, torch.bfloat16, g)
     out = torch.randn(tokens, D, device="cuda", generator=g).bfloat16()
     post = torch.rand(tokens, HC, device="cuda", generator=g) * 2
     comb = torch.rand(tokens, HC, HC, device="cuda", generator=g)
     fn, scale, base = weights((2 + HC) * HC, g)
-    args = (out, h, post, comb, fn, scale, base, HC, 20, 1e-6, 1e-6)
+    norm = torch.rand(D, device="cuda", generator=g) + 0.5
+    args = (out, h, post, comb, fn, scale, base, norm, HC, 20, 1e-6, 1e-6)
     new = mhc.hc_post_reference(out, h, post, comb)
-    want = (new, *mhc.hc_pre_reference(new, fn, scale, base, HC, 20, 1e-6, 1e-6))
+    x, next_post, next_comb = mhc.hc_pre_reference(new, fn, scale, base, HC, 20, 1e-6, 1e-6)
+    want = (new, rmsnorm.rms_norm_reference(x, norm, 1e-6), next_post, next_comb)
     for _ in range(2):
         got = mhc.hc_post_pre_triton(*args)
-        for g_part, w_part, tol in zip(got, want, (BF16_TOL, BF16_TOL, GATE_TOL, GATE_TOL)):
+        # the normalised input rounds twice (the collapse's bf16, then the norm's): two bf16 steps
+        for g_part, w_part, tol in zip(got, want, (BF16_TOL, dict(rtol=2**-6, atol=1e-6), GATE_TOL, GATE_TOL)):
             torch.testing.assert_close(g_part.float(), w_part.float(), **tol)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

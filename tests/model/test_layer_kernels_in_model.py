@@ -21,12 +21,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _hc_post_pre(out, streams, post, comb, fn, *args):
-    """hc_post_pre as on CUDA: one launch for a few tokens, else hc_post's and hc_pre's."""
+def _hc_post_pre(out, streams, post, comb, fn, scale, base, weight, hc, iters, hc_eps, norm_eps):
+    """hc_post_pre as on CUDA: one launch for a few tokens, else hc_post's, hc_pre's and rms_norm's."""
+    gates = (fn, scale, base)
     if streams.shape[0] <= hyper_connections.POST_PRE_TOKENS:
-        return hyper_connections.hc_post_pre_triton(out, streams, post, comb, fn, *args)
+        return hyper_connections.hc_post_pre_triton(
+            out, streams, post, comb, *gates, weight, hc, iters, hc_eps, norm_eps
+        )
     new = hyper_connections.hc_post_triton(out, streams, post, comb)
-    return (new, *hyper_connections.hc_pre_triton(new, fn, *args))
+    x, post, comb = hyper_connections.hc_pre_triton(new, *gates, hc, iters, hc_eps, norm_eps)
+    return new, rmsnorm.rms_norm_triton(x, weight, norm_eps), post, comb
 
 
 KERNELS = [
