@@ -22,6 +22,7 @@ from ds4.kernels import gated_pool, norm_rope, rmsnorm, rope, topk_triton
 from ds4.kernels import hyper_connections as mhc
 from ds4.kernels import indexer as ix
 from ds4.kernels import topk as tk
+from ds4.kernels._device import num_sms, shared_memory_per_block
 
 TOPK_CASES = [(64, 131072, 512), (1, 1048576, 512), (2048, 65536, 512), (64, 131072, 1024), (128, 32768, 512)]
 ROTATE_BYTES = 256 << 20  # inputs smaller than this are rotated so timings do not come from L2
@@ -317,6 +318,40 @@ def bench_mhc(tokens: int, bandwidth: float, device: str = "cuda") -> list[dict]
     return rows
 
 
+# (tokens a projection program, flattened channels a step, projection programs per SM) tried by --all-tiles
+MHC_PROJECTION_SWEEP = [(t, k, waves) for t in (32, 64) for k in (64, 128) for waves in (1, 2, 4)]
+
+
+def sweep_mhc_projection(tokens: int, device: str = "cuda") -> list[dict]:
+    """hc_pre's launches at Flash shapes with each projection tiling of MHC_PROJECTION_SWEEP (the collapse as
+    planned), graph-replayed."""
+    hc, d = MHC_HC, MHC_HIDDEN
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(tokens, hc, d, device=device, generator=g).to(torch.bfloat16)
+    fn = torch.randn((2 + hc) * hc, hc * d, device=device, generator=g) * (hc * d) ** -0.5
+    scale, base = torch.rand(3, device=device, generator=g) + 0.5, torch.randn((2 + hc) * hc, device=device)
+    dev = torch.device(device)
+    planned = mhc.plan(tokens, hc * d, d, 32, 2, num_sms(dev), shared_memory_per_block(dev))
+    runs = []
+    for block_t, block_k, waves in MHC_PROJECTION_SWEEP:
+        k_blocks = triton.cdiv(hc * d, block_k)
+        splits = max(1, min(k_blocks, triton.cdiv(waves * num_sms(dev), triton.cdiv(tokens, block_t))))
+        per_split = triton.cdiv(k_blocks, splits)
+        launch = dataclasses.replace(
+            planned, block_t=block_t, block_k=block_k, splits=triton.cdiv(k_blocks, per_split),
+            k_blocks_per_split=per_split,
+        )  # fmt: skip
+        row = {"tokens": tokens, "block_t": block_t, "block_k": block_k, "waves": waves}
+        try:
+            row["ms"] = graph_ms(
+                lambda: mhc.hc_pre_triton(h, fn, scale, base, hc, MHC_ITERS, 1e-6, 1e-6, launch=launch)
+            )
+        except Exception as error:  # a tiling that does not compile or fit is reported, not fatal
+            row["error"] = str(error)[:160]
+        runs.append(row)
+    return runs
+
+
 def compiled_resources(kernels: dict) -> list[dict]:
     """Registers, spills and shared memory of every compiled variant of the given Triton kernels."""
     found = []
@@ -458,6 +493,8 @@ def main(argv: list[str]) -> int:
         )
     if "mhc" in groups:
         sections.append(("mhc", lambda: [row for t in MHC_TOKENS for row in bench_mhc(t, bandwidth)]))
+        if args.all_tiles:
+            sections.append(("mhc_projection_sweep", lambda: [r for t in (64, 8192) for r in sweep_mhc_projection(t)]))
     for name, run in sections:  # each section is printed and saved as it lands, so a timeout keeps the rest
         report[name] = run()
         print(name, json.dumps(report[name]), flush=True)
