@@ -362,36 +362,35 @@ def _post_project_kernel(
 ):
     """hc_post, then the next hc_pre, in one launch for a few tokens (T <= BLOCK_T, one program a block of
     BLOCK_D channels): new[t, k, block] = post[t, k] * out[t, block] + sum_j comb[t, j, k] h[t, j, block] (stored
-    in the streams' dtype), and part[block, t] its products with fn's columns of the block and its sum of squares,
-    as the projection kernel's split rows; the last program to arrive (a counter, reset for the next launch) runs
-    the collapse of the tokens, one at a time, from the rows and streams the others wrote, and the sub-layer's
-    RMSNorm (x_weight_ptr, norm_eps) of each collapsed row."""
+    in the streams' dtype), and part[block, t] its products with fn's columns of the block (fp32 FMAs: too few
+    tokens for an MMA tile) and its sum of squares, as the projection kernel's split rows; the last program to
+    arrive (a counter, reset for the next launch) runs the collapse of the tokens, one at a time, from the rows and
+    streams the others wrote, and the sub-layer's RMSNorm (x_weight_ptr, norm_eps) of each collapsed row."""
     block = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
     t = t.to(tl.int64)
-    k = tl.arange(0, HC)
     d = block * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = t_ok[:, None] & (d < D)[None, :]
-    mixed = tl.zeros((BLOCK_T, HC, BLOCK_D), tl.float32)
-    for j in tl.static_range(HC):
-        h = tl.load(h_ptr + t[:, None] * h_stride + j * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        c = tl.load(comb_ptr + t[:, None] * HC * HC + j * HC + k[None, :], mask=t_ok[:, None], other=0.0)
-        mixed += c[:, :, None] * h[:, None, :]
-    out = tl.load(out_ptr + t[:, None] * out_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + t[:, None] * HC + k[None, :], mask=t_ok[:, None], other=0.0)
-    new = rounded(post[:, :, None] * out[:, None, :] + mixed, new_ptr.dtype.element_ty)
-    at = new_ptr + t[:, None, None] * new_stride + k[None, :, None] * D + d[None, None, :]
-    tl.store(at, new.to(new_ptr.dtype.element_ty), mask=ok[:, None, :])
-    # The projection of the block's flattened channels k * D + d, from the stored (rounded) values, by fp32 FMAs
-    # (a few tokens: no MMA tile to fill).
-    flat = tl.reshape(new, (BLOCK_T, HC * BLOCK_D))
     cols = tl.arange(0, MIX_PAD)
-    w_at = fn_ptr + cols[None, None, :] * K + (k[:, None, None] * D + d[None, :, None])
-    w_ok = (cols < MIX)[None, None, :] & (d < D)[None, :, None]
-    w = tl.reshape(tl.load(w_at, mask=w_ok, other=0.0), (HC * BLOCK_D, MIX_PAD))
-    acc = tl.sum(flat[:, :, None] * w[None, :, :], axis=1)
-    acc = tl.where(cols[None, :] == MIX, tl.sum(flat * flat, axis=1)[:, None], acc)
+    w_ok = (d < D)[:, None] & (cols < MIX)[None, :]
+    out = tl.load(out_ptr + t[:, None] * out_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_T, MIX_PAD), tl.float32)
+    squares = tl.zeros((BLOCK_T,), tl.float32)
+    # Stream by stream, in [tokens, channels] tiles of one layout: the new stream, then its columns' products.
+    for k in tl.static_range(HC):
+        mixed = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+        for j in tl.static_range(HC):  # the streams' tiles are read from L1 after the first stream
+            h = tl.load(h_ptr + t[:, None] * h_stride + j * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            mixed += tl.load(comb_ptr + t * HC * HC + j * HC + k, mask=t_ok, other=0.0)[:, None] * h
+        post = tl.load(post_ptr + t * HC + k, mask=t_ok, other=0.0)
+        new = rounded(post[:, None] * out + mixed, new_ptr.dtype.element_ty)
+        tl.store(new_ptr + t[:, None] * new_stride + k * D + d[None, :], new.to(new_ptr.dtype.element_ty), mask=ok)
+        # fn's columns k * D + d, products with the stored (rounded) values
+        w = tl.load(fn_ptr + cols[None, :] * K + (k * D + d)[:, None], mask=w_ok, other=0.0)
+        acc += tl.sum(new[:, :, None] * w[None, :, :], axis=1)
+        squares += tl.sum(new * new, axis=1)
+    acc = tl.where(cols[None, :] == MIX, squares[:, None], acc)
     tl.store(part_ptr + (block * T + t)[:, None] * MIX_PAD + cols[None, :], acc, mask=t_ok[:, None])
     tl.debug_barrier()  # every thread's stores are made before the release below
     if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
@@ -455,13 +454,10 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
     _check_streams(streams, fn)
     tokens, hc, d = streams.shape
     mix, k = fn.shape
-    mix_pad = max(16, triton.next_power_of_2(mix + 1))  # one spare column carries the sum of squares
+    mix_pad = _mix_pad(mix)
     dev = streams.device
-    x = torch.empty(tokens, d, dtype=streams.dtype, device=dev)
-    post = torch.empty(tokens if mixing else 0, hc, dtype=torch.float32, device=dev)
-    comb = torch.empty(tokens if mixing else 0, hc, hc, dtype=torch.float32, device=dev)
     if tokens == 0:
-        return x, post, comb
+        return _collapse(streams, None, 0, scale, base, iters, hc_eps, norm_eps, mixing, mix, None)
     launch = launch or plan(tokens, k, d, mix_pad, streams.element_size(), num_sms(dev), shared_memory_per_block(dev))
     part = torch.empty(launch.splits, tokens, mix_pad, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(tokens, launch.block_t), launch.splits)
@@ -481,6 +477,22 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         num_warps=WARPS,
         num_stages=launch.stages,
     )
+    return _collapse(streams, part, launch.splits, scale, base, iters, hc_eps, norm_eps, mixing, mix, launch)
+
+
+def _mix_pad(mix: int) -> int:
+    return max(16, triton.next_power_of_2(mix + 1))  # one spare column carries the sum of squares
+
+
+def _collapse(streams, part, splits, scale, base, iters, hc_eps, norm_eps, mixing: bool, mix: int, launch: Plan):
+    """The collapse launch over the projection's split rows `part` [splits, T, mix_pad]: (x, post, comb)."""
+    tokens, hc, d = streams.shape
+    dev = streams.device
+    x = torch.empty(tokens, d, dtype=streams.dtype, device=dev)
+    post = torch.empty(tokens if mixing else 0, hc, dtype=torch.float32, device=dev)
+    comb = torch.empty(tokens if mixing else 0, hc, hc, dtype=torch.float32, device=dev)
+    if tokens == 0:
+        return x, post, comb
     chunks = triton.cdiv(d, launch.block_d)
     parts = min(launch.parts, chunks)
     _collapse_kernel[(triton.cdiv(tokens, launch.collapse_tokens), parts)](
@@ -495,8 +507,8 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         comb,
         tokens,
         d,
-        k,
-        launch.splits,
+        hc * d,
+        splits,
         iters,
         chunks,
         parts,
@@ -504,9 +516,9 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         norm_eps,
         HC=hc,
         MIX=mix,
-        MIX_PAD=mix_pad,
+        MIX_PAD=part.shape[2],
         MIXING=mixing,
-        SPLIT_BLOCK=triton.next_power_of_2(launch.splits),
+        SPLIT_BLOCK=triton.next_power_of_2(splits),
         TOKENS=launch.collapse_tokens,
         BLOCK_D=launch.block_d,
         num_warps=WARPS,
@@ -547,8 +559,8 @@ def hc_post_pre_triton(
     out, streams, post, comb, fn, scale, base, x_weight, hc: int, iters: int, hc_eps: float, norm_eps: float,
     block_d=None,
 ):  # fmt: skip
-    """hc_post, hc_pre of the new streams and the sub-layer input's RMSNorm in one launch, for at most
-    POST_PRE_TOKENS tokens; see hc_post_pre. block_d: channels a program (default: a block an SM)."""
+    """hc_post_pre in one launch for at most POST_PRE_TOKENS tokens (CUDA, or the CPU under TRITON_INTERPRET=1).
+    block_d: channels a program (default: a block an SM)."""
     tokens, _, d = streams.shape
     if not 0 < tokens <= POST_PRE_TOKENS or fn.shape[0] != (2 + hc) * hc or streams.shape[1] != hc:
         raise ValueError(f"hc_post_pre: {tokens} tokens (1 to {POST_PRE_TOKENS}), fn {list(fn.shape)}, hc {hc}")
@@ -556,9 +568,9 @@ def hc_post_pre_triton(
         raise ValueError(f"hc_post_pre: out {list(out.shape)} / streams {list(streams.shape)} layout not supported")
     _check_streams(streams, fn)
     mix, k = fn.shape
-    mix_pad = max(16, triton.next_power_of_2(mix + 1))  # one spare column carries the sum of squares
+    mix_pad = _mix_pad(mix)
     dev = streams.device
-    block_d = block_d or max(16, triton.next_power_of_2(triton.cdiv(d, num_sms(dev))))
+    block_d = max(16, block_d or triton.next_power_of_2(triton.cdiv(d, num_sms(dev))))
     blocks = triton.cdiv(d, block_d)
     new = torch.empty_like(streams)
     x = torch.empty(tokens, d, dtype=streams.dtype, device=dev)
@@ -568,8 +580,8 @@ def hc_post_pre_triton(
     post, comb = post.contiguous(), comb.contiguous()
     _post_project_kernel[(blocks,)](
         out, out.stride(0), streams, streams.stride(0), post, comb, new, new.stride(0), fn, part,
-        arrival_counters(dev), scale, base, x, x.stride(0), x_weight, next_post, next_comb, tokens, d, k, iters, hc_eps,
-        norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=triton.next_power_of_2(tokens), BLOCK_D=block_d,
+        arrival_counters(dev), scale, base, x, x.stride(0), x_weight, next_post, next_comb, tokens, d, k, iters,
+        hc_eps, norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=triton.next_power_of_2(tokens), BLOCK_D=block_d,
         SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=min(CHANNEL_BLOCK, triton.next_power_of_2(d)),
         num_warps=WARPS,
     )  # fmt: skip

@@ -23,13 +23,11 @@ pytestmark = pytest.mark.skipif(
 
 def _hc_post_pre(out, streams, post, comb, fn, scale, base, weight, hc, iters, hc_eps, norm_eps):
     """hc_post_pre as on CUDA: one launch for a few tokens, else hc_post's, hc_pre's and rms_norm's."""
-    gates = (fn, scale, base)
+    gates, mhc = (fn, scale, base), (hc, iters, hc_eps, norm_eps)
     if streams.shape[0] <= hyper_connections.POST_PRE_TOKENS:
-        return hyper_connections.hc_post_pre_triton(
-            out, streams, post, comb, *gates, weight, hc, iters, hc_eps, norm_eps
-        )
+        return hyper_connections.hc_post_pre_triton(out, streams, post, comb, *gates, weight, *mhc)
     new = hyper_connections.hc_post_triton(out, streams, post, comb)
-    x, post, comb = hyper_connections.hc_pre_triton(new, *gates, hc, iters, hc_eps, norm_eps)
+    x, post, comb = hyper_connections.hc_pre_triton(new, *gates, *mhc)
     return new, rmsnorm.rms_norm_triton(x, weight, norm_eps), post, comb
 
 
