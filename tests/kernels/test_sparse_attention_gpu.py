@@ -114,4 +114,5 @@ def test_two_hundred_shapes_compile_few_variants():
             _check(case, 0.05)
         assert out.isfinite().all()
     after = sum(len(cache[0]) for cache in kernel.device_caches.values())
-    assert after - before <= 8, after - before  # fp8 or bf16 pools, split or not (x plan fallbacks); not per shape
+    # fp8 or bf16 pools x split or not x 16 or 64 heads a program (few tokens or more): not per shape
+    assert after - before <= 8, after - before
