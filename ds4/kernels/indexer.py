@@ -39,8 +39,9 @@ import triton
 import triton.language as tl
 
 from ds4.kernels._device import interpreting
-from ds4.kernels.fp4_act import FP4_BLOCK, ceil_log2, pow2, rotate_fp4, rotate_fp4_reference
+from ds4.kernels.fp4_act import FP4_BLOCK, ceil_log2, pow2, rotate_fp4, rotate_fp4_reference, round_to
 from ds4.kernels.fp8_kv import pow2_ceil
+from ds4.kernels.rope import apply_rope, apply_rope_reference, turn_row_pairs
 from ds4.kernels.topk import topk_indices
 
 PAGE = 64  # entries per page unless the cache is made with another count
@@ -142,11 +143,14 @@ def indexer_logits_reference(
 
 
 def index_queries_reference(
-    q: torch.Tensor, weights: torch.Tensor, weight_scale: float
+    q: torch.Tensor, weights: torch.Tensor, weight_scale: float, rope: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp8 mode's indexer queries as the logits kernels take them: q [T, H, 128] (after RoPE) rotated,
-    MXFP4-rounded and quantised per head (e4m3 [T, H, 128]); the head weights [T, H] times weight_scale and
-    the heads' scales (fp32), which indexer_logits applies after the relu."""
+    """The fp8 mode's indexer queries as the logits kernels take them: q [T, H, 128] (after RoPE, or turned here
+    when `rope` gives (positions [T], inv_freq)) rotated, MXFP4-rounded and quantised per head (e4m3 [T, H, 128]);
+    the head weights [T, H] times weight_scale and the heads' scales (fp32), which indexer_logits applies after the
+    relu."""
+    if rope is not None:
+        q = apply_rope_reference(q, *rope)
     values, scale = quantize_rows(rotate_fp4_reference(q))
     return values, weights.float() * weight_scale * scale
 
@@ -400,10 +404,13 @@ def quantize_e4m3(x):
     return e4m3_bytes(tl.minimum(tl.maximum(v, -448.0), 448.0)), pow2(e)
 
 
-@triton.jit(do_not_specialize=["rows", "heads", "q_row4", "w_stride", "values_row4"])
+@triton.jit(do_not_specialize=["rows", "heads", "q_token4", "q_head4", "w_stride", "values_row4"])
 def _index_queries_kernel(
     q_ptr,
-    q_row4,
+    q_token4,
+    q_head4,
+    pos_ptr,
+    freq_ptr,
     w_ptr,
     w_stride,
     weight_scale,
@@ -415,15 +422,24 @@ def _index_queries_kernel(
     D: tl.constexpr,
     LOG_D: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
+    HALF: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    # ROWS (token, head) rows of D channels a program. Row strides come in 4-element units: rows then load and
+    # ROWS (token, head) rows of D channels a program. Strides come in 4-element units: rows then load and
     # store 4 elements at a time, the layout of the rotation's gathers (16-byte accesses would move the tile
-    # through shared memory to that layout and back).
+    # through shared memory to that layout and back). ROPE: the rows' last HALF channel pairs are turned at their
+    # token's position first (apply_rope, rounded to q's dtype).
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     ok = r < rows
     d = tl.arange(0, D)[None, :]
-    x = tl.load(q_ptr + r[:, None] * (q_row4 * 4) + d, mask=ok[:, None], other=0.0).to(tl.float32)
+    at = q_ptr + ((r // heads) * q_token4 * 4 + (r % heads) * q_head4 * 4)[:, None] + d
+    x = tl.load(at, mask=ok[:, None], other=0.0).to(tl.float32)
+    if ROPE:
+        even, odd = tl.split(tl.reshape(x, (ROWS, D // 2, 2)))
+        position = tl.load(pos_ptr + r // heads, mask=ok, other=0)
+        even, odd = turn_row_pairs(even, odd, tl.arange(0, D // 2), position, freq_ptr, D, 1.0, HALF, ROWS, D // 2)
+        x = round_to(tl.reshape(tl.join(even, odd), (ROWS, D)), q_ptr.dtype.element_ty)
     values, scale = quantize_e4m3(rotate_fp4(x, ROWS, D, LOG_D, BLOCK, q_ptr.dtype.element_ty))
     tl.store(values_ptr + r[:, None] * (values_row4 * 4) + d, values.to(tl.uint8), mask=ok[:, None])
     w = tl.load(w_ptr + (r // heads) * w_stride + r % heads, mask=ok, other=0.0).to(tl.float32)
@@ -715,36 +731,62 @@ def _rows_of(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 and rows.stride(0) % 4 == 0 else rows.contiguous()
 
 
+def _tiles_rope(half: int) -> bool:
+    """Whether the query kernel turns RoPE's `half` pairs itself (see turn_row_pairs): a power of two whose rotated
+    pairs start at a multiple of it."""
+    return half & (half - 1) == 0 and (HEAD_DIM // 2 - half) % half == 0
+
+
 def index_queries(
-    q: torch.Tensor, weights: torch.Tensor, weight_scale: float, impl: str = "auto"
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    weight_scale: float,
+    impl: str = "auto",
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """index_queries_reference (q [T, H, 128] after RoPE, weights [T, H]) in one launch on the Triton path."""
+    """index_queries_reference (q [T, H, 128], weights [T, H]) in one launch on the Triton path; q's heads are read
+    where they lie (a row slice of a stacked projection too). rope: (positions [T], inv_freq): q is turned first."""
     if q.dim() != 3 or q.shape[2] != HEAD_DIM or weights.shape != q.shape[:2] or weights.stride(1) != 1:
         raise ValueError(
             f"index_queries: q must be [tokens, heads, {HEAD_DIM}] and weights [tokens, heads], got "
             f"{tuple(q.shape)} and {tuple(weights.shape)}"
         )
     if _choose(impl, q) == "torch":
-        return index_queries_reference(q, weights, weight_scale)
-    rows = _rows_of(q)
+        return index_queries_reference(q, weights, weight_scale, rope)
+    if q.stride(2) != 1 or q.stride(0) % 4 or q.stride(1) % 4:
+        q = q.contiguous()
     values = torch.empty(q.shape, dtype=torch.uint8, device=q.device)
     scaled = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    if rows.shape[0]:
+    rows = q.shape[0] * q.shape[1]
+    if rope is not None and not _tiles_rope(rope[1].numel()):  # angles the kernel cannot tile: RoPE first
+        q, rope = apply_rope(q, *rope), None
+    if rope is None:
+        positions, inv_freq, half = weights, weights, 1  # placeholders, never read
+    else:
+        positions, inv_freq = rope
+        half = inv_freq.numel()
+        inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    if rows:
         per_program = _ROW_TILE // HEAD_DIM
-        _index_queries_kernel[(triton.cdiv(rows.shape[0], per_program),)](
-            rows,
-            rows.stride(0) // 4,
+        _index_queries_kernel[(triton.cdiv(rows, per_program),)](
+            q,
+            q.stride(0) // 4,
+            q.stride(1) // 4,
+            positions,
+            inv_freq,
             weights,
             weights.stride(0),
             weight_scale,
             values,
             HEAD_DIM // 4,
             scaled,
-            rows.shape[0],
+            rows,
             q.shape[1],
             D=HEAD_DIM,
             LOG_D=HEAD_DIM.bit_length() - 1,
             BLOCK=FP4_BLOCK,
+            ROPE=rope is not None,
+            HALF=half,
             ROWS=per_program,
         )
     return values.view(torch.float8_e4m3fn), scaled

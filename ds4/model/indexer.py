@@ -6,9 +6,9 @@ with q from the query low-rank residual and k from the indexer's own (overlappin
 With the packed e4m3 key cache (fp8 mode; see ds4.model.cache) the scores come from ds4.kernels.indexer
 (Triton on CUDA, its torch reference elsewhere): q and k are MXFP4-rounded there, which e4m3 with
 power-of-two scales holds exactly, so only the order of the sums differs from the dense path. There a
-decode step's indexer is a few launches past its two projections: RoPE, the query rounding
-(ds4.kernels.indexer.index_queries), the scores, the top-k, the picks' pool rows; its keys take two (the
-rounding, `finish`, and the packed write).
+decode step's indexer is a few launches past its two projections (wq_b's in the attention's launch): the
+queries' RoPE and rounding (ds4.kernels.indexer.index_queries), the scores, the top-k, the picks' pool rows; its
+keys take two (the rounding, `finish`, and the packed write).
 """
 
 from __future__ import annotations
@@ -84,13 +84,14 @@ class Indexer(nn.Module):
         if k == 0 or x.shape[0] == 0:
             return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
         pool = cache.index_keys
-        q = apply_rope(q.view(x.shape[0], self.heads, self.head_dim), batch.positions, step.inv_freq)
+        q = q.view(x.shape[0], self.heads, self.head_dim)
         weights = self.weights_proj(x)
-        if pool.dtype == torch.uint8:
-            q, weights = index_queries(q, weights, self.weight_scale)
+        if pool.dtype == torch.uint8:  # RoPE inside the queries' rounding launch
+            q, weights = index_queries(q, weights, self.weight_scale, rope=(batch.positions, step.inv_freq))
             top = indexer_topk
         else:
-            q, weights = self.finish(q).float(), weights.float() * self.weight_scale
+            q = self.finish(apply_rope(q, batch.positions, step.inv_freq)).float()
+            weights = weights.float() * self.weight_scale
             top = self._dense_topk
         # Entries a token sees, the same in every layer of this ratio.
         key_end = batch.shared(

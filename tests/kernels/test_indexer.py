@@ -7,9 +7,11 @@ from interpreted import interpreted
 
 import ds4.kernels.fp4_act
 import ds4.kernels.indexer
+import ds4.kernels.rope
 import ds4.kernels.topk
 import ds4.kernels.topk_triton
 from ds4.kernels.fp4_act import fp4_quant_dequant, hadamard_rotate
+from ds4.kernels.rope import apply_rope_reference, rope_inv_freq
 
 E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 E4M3_GRID = E4M3_GRID[E4M3_GRID.isfinite()].unique()
@@ -17,7 +19,9 @@ E4M3_GRID = E4M3_GRID[E4M3_GRID.isfinite()].unique()
 
 @pytest.fixture(scope="module")
 def indexer():
-    return interpreted(ds4.kernels.indexer, "_indexer_logits_kernel", ds4.kernels.fp4_act, ds4.kernels.topk_triton)
+    return interpreted(
+        ds4.kernels.indexer, "_indexer_logits_kernel", ds4.kernels.fp4_act, ds4.kernels.topk_triton, ds4.kernels.rope
+    )
 
 
 def paged_keys(indexer, requests, keys_per_request, pages_per_request, generator, per_page=None):
@@ -224,6 +228,23 @@ def test_query_kernel_equals_the_reference_to_the_bit(indexer):
     rounded = fp4_quant_dequant(hadamard_rotate(q)).float()
     head_scale = want_w / (weights.float() * scale)
     assert torch.equal(want_values.float() * head_scale[..., None], rounded)
+
+
+@pytest.mark.parametrize("rope_dim", [64, 16])
+def test_query_kernel_turns_rope_first(indexer, rope_dim):
+    """rope=(positions, inv_freq): the heads (a row slice of a wider projection, as the attention's stacked wq_b
+    gives them) are turned in the kernel before the rounding, as apply_rope then index_queries: the same bytes
+    (the interpreter's sines and cosines are numpy's fp32 ones, torch's here)."""
+    g = torch.Generator().manual_seed(rope_dim)
+    stacked = (torch.randn(3, 2 * 64 + 5 * 128, generator=g) * 4).bfloat16()
+    q = stacked[:, 128:].view(3, 5, 128)
+    weights = torch.randn(3, 5, generator=g).bfloat16()
+    rope = (torch.tensor([7, 1000, 65000]), rope_inv_freq(rope_dim, 10000.0))
+    values, w = indexer.index_queries(q, weights, 0.1, impl="triton", rope=rope)
+    want_values, want_w = indexer.index_queries(q, weights, 0.1, impl="torch", rope=rope)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(w, want_w)
+    plain = indexer.index_queries(apply_rope_reference(q, *rope), weights, 0.1, impl="torch")
+    assert torch.equal(want_values.view(torch.uint8), plain[0].view(torch.uint8)) and torch.equal(want_w, plain[1])
 
 
 def test_key_write_kernel_stores_the_reference_bytes(indexer):

@@ -7,6 +7,7 @@ import torch
 
 from ds4.kernels import fp4_act
 from ds4.kernels import indexer as ix
+from ds4.kernels.rope import apply_rope, rope_inv_freq
 
 pytestmark = pytest.mark.gpu
 HEADS, TOPK = 64, 512
@@ -30,6 +31,25 @@ def test_queries_to_the_bit(tokens):
     ):
         assert torch.equal(values.view(torch.uint8).cpu(), want_values.view(torch.uint8).cpu())
         assert torch.equal(scaled.cpu(), want_scaled.cpu())
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 8192])
+def test_queries_with_rope_as_the_rope_kernel_then_the_queries(tokens):
+    """RoPE inside the query launch, on heads that are a row slice of the attention's stacked projection: the bytes
+    of the rope kernel (the same device sines; the compiler may fuse the rotation's multiply-adds differently,
+    a last bit that can move one value's rounding) followed by the query kernel; the torch reference's cosines
+    may differ in a last bit too."""
+    g = torch.Generator().manual_seed(tokens)
+    stacked = (torch.randn(tokens, 64 * 512 + HEADS * 128, generator=g) * 3).bfloat16().cuda()
+    q = stacked[:, 64 * 512 :].view(tokens, HEADS, 128)
+    w = torch.randn(tokens, HEADS, generator=g).bfloat16().cuda()
+    rope = (torch.randint(0, 1 << 20, (tokens,), generator=g).cuda(), rope_inv_freq(64, 160000.0, 16.0, 65536).cuda())
+    values, scaled = ix.index_queries(q, w, 0.01, rope=rope)
+    two_launches = ix.index_queries(apply_rope(q, *rope), w, 0.01)
+    assert (values.view(torch.uint8) == two_launches[0].view(torch.uint8)).float().mean() > 0.999
+    assert (scaled == two_launches[1]).float().mean() > 0.999
+    reference = ix.index_queries(q, w, 0.01, impl="torch", rope=rope)
+    assert (values.view(torch.uint8) == reference[0].view(torch.uint8)).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
