@@ -43,8 +43,8 @@ _LOG2E = 1.4426950408889634
 _ACC_REGISTERS = 128
 _MIN_SPLIT_KEYS = 64
 _COMBINE_BLOCK_H = 16
-SMALL_BATCH_SHARE = 8  # batches of at most SMs / this many tokens take 16-head programs (attention_plan)
 _COMBINE_BLOCK_D = 64
+SMALL_BATCH_SHARE = 8  # batches of at most SMs / this many tokens take 16-head programs (attention_plan)
 
 
 def _check(q: torch.Tensor, key_sets, rope_dim: int | None) -> bool:
