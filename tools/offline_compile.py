@@ -12,7 +12,8 @@ As a library, from a script of your own:
     print(report(c))
 
 `args` names every argument that is not a constexpr: tensors as `torch.empty(1, dtype=...)` (only the dtype
-matters), ints and floats with realistic values. Like a real launch, an int divisible by 16 (unless the kernel
+matters), TMA descriptors as `TensorDescriptor.from_tensor(torch.empty(rows, cols, dtype=...), block)`, ints and
+floats with realistic values. Like a real launch, an int divisible by 16 (unless the kernel
 lists it in do_not_specialize) and every pointer get the divisibility hint: without realistic strides the loads
 compile scalar and mislead.
 """
@@ -31,6 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _TYPES = {
     torch.float32: "fp32",
@@ -58,6 +60,9 @@ def compile_kernel(kernel, args: dict, constexprs: dict, arch: int, num_warps: i
             signature[name] = "constexpr"
             continue
         value = args[name]
+        if isinstance(value, TensorDescriptor):  # a TMA descriptor: its dtype and box shape are the signature
+            signature[name] = f"tensordesc<{_TYPES[value.base.dtype]}[{', '.join(map(str, value.block_shape))}]>"
+            continue
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + _TYPES[value.dtype]
         elif isinstance(value, bool):
