@@ -165,6 +165,19 @@ def sweep(family: str, shapes: list[str], rep: int = SWEEP_REP_MS) -> list[dict]
     return out
 
 
+def fixed_and_marginal(rows: list[dict], m: int = 1) -> tuple[float, float] | None:
+    """Least-squares fit of the Triton kernel's times at M = m over the shapes: (fixed ms a launch, marginal bytes
+    per ms), from time = fixed + weight bytes / rate; None with fewer than two shapes. A launch's fixed cost is
+    what a decode step pays once per linear, whatever its size."""
+    points = [(r["n"] * r["k"], r["triton_ms"]) for r in rows if r["m"] == m and "triton_ms" in r]
+    if len({b for b, _ in points}) < 2:
+        return None
+    mean_b = sum(b for b, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points)
+    return mean_t - slope * mean_b, 1 / slope if slope > 0 else float("inf")
+
+
 def best_settings(rows: list[dict]) -> list[tuple[float, dict]]:
     """Candidates that ran at every shape, by their summed time (a decode step runs each shape once)."""
     totals: dict[str, list] = {}
@@ -206,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['shape']:>13} {r['m']:>5} {' '.join(cells)} {r['roofline_ms']:9.4f} {r['fraction_of_roofline']:6.2f}"
         )
+    fit = fixed_and_marginal(rows)
+    if fit is not None:
+        print(f"M = 1, fit over the shapes: {fit[0] * 1e3:.1f} us a launch + weight bytes at {fit[1] / 1e9:.2f} TB/s")
     print(f"{'fp32 product':>13} {'M':>5} {'auto ms':>9} {'GEMV':>9} {'cuBLAS':>9} {'roofline':>9} {'frac':>6}")
     for r in products:
         cells = " ".join(f"{r[c]:9.4f}" for c in ("auto_ms", "gemv_ms", "cublas_ms", "roofline_ms"))
@@ -217,7 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"bandwidth": bandwidth, "fp8_rate": rate, "rows": rows, "fp32_products": products, "sweeps": sweeps},
+                {
+                    "bandwidth": bandwidth,
+                    "fp8_rate": rate,
+                    "rows": rows,
+                    "m1_fixed_ms_and_bytes_per_ms": fit,
+                    "fp32_products": products,
+                    "sweeps": sweeps,
+                },
                 f,
                 indent=1,
             )
