@@ -43,8 +43,10 @@ def test_flash_shapes_match_the_reference(batch, layer, fp8):
     _check(build_case(BATCHES[batch], kind=kind, ratio=ratio, per_page=per_page, fp8=fp8, seed=7, **FLASH))
 
 
-def test_pro_heads_in_two_programs():
-    case = build_case([(3000, 1), (70, 3)], kind="csa", ratio=4, per_page=64, fp8=True, **{**FLASH, "heads": 128})
+@pytest.mark.parametrize("requests", [[(3000, 1), (70, 3), (0, 20)], [(3000, 1), (70, 3)]], ids=["64+64", "8x16"])
+def test_pro_heads_in_two_programs(requests):
+    """Pro's 128 heads: two programs of 64 a token, or (a batch of few tokens) eight of 16."""
+    case = build_case(requests, kind="csa", ratio=4, per_page=64, fp8=True, **{**FLASH, "heads": 128})
     _check(case)
 
 
