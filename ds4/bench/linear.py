@@ -42,13 +42,12 @@ SHAPES = {
     "idx_wq_b": (8192, 1024, 1, True),
 }
 MS = (1, 4, 16, 64, 128, 8192)
-# name: (N, K) of DeepSeek-V4-Flash's fp32 products of bf16 weights: the router, each compressor's wkv and wgate
-# stacked (the indexer's 2 x 2 x 128 rows, HCA 2 x 512, CSA's overlapping windows 2 x 2 x 512), the head.
+# name: (N, K) of DeepSeek-V4-Flash's fp32 products of bf16 weights: the router, a layer's compressors' wkv and
+# wgate stacked (HCA 2 x 512 rows; CSA's overlapping windows 2 x 2 x 512 with its indexer's 2 x 2 x 128), the head.
 FP32_SHAPES = {
     "router": (256, 4096),
-    "idx_wkv+wgate": (512, 4096),
     "hca_wkv+wgate": (1024, 4096),
-    "csa_wkv+wgate": (2048, 4096),
+    "csa+idx_wkv+wgate": (2048 + 512, 4096),
     "head": (129280, 4096),
 }
 FP32_MS = (1, 2, 4, 8)

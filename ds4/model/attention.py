@@ -104,10 +104,14 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", layer_inv_freq(cfg, layer).to(device), persistent=False)
         if self.kind != WINDOW:
             self.compressor = Compressor(d, self.ratio, hd, self.kind == CSA, self.eps, device, dtype)
+            compressions = [self.compressor.wkv, self.compressor.wgate]
         if self.kind == CSA:
             self.indexer = Indexer(cfg, self.ratio, dtype, device, self.fp8_kv, weight_format)
-            # Both query projections take qr: one launch.
+            # Both query projections take qr, both compressors' projections x: one launch each.
             self.queries = StackedLinears(self.wq_b, self.indexer.wq_b)
+            compressions += [self.indexer.compressor.wkv, self.indexer.compressor.wgate]
+        if self.kind != WINDOW:
+            self.compressions = StackedLinears(*compressions)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, layout: StepLayout | None, cache: LayerCache
@@ -125,10 +129,11 @@ class Attention(nn.Module):
         key_sets = self._window_keys(kv, step)
         if self.kind != WINDOW:
             snapshot = cache.snapshot.compressor if cache.snapshot is not None else None
-            self.compressor(x, step, cache.compressor, cache.compressed, snapshot)
+            compressed = self.compressions(x)  # kv and score of the compressor (and the indexer's)
+            self.compressor(*compressed[:2], step, cache.compressor, cache.compressed, snapshot)
             width = self._entry_width(step)
             if self.kind == CSA:
-                rows = self.indexer(x, index_q, step, width)
+                rows = self.indexer(x, index_q, compressed[2:], step, width)
             else:
                 per_page = cache.compressed.shape[1]
 

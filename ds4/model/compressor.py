@@ -27,7 +27,7 @@ from ds4.kernels.norm_rope import EntryForm
 from ds4.kernels.ring_write import write_rings
 from ds4.model.batch import LayerStep
 from ds4.model.cache import CompressorState, entries_per_page, store_entries
-from ds4.model.linear import Linear, Norm, StackedLinears, fp32_param
+from ds4.model.linear import Linear, Norm, fp32_param
 from ds4.model.paging import table_entry_rows
 
 
@@ -43,34 +43,37 @@ class Compressor(nn.Module):
         dtype: torch.dtype,
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
-        """dtype: the model's, which the projections' weights are held in. finish: None when entries go to `pool`
-        in its own form (rows of the compute dtype, or FP8 attention entries in a uint8 pool), else what
-        normalised, rotated entries take before the pool's store (the indexer's fp4 simulation)."""
+        """dtype: the model's, which the projections' weights and the entries are held in. finish: None when
+        entries go to `pool` in its own form (rows of the compute dtype, or FP8 attention entries in a uint8 pool),
+        else what normalised, rotated entries take before the pool's store (the indexer's fp4 simulation)."""
         super().__init__()
         self.ratio, self.head_dim, self.overlap, self.eps, self.finish = ratio, head_dim, overlap, eps, finish
+        self.dtype = dtype
         width = (2 if overlap else 1) * head_dim
         self.ape = fp32_param(ratio, width, device=device)
         # Compression runs in fp32, as in the reference; the projections' weights are held in the model's dtype
         # (the checkpoint's bf16 on CUDA), their products with the bf16 input exact in fp32.
+        # Multiplied by the attention with the other projections of its input (StackedLinears: one launch).
         self.wkv = Linear(hidden, width, dtype, device, fp32_output=True)
         self.wgate = Linear(hidden, width, dtype, device, fp32_output=True)
-        self.projections = StackedLinears(self.wkv, self.wgate)
         self.norm = Norm(head_dim, device)
 
     def forward(
         self,
-        x: torch.Tensor,
+        kv: torch.Tensor,
+        score: torch.Tensor,
         step: LayerStep,
         state: CompressorState,
         pool: torch.Tensor,
         snapshots: CompressorState | None = None,
     ) -> None:
         """Write every entry whose window completes in this step into `pool` (page_size // ratio entries a page;
-        dense [pages, entries, head_dim], or the packed indexer cache) and carry the rest in `state`.
+        dense [pages, entries, head_dim], or the packed indexer cache) and carry the rest in `state`. kv, score:
+        the step's wkv and wgate products (fp32 [T, width], row slices of one product: ring writes and pooling take
+        them so).
 
         `snapshots`: the layer's snapshot rows of this state, written for batch.snapshots (overlap only)."""
         batch, ratio = step.batch, self.ratio
-        kv, score = self.projections(x)  # row slices of one product (ring writes and pooling take them so)
         ring_rows, width = state.kv.shape[1], kv.shape[1]
         ring = (state.kv.view(-1, width), state.score.view(-1, width))
 
@@ -82,7 +85,7 @@ class Compressor(nn.Module):
             ("entry rows", ratio, per_page, pages), lambda: self._entry_rows(step, index, per_page, pages)
         )
         direct = self.finish is None
-        form = EntryForm(self.norm.weight, step.inv_freq, self.eps, x.dtype, direct and pool.dtype == torch.uint8)
+        form = EntryForm(self.norm.weight, step.inv_freq, self.eps, self.dtype, direct and pool.dtype == torch.uint8)
         if direct:
             scratch = (pages - 1) * per_page  # what _entry_rows sends nowhere: not even pooled
             flat = pool.view(-1, pool.shape[-1])

@@ -73,13 +73,21 @@ class Indexer(nn.Module):
         )
         self.weight_scale = self.head_dim**-0.5 * self.heads**-0.5
 
-    def forward(self, x: torch.Tensor, q: torch.Tensor, step: LayerStep, width: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        compressed: tuple[torch.Tensor, torch.Tensor],
+        step: LayerStep,
+        width: int,
+    ) -> torch.Tensor:
         """Pool rows of the entries each token attends to, [T, min(index_topk, width)] (-1 = none); a token's
-        scores span `width` entries (see Attention._entry_width), -inf past the ones it sees. q: wq_b of the
-        query low-rank residual [T, heads * head_dim] (the attention multiplies it with its own wq_b)."""
+        scores span `width` entries (see Attention._entry_width), -inf past the ones it sees. The attention
+        multiplies the projections with its own: q is wq_b of the query low-rank residual [T, heads * head_dim],
+        `compressed` the compressor's wkv and wgate products of x."""
         batch, cache = step.batch, step.cache
         snapshot = cache.snapshot.indexer if cache.snapshot is not None else None
-        self.compressor(x, step, cache.indexer, cache.index_keys, snapshot)
+        self.compressor(*compressed, step, cache.indexer, cache.index_keys, snapshot)
         k = min(self.topk, width)
         if k == 0 or x.shape[0] == 0:
             return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
