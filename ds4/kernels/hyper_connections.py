@@ -456,8 +456,11 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
     mix, k = fn.shape
     mix_pad = _mix_pad(mix)
     dev = streams.device
+    x = torch.empty(tokens, d, dtype=streams.dtype, device=dev)
+    post = torch.empty(tokens if mixing else 0, hc, dtype=torch.float32, device=dev)
+    comb = torch.empty(tokens if mixing else 0, hc, hc, dtype=torch.float32, device=dev)
     if tokens == 0:
-        return _collapse(streams, None, 0, scale, base, iters, hc_eps, norm_eps, mixing, mix, None)
+        return x, post, comb
     launch = launch or plan(tokens, k, d, mix_pad, streams.element_size(), num_sms(dev), shared_memory_per_block(dev))
     part = torch.empty(launch.splits, tokens, mix_pad, dtype=torch.float32, device=dev)
     grid = (triton.cdiv(tokens, launch.block_t), launch.splits)
@@ -477,22 +480,6 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         num_warps=WARPS,
         num_stages=launch.stages,
     )
-    return _collapse(streams, part, launch.splits, scale, base, iters, hc_eps, norm_eps, mixing, mix, launch)
-
-
-def _mix_pad(mix: int) -> int:
-    return max(16, triton.next_power_of_2(mix + 1))  # one spare column carries the sum of squares
-
-
-def _collapse(streams, part, splits, scale, base, iters, hc_eps, norm_eps, mixing: bool, mix: int, launch: Plan):
-    """The collapse launch over the projection's split rows `part` [splits, T, mix_pad]: (x, post, comb)."""
-    tokens, hc, d = streams.shape
-    dev = streams.device
-    x = torch.empty(tokens, d, dtype=streams.dtype, device=dev)
-    post = torch.empty(tokens if mixing else 0, hc, dtype=torch.float32, device=dev)
-    comb = torch.empty(tokens if mixing else 0, hc, hc, dtype=torch.float32, device=dev)
-    if tokens == 0:
-        return x, post, comb
     chunks = triton.cdiv(d, launch.block_d)
     parts = min(launch.parts, chunks)
     _collapse_kernel[(triton.cdiv(tokens, launch.collapse_tokens), parts)](
@@ -507,8 +494,8 @@ def _collapse(streams, part, splits, scale, base, iters, hc_eps, norm_eps, mixin
         comb,
         tokens,
         d,
-        hc * d,
-        splits,
+        k,
+        launch.splits,
         iters,
         chunks,
         parts,
@@ -516,14 +503,18 @@ def _collapse(streams, part, splits, scale, base, iters, hc_eps, norm_eps, mixin
         norm_eps,
         HC=hc,
         MIX=mix,
-        MIX_PAD=part.shape[2],
+        MIX_PAD=mix_pad,
         MIXING=mixing,
-        SPLIT_BLOCK=triton.next_power_of_2(splits),
+        SPLIT_BLOCK=triton.next_power_of_2(launch.splits),
         TOKENS=launch.collapse_tokens,
         BLOCK_D=launch.block_d,
         num_warps=WARPS,
     )
     return x, post, comb
+
+
+def _mix_pad(mix: int) -> int:
+    return max(16, triton.next_power_of_2(mix + 1))  # one spare column carries the sum of squares
 
 
 def hc_pre_triton(streams, fn, scale, base, hc: int, iters: int, hc_eps: float, norm_eps: float, launch=None):
