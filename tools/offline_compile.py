@@ -8,7 +8,7 @@ ptxas and cuobjdump, so this runs anywhere triton installs; use it before spendi
 As a library, from a script of your own:
 
     from tools.offline_compile import compile_kernel, report
-    c = compile_kernel(fp8_linear._fp8_linear_kernel, args, constexprs, arch=90, num_warps=4, num_stages=2)
+    c = compile_kernel(fp8_linear._fp8_gemv_kernel, args, constexprs, arch=90, num_warps=4, num_stages=1)
     print(report(c))
 
 `args` names every argument that is not a constexpr: tensors as `torch.empty(1, dtype=...)` (only the dtype
@@ -137,26 +137,27 @@ def report(compiled) -> dict:
     }
 
 
-def _fp8_linear_at_m1(arch: int) -> dict:
-    """The FP8 linear's FMA kernel as a decode step launches it for wq_b (32768 x 1024, M = 1)."""
+def _fp8_linear_at_m1(arch: int, n: int = 32768, k: int = 1024, groups: int = 1) -> dict:
+    """The FP8 linear's FMA kernel as a decode step launches it (default wq_b: 32768 x 1024, M = 1)."""
     from ds4.kernels import fp8_linear
 
-    plan = fp8_linear.linear_plan(1, 32768, 1, 1024, 2, sms=132, smem=227 << 10)
+    plan = fp8_linear.linear_plan(1, n // groups, groups, k, 2, sms=132, smem=227 << 10)
 
     def tensor(dtype):
         return torch.empty(1, dtype=dtype)
 
     args = dict(
-        x_ptr=tensor(torch.bfloat16), x_stride=1024, w_ptr=tensor(torch.float8_e4m3fn), w_stride=1024,
-        ws_ptr=tensor(torch.float32), ws_stride=8, out_ptr=tensor(torch.bfloat16), out_stride=32768,
-        part_ptr=tensor(torch.float32), part_split_stride=32768, part_stride=32768, arrivals_ptr=tensor(torch.int32),
-        M=1, rows_per_group=32768, K=1024, chunks_per_split=plan.chunks_per_split, splits=plan.splits,
+        x_ptr=tensor(torch.bfloat16), x_stride=groups * k, up_ptr=tensor(torch.bfloat16), up_stride=k, limit=0.0,
+        w_ptr=tensor(torch.float8_e4m3fn), w_stride=k, ws_ptr=tensor(torch.float32), ws_stride=-(-k // 128),
+        out_ptr=tensor(torch.bfloat16), out_stride=n, part_ptr=tensor(torch.float32), part_split_stride=n,
+        part_stride=n, arrivals_ptr=tensor(torch.int32), rows_per_group=n // groups, K=k,
+        chunks_per_split=plan.chunks_per_split, splits=plan.splits,
     )  # fmt: skip
     constexprs = dict(
-        QUANTIZE_X=True, ROW_SCALES=False, USE_DOT=plan.use_dot, DOT_F32=False, SPLIT=plan.splits > 1,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, W_RUN=fp8_linear.fma_weight_run(plan, 2),
+        QUANTIZE_X=groups == 1, SWIGLU=False, ROW_SCALES=False, SPLIT=plan.splits > 1, BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k, WARPS=plan.num_warps, RUN=fp8_linear.fma_weight_run(plan, 2),
     )  # fmt: skip
-    compiled = compile_kernel(fp8_linear._fp8_linear_kernel, args, constexprs, arch, plan.num_warps, plan.num_stages)
+    compiled = compile_kernel(fp8_linear._fp8_gemv_kernel, args, constexprs, arch, plan.num_warps, plan.num_stages)
     return report(compiled)
 
 

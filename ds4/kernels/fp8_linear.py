@@ -12,11 +12,11 @@ bf16 without act_quant; `quantize_x=False` is that: x (unrounded) times the dequ
 On CUDA, decode-sized calls run one Triton launch bound by the weight's bytes: act_quant fused in, each weight
 byte read once, K split across programs until the device is full, the last program of each output tile summing
 the splits' fp32 partials in a fixed order and writing the output dtype (deterministic, capturable in CUDA
-graphs), by FMA over K-contiguous weight rows at M = 1, by tl.dot at more rows. Larger calls (where
-TRITON_UP_TO says cuBLAS is faster) run whole 128 x 128 blocks through cuBLAS (torch._scaled_mm, 1x128
-activation blocks x 128x128 weight blocks) after a Triton act_quant, rows padded to a multiple of 16; without
-act_quant, large M dequantises the weight per call and multiplies in bf16, as the reference does. `ds4 bench
-linear` times every path at every M.
+graphs), by FMA at M = 1 (each warp its own weight rows, read K-contiguously, the lanes' sums meeting once at
+the end), by tl.dot at more rows. Larger calls (where TRITON_UP_TO says cuBLAS is faster) run whole 128 x 128
+blocks through cuBLAS (torch._scaled_mm, 1x128 activation blocks x 128x128 weight blocks) after a Triton
+act_quant, rows padded to a multiple of 16; without act_quant, large M dequantises the weight per call and
+multiplies in bf16, as the reference does. `ds4 bench linear` times every path at every M.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ class TileSettings:
     and a device."""
 
     block_n: int  # output rows a program computes (a power of two <= 128: one weight scale block)
-    block_k: int  # K columns a loop step reads (a multiple of 128)
+    block_k: int  # K columns a loop step reads (a multiple of 128; FMA: of 32 lanes x 16 bytes of x)
     programs_per_sm: int  # split K until the grid holds this many programs per SM (bytes in flight)
-    max_stages: int  # pipeline stages at most (fewer where shared memory runs out)
-    num_warps: int
+    max_stages: int  # tl.dot: pipeline stages at most (fewer where shared memory runs out)
+    num_warps: int  # FMA: each warp owns block_n / num_warps output rows
 
 
 # ---- chosen settings (measured by `ds4 bench linear --sweep`; see BENCHMARKS.md) ----
@@ -55,7 +55,7 @@ class TileSettings:
 # more rows run more programs). Without tl.dot the kernel multiplies by FMA over K-contiguous weight rows, one row
 # of x a program.
 TILE_TABLE = (
-    (1, False, TileSettings(block_n=16, block_k=1024, programs_per_sm=4, max_stages=2, num_warps=4)),
+    (1, False, TileSettings(block_n=64, block_k=256, programs_per_sm=3, max_stages=1, num_warps=4)),
     (16, True, TileSettings(block_n=64, block_k=128, programs_per_sm=4, max_stages=4, num_warps=4)),
     (64, True, TileSettings(block_n=64, block_k=128, programs_per_sm=4, max_stages=4, num_warps=4)),
 )
@@ -123,7 +123,9 @@ def _quantize_group(x):
     bits = (amax * (1.0 / 448.0)).to(tl.uint32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.uint32)
     scale = (exponent << 23).to(tl.float32, bitcast=True)
-    q = tl.clamp(x / scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    # x / scale is x times 2^-e exactly: one multiply by the inverse's bits instead of a division an element.
+    inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+    q = tl.clamp(x * inverse[:, None], -448.0, 448.0).to(tl.float8e4nv)
     return q, scale
 
 
@@ -164,6 +166,32 @@ def _act_quant_kernel(x_ptr, x_stride, q_ptr, q_stride, scale_ptr, scale_stride,
     tl.store(scale_ptr + tl.program_id(1) * scale_stride + rows, scale, mask=rows < M_OUT)
 
 
+@triton.jit
+def _write_output(acc, out, part, live, split, splits, part_split_stride, arrival, SPLIT: tl.constexpr):
+    """A program's fp32 sums `acc` to the output (pointers `out`, its dtype). SPLIT: each split stores its partial
+    (pointers `part`, splits `part_split_stride` apart) and the last program of the tile to arrive (the counter
+    `arrival`, which it resets for the next launch) sums the partials in split order and writes the output: one
+    launch, the same bits every run, capturable in a CUDA graph."""
+    if SPLIT:
+        tl.store(part + split * part_split_stride, acc, mask=live)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            total = tl.zeros_like(acc)
+            for s in range(splits):
+                total += tl.load(part + s * part_split_stride, mask=live, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(out.dtype.element_ty), mask=live)
+            tl.atomic_xchg(arrival, 0)
+    else:
+        tl.store(out, acc.to(out.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _swiglu_input(x, up_ptrs, mask, limit, X_DTYPE: tl.constexpr):
+    """x is a gate and up_ptrs its up: the linear's input is their clamped SwiGLU, rounded to x's dtype."""
+    up = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return rounded(clamped_swiglu(x, up, limit), X_DTYPE)
+
+
 # K and the input strides stay specialised: their divisibility by 16 lets the K-masked loads be 16 bytes wide.
 @triton.jit(
     do_not_specialize=[
@@ -201,23 +229,16 @@ def _fp8_linear_kernel(
     QUANTIZE_X: tl.constexpr,
     SWIGLU: tl.constexpr,
     ROW_SCALES: tl.constexpr,
-    USE_DOT: tl.constexpr,
     DOT_F32: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    W_RUN: tl.constexpr,
 ):
     """One program: BLOCK_N output rows of one group x BLOCK_M rows of x x one split of the K chunks (BLOCK_K
-    columns each), accumulated in fp32 [BLOCK_N, BLOCK_M]: by tl.dot (bf16 operands, or fp32 when DOT_F32), or
-    with BLOCK_M = 1 by FMA over K-contiguous weight rows. Each 128-group's weight scale multiplies the
-    activations (exact), or with ROW_SCALES (a tile that crosses 128-row scale blocks) the weight. SWIGLU: x is a
-    gate and up_ptr its up: the activations are their clamped SwiGLU, rounded to x's dtype.
-
-    SPLIT: each split stores its fp32 partial, and the last program of the tile to arrive (an arrival counter per
-    tile, which it resets for the next launch) sums the partials in split order and writes the output: one
-    launch, the same bits every run, capturable in a CUDA graph."""
+    columns each), accumulated by tl.dot in fp32 [BLOCK_N, BLOCK_M] (bf16 operands, or fp32 when DOT_F32). Each
+    128-group's weight scale multiplies the activations (exact), or with ROW_SCALES (a tile that crosses 128-row
+    scale blocks) the weight. SWIGLU: x is a gate and up_ptr its up (see _swiglu_input)."""
     GROUPS: tl.constexpr = BLOCK_K // 128
     tile, m_tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tiles_per_group = tl.cdiv(rows_per_group, BLOCK_N)
@@ -236,21 +257,11 @@ def _fp8_linear_kernel(
         k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         k_live = k < K
         kg = chunk * GROUPS + tl.arange(0, GROUPS)
-        if USE_DOT:
-            w_k = k
-        else:  # loads of W_RUN bytes: the layout Triton gives x's loads, so w is not moved through shared memory
-            w_k = chunk * BLOCK_K + tl.arange(0, BLOCK_K) // W_RUN * W_RUN + tl.arange(0, BLOCK_K) % W_RUN
-        w = tl.load(w_ptr + n[:, None] * w_stride + w_k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
-        x = tl.load(
-            x_ptr + m[:, None] * x_stride + group * K + k[None, :],
-            mask=m_live[:, None] & k_live[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        if SWIGLU:  # x is the gate: the input is swiglu(gate, up) in x's dtype
-            up = tl.load(
-                up_ptr + m[:, None] * up_stride + k[None, :], mask=m_live[:, None] & k_live[None, :], other=0.0
-            )
-            x = rounded(clamped_swiglu(x, up.to(tl.float32), limit), x_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + n[:, None] * w_stride + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
+        x_mask = m_live[:, None] & k_live[None, :]
+        x = tl.load(x_ptr + m[:, None] * x_stride + group * K + k[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        if SWIGLU:
+            x = _swiglu_input(x, up_ptr + m[:, None] * up_stride + k[None, :], x_mask, limit, x_ptr.dtype.element_ty)
         if ROW_SCALES:
             scale_ptrs = ws_ptr + (n // 128)[:, None] * ws_stride + kg[None, :]
             ws = tl.load(scale_ptrs, mask=n_live[:, None] & (kg < k_groups)[None, :], other=0.0)
@@ -259,25 +270,105 @@ def _fp8_linear_kernel(
         else:
             ws = tl.load(ws_ptr + (n_start // 128) * ws_stride + kg, mask=kg < k_groups, other=0.0)
             x = _scaled_activations(x, ws, QUANTIZE_X, BLOCK_M, GROUPS)
-        if USE_DOT:
-            acc += _mma(w, tl.trans(x), DOT_F32)
-        else:
-            acc += tl.sum(w.to(tl.float32) * x, axis=1)[:, None]
+        acc += _mma(w, tl.trans(x), DOT_F32)
     live = n_live[:, None] & m_live[None, :]
+    part = part_ptr + m[None, :] * part_stride + n[:, None]
+    arrival = arrivals_ptr + tile * tl.num_programs(1) + m_tile
     out = out_ptr + m[None, :] * out_stride + n[:, None]
-    if SPLIT:
-        part = part_ptr + m[None, :] * part_stride + n[:, None]
-        tl.store(part + split * part_split_stride, acc, mask=live)
-        tl.debug_barrier()  # every thread's partial is stored before the release below
-        arrival = arrivals_ptr + tile * tl.num_programs(1) + m_tile
-        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == splits - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(splits):
-                total += tl.load(part + s * part_split_stride, mask=live, other=0.0, cache_modifier=".cg")
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=live)
-            tl.atomic_xchg(arrival, 0)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
+    _write_output(acc, out, part, live, split, splits, part_split_stride, arrival, SPLIT)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "ws_stride",
+        "out_stride",
+        "part_split_stride",
+        "part_stride",
+        "rows_per_group",
+        "chunks_per_split",
+        "splits",
+    ]
+)
+def _fp8_gemv_kernel(
+    x_ptr,
+    x_stride,
+    up_ptr,
+    up_stride,
+    limit,
+    w_ptr,
+    w_stride,
+    ws_ptr,
+    ws_stride,
+    out_ptr,
+    out_stride,
+    part_ptr,
+    part_split_stride,
+    part_stride,
+    arrivals_ptr,
+    rows_per_group,
+    K,
+    chunks_per_split,
+    splits,
+    QUANTIZE_X: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WARPS: tl.constexpr,
+    RUN: tl.constexpr,
+):
+    """One program: BLOCK_N output rows of one group x one row of x x one split of the K chunks, by FMA. Each warp
+    owns BLOCK_N / WARPS rows; a lane reads RUN contiguous columns of each (x's width a thread, so that the weight
+    and the activations share a layout and neither moves through shared memory) and keeps one fp32 sum a row and
+    run: the lanes' sums meet once, after the last chunk, inside the warp. Rows past the group's end read its
+    last row and are stored nowhere, so no weight load is masked by row. Scales and SwiGLU as _fp8_linear_kernel."""
+    ROWS: tl.constexpr = BLOCK_N // WARPS
+    GROUPS: tl.constexpr = BLOCK_K // 128
+    RUNS: tl.constexpr = BLOCK_K // RUN
+    tile, row, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tiles_per_group = tl.cdiv(rows_per_group, BLOCK_N)
+    group = tile // tiles_per_group
+    n_local = (tile % tiles_per_group) * BLOCK_N + tl.arange(0, WARPS)[:, None, None] * ROWS
+    n_local += tl.arange(0, ROWS)[None, :, None]
+    n_live = n_local < rows_per_group
+    n = group * rows_per_group + tl.minimum(n_local, rows_per_group - 1)
+    w_rows = w_ptr + n.to(tl.int64) * w_stride
+    col = tl.arange(0, BLOCK_K)[None, None, :]
+    w_col = col // RUN * RUN + col % RUN  # loads of RUN bytes, x's run a thread: the layout Triton gives x
+    x_row = x_ptr + row * x_stride + group * K + tl.zeros((WARPS, 1, 1), tl.int32)  # each warp reads x itself
+    k_groups = tl.cdiv(K, 128)
+    scale_row = (group * rows_per_group + (tile % tiles_per_group) * BLOCK_N) // 128
+    chunk_start = split * chunks_per_split
+    chunk_end = tl.minimum(chunk_start + chunks_per_split, tl.cdiv(K, BLOCK_K))
+    acc = tl.zeros((WARPS, ROWS, RUNS), dtype=tl.float32)
+    for chunk in range(chunk_start, chunk_end):
+        k = chunk * BLOCK_K + col
+        k_live = k < K
+        kg = chunk * GROUPS + tl.arange(0, GROUPS)
+        w = tl.load(w_rows + chunk * BLOCK_K + w_col, mask=k_live, other=0.0)
+        x = tl.load(x_row + k, mask=k_live, other=0.0).to(tl.float32)
+        if SWIGLU:
+            up_row = up_ptr + row * up_stride + tl.zeros((WARPS, 1, 1), tl.int32)
+            x = _swiglu_input(x, up_row + k, k_live, limit, x_ptr.dtype.element_ty)
+        if ROW_SCALES:
+            ws = tl.full((GROUPS,), 1.0, tl.float32)
+        else:
+            ws = tl.load(ws_ptr + scale_row * ws_stride + kg, mask=kg < k_groups, other=0.0)
+        x = tl.reshape(_scaled_activations(tl.reshape(x, (WARPS, BLOCK_K)), ws, QUANTIZE_X, WARPS, GROUPS), x.shape)
+        runs = tl.sum(tl.reshape(w.to(tl.float32) * x, (WARPS, ROWS, RUNS, RUN)), axis=3)
+        if ROW_SCALES:  # a run lies inside one 128-column group: its row's scale for that group multiplies its sum
+            run_group = (chunk * BLOCK_K + tl.arange(0, RUNS) * RUN) // 128
+            ws_runs = tl.load(ws_ptr + (n // 128) * ws_stride + run_group[None, None, :], mask=run_group < k_groups)
+            runs *= ws_runs
+        acc += runs
+    total = tl.sum(acc, axis=2)
+    n_out = tl.reshape(group * rows_per_group + n_local, (WARPS, ROWS))
+    live = tl.reshape(n_live, (WARPS, ROWS))
+    part = part_ptr + row * part_stride + n_out
+    arrival = arrivals_ptr + tile * tl.num_programs(1) + row
+    out = out_ptr + row * out_stride + n_out
+    _write_output(total, out, part, live, split, splits, part_split_stride, arrival, SPLIT)
 
 
 @dataclass(frozen=True)
@@ -315,19 +406,20 @@ def linear_plan(
     use_dot: bool | None = None,
 ) -> LinearPlan:
     """Tiles from TILE_TABLE's row for this M (`tiles` / `use_dot` override it for the sweep), narrowed to the
-    problem and to the device: pipeline stages as many as a program's shared memory (`smem` bytes) holds next to
-    the copies of the MMA's operands (bf16, fp32 for fp32 inputs; the K chunk, then the output tile narrows until
-    two stages fit); K split until `programs_per_sm` programs per SM are in flight, the partial sums kept to a
-    small share of the weight's bytes."""
+    problem and to the device: with tl.dot, pipeline stages as many as a program's shared memory (`smem` bytes)
+    holds next to the copies of the MMA's operands (bf16, fp32 for fp32 inputs; the K chunk, then the output tile
+    narrows until two stages fit); K split until `programs_per_sm` programs per SM are in flight, the partial sums
+    kept to a small share of the weight's bytes."""
     row = next((row for row in TILE_TABLE if m <= row[0]), TILE_TABLE[-1])
     use_dot = row[1] if use_dot is None else use_dot
     t = tiles or row[2]
     block_m = min(DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m))) if use_dot else 1
-    block_n = min(t.block_n, max(16, triton.next_power_of_2(rows_per_group)))
+    block_n = min(t.block_n, max(16 if use_dot else t.num_warps, triton.next_power_of_2(rows_per_group)))
     block_k = min(t.block_k, max(QUANT_BLOCK, triton.next_power_of_2(k)))
-    while True:
+    stages = 1  # the FMA kernel keeps its loads in registers
+    while use_dot:
         stage = block_k * block_n + block_m * block_k * x_bytes
-        operands = max(2, x_bytes) * block_k * (block_n + block_m) if use_dot else 0  # fp32 inputs: fp32 MMA
+        operands = max(2, x_bytes) * block_k * (block_n + block_m)  # fp32 inputs: fp32 MMA
         stages = min(t.max_stages, (smem - SMEM_RESERVE - operands) // stage)
         if stages >= min(2, t.max_stages) or block_n <= 16:
             break
@@ -348,10 +440,10 @@ def linear_plan(
 
 
 def fma_weight_run(plan: LinearPlan, x_bytes: int) -> int:
-    """Weight columns one load of the FMA kernel reads (contiguous): as many as Triton gives a thread of x's
-    [1, BLOCK_K] tile (16 bytes, fewer where the tile has fewer columns than 16 bytes a thread), so the weight tile
-    gets x's layout and the product needs no layout change (which moved the whole tile through shared memory)."""
-    return max(1, min(16 // x_bytes, plan.block_k // (32 * plan.num_warps)))
+    """Columns a lane of the FMA kernel reads a row (contiguous): as many as Triton gives a thread of x's chunk
+    (16 bytes, fewer where the chunk has fewer columns than 16 bytes a lane), so the weight tile gets x's layout
+    and the product needs no layout change (which moved the whole tile through shared memory)."""
+    return max(1, min(16 // x_bytes, plan.block_k // 32))
 
 
 def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | None, up=None, limit=0.0):
@@ -365,7 +457,7 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
     part = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x.device) if split else out
     row_scales = QUANT_BLOCK % plan.block_n != 0 or (groups > 1 and rows % QUANT_BLOCK != 0)
     grid = (triton.cdiv(rows, plan.block_n) * groups, triton.cdiv(m, plan.block_m), plan.splits)
-    _fp8_linear_kernel[grid](
+    args = [
         x,
         x.stride(0),
         up if up is not None else x,
@@ -381,24 +473,40 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
         part.stride(0) if split else 0,
         part.stride(1) if split else 0,
         arrival_counters(x.device) if split else out,
-        m,
-        rows,
-        k,
-        plan.chunks_per_split,
-        plan.splits,
-        QUANTIZE_X=quantize_x,
-        SWIGLU=up is not None,
-        ROW_SCALES=row_scales,
-        USE_DOT=plan.use_dot,
-        DOT_F32=interpreting() or x.dtype == torch.float32,
-        SPLIT=split,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
-        BLOCK_K=plan.block_k,
-        W_RUN=fma_weight_run(plan, x.element_size()),
-        num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
-    )
+    ]
+    common = dict(QUANTIZE_X=quantize_x, SWIGLU=up is not None, ROW_SCALES=row_scales, SPLIT=split)
+    launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.use_dot:
+        dot_f32 = interpreting() or x.dtype == torch.float32
+        _fp8_linear_kernel[grid](
+            *args,
+            m,
+            rows,
+            k,
+            plan.chunks_per_split,
+            plan.splits,
+            **common,
+            DOT_F32=dot_f32,
+            BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n,
+            BLOCK_K=plan.block_k,
+            **launch,
+        )
+    else:
+        run = fma_weight_run(plan, x.element_size())
+        _fp8_gemv_kernel[grid](
+            *args,
+            rows,
+            k,
+            plan.chunks_per_split,
+            plan.splits,
+            **common,
+            BLOCK_N=plan.block_n,
+            BLOCK_K=plan.block_k,
+            WARPS=plan.num_warps,
+            RUN=run,
+            **launch,
+        )
     return out
 
 
