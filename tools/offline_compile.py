@@ -155,7 +155,7 @@ def _fp8_linear_at_m1(arch: int, n: int = 32768, k: int = 1024, groups: int = 1)
     )  # fmt: skip
     constexprs = dict(
         QUANTIZE_X=groups == 1, SWIGLU=False, ROW_SCALES=False, SPLIT=plan.splits > 1, BLOCK_N=plan.block_n,
-        BLOCK_K=plan.block_k, WARPS=plan.num_warps, RUN=fp8_linear.fma_weight_run(plan, 2),
+        BLOCK_K=plan.block_k, WARPS=plan.num_warps, RUN=fp8_linear.fma_weight_run(plan, 2), STAGES=plan.num_stages,
     )  # fmt: skip
     compiled = compile_kernel(fp8_linear._fp8_gemv_kernel, args, constexprs, arch, plan.num_warps, plan.num_stages)
     return report(compiled)

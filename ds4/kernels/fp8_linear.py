@@ -46,7 +46,7 @@ class TileSettings:
     block_n: int  # output rows a program computes (a power of two <= 128: one weight scale block)
     block_k: int  # K columns a loop step reads (a multiple of 128; FMA: of 32 lanes x 16 bytes of x)
     programs_per_sm: int  # split K until the grid holds this many programs per SM (bytes in flight)
-    max_stages: int  # tl.dot: pipeline stages at most (fewer where shared memory runs out)
+    max_stages: int  # pipeline stages at most (fewer where shared memory runs out; FMA: 1 loads into registers)
     num_warps: int  # FMA: each warp owns block_n / num_warps output rows
 
 
@@ -55,7 +55,7 @@ class TileSettings:
 # more rows run more programs). Without tl.dot the kernel multiplies by FMA over K-contiguous weight rows, one row
 # of x a program.
 TILE_TABLE = (
-    (1, False, TileSettings(block_n=64, block_k=256, programs_per_sm=3, max_stages=1, num_warps=4)),
+    (1, False, TileSettings(block_n=64, block_k=256, programs_per_sm=3, max_stages=3, num_warps=4)),
     (16, True, TileSettings(block_n=64, block_k=128, programs_per_sm=4, max_stages=4, num_warps=4)),
     (64, True, TileSettings(block_n=64, block_k=128, programs_per_sm=4, max_stages=4, num_warps=4)),
 )
@@ -317,12 +317,15 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,
     WARPS: tl.constexpr,
     RUN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """One program: BLOCK_N output rows of one group x one row of x x one split of the K chunks, by FMA. Each warp
     owns BLOCK_N / WARPS rows; a lane reads RUN contiguous columns of each (x's width a thread, so that the weight
     and the activations share a layout and neither moves through shared memory) and keeps one fp32 sum a row and
-    run: the lanes' sums meet once, after the last chunk, inside the warp. Rows past the group's end read its
-    last row and are stored nowhere, so no weight load is masked by row. Scales and SwiGLU as _fp8_linear_kernel."""
+    run: the lanes' sums meet once, after the last chunk, inside the warp. STAGES > 1: the chunks' loads run
+    ahead by async copies through shared memory (programs on an SM then load and multiply at once, instead of all
+    waiting, then all computing); 1: straight into registers. Rows past the group's end read its last row and are
+    stored nowhere, so no weight load is masked by row. Scales and SwiGLU as _fp8_linear_kernel."""
     ROWS: tl.constexpr = BLOCK_N // WARPS
     GROUPS: tl.constexpr = BLOCK_K // 128
     RUNS: tl.constexpr = BLOCK_K // RUN
@@ -342,7 +345,7 @@ def _fp8_gemv_kernel(
     chunk_start = split * chunks_per_split
     chunk_end = tl.minimum(chunk_start + chunks_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((WARPS, ROWS, RUNS), dtype=tl.float32)
-    for chunk in range(chunk_start, chunk_end):
+    for chunk in tl.range(chunk_start, chunk_end, num_stages=STAGES):
         k = chunk * BLOCK_K + col
         k_live = k < K
         kg = chunk * GROUPS + tl.arange(0, GROUPS)
@@ -406,8 +409,8 @@ def linear_plan(
     use_dot: bool | None = None,
 ) -> LinearPlan:
     """Tiles from TILE_TABLE's row for this M (`tiles` / `use_dot` override it for the sweep), narrowed to the
-    problem and to the device: with tl.dot, pipeline stages as many as a program's shared memory (`smem` bytes)
-    holds next to the copies of the MMA's operands (bf16, fp32 for fp32 inputs; the K chunk, then the output tile
+    problem and to the device: pipeline stages as many as a program's shared memory (`smem` bytes) holds (with
+    tl.dot next to the copies of the MMA's operands, bf16, fp32 for fp32 inputs; the K chunk, then the output tile
     narrows until two stages fit); K split until `programs_per_sm` programs per SM are in flight, the partial sums
     kept to a small share of the weight's bytes."""
     row = next((row for row in TILE_TABLE if m <= row[0]), TILE_TABLE[-1])
@@ -416,10 +419,12 @@ def linear_plan(
     block_m = min(DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m))) if use_dot else 1
     block_n = min(t.block_n, max(16 if use_dot else t.num_warps, triton.next_power_of_2(rows_per_group)))
     block_k = min(t.block_k, max(QUANT_BLOCK, triton.next_power_of_2(k)))
-    stages = 1  # the FMA kernel keeps its loads in registers
-    while use_dot:
-        stage = block_k * block_n + block_m * block_k * x_bytes
-        operands = max(2, x_bytes) * block_k * (block_n + block_m)  # fp32 inputs: fp32 MMA
+    while True:
+        if use_dot:
+            stage = block_k * block_n + block_m * block_k * x_bytes
+            operands = max(2, x_bytes) * block_k * (block_n + block_m)  # fp32 inputs: fp32 MMA
+        else:  # each warp copies x's chunk
+            stage, operands = block_k * block_n + t.num_warps * block_k * x_bytes, 0
         stages = min(t.max_stages, (smem - SMEM_RESERVE - operands) // stage)
         if stages >= min(2, t.max_stages) or block_n <= 16:
             break
@@ -505,6 +510,7 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
             BLOCK_K=plan.block_k,
             WARPS=plan.num_warps,
             RUN=run,
+            STAGES=plan.num_stages,
             **launch,
         )
     return out
