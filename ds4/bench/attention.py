@@ -28,7 +28,19 @@ from ds4.kernels.sparse_attention import AttentionPlan, RotaryQueries, attention
 
 DECODE = [(b, c) for b in (1, 8, 16, 64) for c in (4096, 16384, 65536)]
 PREFILL = [8192]
-PLANS = [AttentionPlan(h, n, w) for h, n, w in ((64, 16, 8), (64, 32, 8), (64, 64, 8), (32, 16, 4), (16, 32, 4))]
+# Candidate plans of the sweep: (heads, keys a tile, warps, key tiles in flight).
+PLANS = [
+    AttentionPlan(*p)
+    for p in (
+        (64, 32, 8, 2),
+        (64, 32, 8, 1),
+        (64, 16, 8, 2),
+        (64, 16, 8, 3),
+        (32, 16, 4, 2),
+        (16, 32, 4, 2),
+        (16, 32, 4, 1),
+    )
+]
 # Key splits tried in the sweep for decode at batch 1 and 64 (None: the kernel's own choice).
 SPLITS = {1: (None, 1, 5, 10, 20, 40), 64: (None, 1, 2, 4)}
 

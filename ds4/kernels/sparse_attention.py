@@ -45,6 +45,7 @@ _MIN_SPLIT_KEYS = 64
 _COMBINE_BLOCK_H = 16
 _COMBINE_BLOCK_D = 64
 SMALL_BATCH_SHARE = 8  # batches of at most SMs / this many tokens take 16-head programs (attention_plan)
+KEY_STAGES = 2  # key tiles in flight where shared memory holds them (attention_plan)
 
 
 def _check(q: torch.Tensor, key_sets, rope_dim: int | None) -> bool:
@@ -306,10 +307,12 @@ def _sparse_attention_kernel(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # One program: one token, BLOCK_H of its heads (the MMA's M) and one split of its key tiles (the three lists'
     # tiles counted end to end), with an online softmax in the log2 domain whose running max starts at the sink
-    # in the first split.
+    # in the first split. STAGES > 1: the key tiles' reads (indices, entries) run that many tiles ahead by async
+    # copies through shared memory, so that a tile's loads overlap the previous tiles' products.
     # SPLIT: the running max, denominator and numerator go to part_ptr for _combine_splits, else the output.
     # ROTARY: q is the projection's; its heads are finished here and the output turned back (RotaryQueries).
     t = tl.program_id(0).to(tl.int64)
@@ -341,7 +344,7 @@ def _sparse_attention_kernel(
     tiles0, tiles1 = tl.cdiv(width0, BLOCK_N), tl.cdiv(width1, BLOCK_N)
     begin = split * tiles_per_split
     end = tl.minimum(begin + tiles_per_split, tiles0 + tiles1 + tl.cdiv(width2, BLOCK_N))
-    for tile in range(begin, end):
+    for tile in tl.range(begin, end, num_stages=STAGES):
         valid, values, exponents, rope = _fetch_keys(
             t, tile, tiles0, tiles1,
             pool0, stride_p0, idx0, stride_i0, width0, pool1, stride_p1, idx1, stride_i1, width1,
@@ -430,11 +433,13 @@ def _combine_splits(
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Launch settings: query heads per program (the MMA's M), keys per tile, warps."""
+    """Launch settings: query heads per program (the MMA's M), keys per tile, warps, and the key tiles in flight
+    (1: read as they are used)."""
 
     block_h: int
     block_n: int
     num_warps: int
+    stages: int = 1
 
 
 def attention_plan(device: torch.device, heads: int, head_dim: int, tokens: int | None = None) -> AttentionPlan:
@@ -445,22 +450,32 @@ def attention_plan(device: torch.device, heads: int, head_dim: int, tokens: int 
     device's shared memory per block holds neither the query tile and a key tile in bf16 nor the fp32 partial
     result that a split writes through it. A batch of few tokens (at most 1/SMALL_BATCH_SHARE of the SM count)
     takes 16 heads a program: four times the programs, each with a quarter of the query tile and accumulator (H200,
-    Flash, 64K context: batch 1 0.026 ms against 0.036 at 64 heads; batch 64 0.162 against 0.107)."""
+    Flash, 64K context: batch 1 0.026 ms against 0.036 at 64 heads; batch 64 0.162 against 0.107). Key tiles are
+    read KEY_STAGES ahead where the shared memory also holds their rows (async copies, so that the loads overlap
+    the products: one program a SM leaves nothing else to hide them; not measured yet)."""
     padded = triton.next_power_of_2(head_dim)
     block_h, block_n = min(64, max(16, triton.next_power_of_2(heads))), 32
     if tokens is not None and tokens * SMALL_BATCH_SHARE <= num_sms(device):
         block_h = 16
-    while block_h > 16 and _shared_bytes(block_h, block_n, padded) > shared_memory_per_block(device):
+    smem = shared_memory_per_block(device)
+    while block_h > 16 and _shared_bytes(block_h, block_n, padded) > smem:
         block_h //= 2
-    return AttentionPlan(block_h, block_n, min(8, max(4, block_h * padded // (32 * _ACC_REGISTERS))))
+    stages = KEY_STAGES if _shared_bytes(block_h, block_n, padded, KEY_STAGES) <= smem else 1
+    return AttentionPlan(block_h, block_n, min(8, max(4, block_h * padded // (32 * _ACC_REGISTERS))), stages)
 
 
-def _shared_bytes(block_h: int, block_n: int, padded_dim: int) -> int:
-    return max((block_h + block_n) * padded_dim * 2, block_h * padded_dim * 4)
+def _shared_bytes(block_h: int, block_n: int, padded_dim: int, stages: int = 1) -> int:
+    """The query and key tiles in bf16 (with stages > 1 beside that many key tiles' rows in flight, bf16 rows at
+    most), or a split's fp32 partial result."""
+    in_flight = stages * block_n * padded_dim * 2 if stages > 1 else 0
+    return max((block_h + block_n) * padded_dim * 2 + in_flight, block_h * padded_dim * 4)
 
 
 def _smaller(plan: AttentionPlan) -> AttentionPlan | None:
-    """The next plan to try when a compiled kernel does not fit the device: fewer keys a tile, then fewer heads."""
+    """The next plan to try when a compiled kernel does not fit the device: no key tiles in flight, fewer keys a
+    tile, then fewer heads."""
+    if plan.stages > 1:
+        return dataclasses.replace(plan, stages=1)
     if plan.block_n > 16:
         return dataclasses.replace(plan, block_n=plan.block_n // 2)
     if plan.block_h > 16:
@@ -606,6 +621,7 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
         HALF=half,
         BLOCK_H=plan.block_h,
         BLOCK_N=plan.block_n,
+        STAGES=plan.stages,
         num_warps=plan.num_warps,
     )
     if splits > 1:

@@ -127,8 +127,13 @@ def test_plan_fits_the_shared_memory_and_the_accumulator_the_registers(smem, mon
     for heads, head_dim in ((64, 512), (128, 512), (4, 128)):
         plan = sa.attention_plan(torch.device("cuda"), heads, head_dim)
         assert (plan.block_h + plan.block_n) * head_dim * 2 <= smem and plan.block_h * head_dim * 4 <= smem
+        # key tiles in flight only beside the tiles: their rows (bf16 at most) fit too
+        in_flight = plan.stages * plan.block_n * head_dim * 2 if plan.stages > 1 else 0
+        assert (plan.block_h + plan.block_n) * head_dim * 2 + in_flight <= smem
         assert plan.block_h * head_dim // (plan.num_warps * 32) <= 128
         assert plan.num_warps in (4, 8) and plan.block_h >= 16
+    flash = sa.attention_plan(torch.device("cuda"), 64, 512)
+    assert (flash.stages == sa.KEY_STAGES) == (smem == 232448)  # an H200 holds Flash's tiles in flight, smaller not
 
 
 def test_few_tokens_take_programs_of_16_heads(monkeypatch):
@@ -136,7 +141,7 @@ def test_few_tokens_take_programs_of_16_heads(monkeypatch):
     monkeypatch.setattr(sa, "num_sms", lambda device: 132)
     monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: 232448)
     device = torch.device("cuda")
-    assert sa.attention_plan(device, 64, 512, tokens=1) == sa.AttentionPlan(16, 32, 4)
+    assert sa.attention_plan(device, 64, 512, tokens=1) == sa.AttentionPlan(16, 32, 4, sa.KEY_STAGES)
     assert sa.attention_plan(device, 64, 512, tokens=132 // sa.SMALL_BATCH_SHARE).block_h == 16
     assert sa.attention_plan(device, 64, 512, tokens=64).block_h == 64
     assert sa.attention_plan(device, 64, 512).block_h == 64
