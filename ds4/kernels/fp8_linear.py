@@ -321,11 +321,11 @@ def _fp8_gemv_kernel(
 ):
     """One program: BLOCK_N output rows of one group x one row of x x one split of the K chunks, by FMA. Each warp
     owns BLOCK_N / WARPS rows; a lane reads RUN contiguous columns of each (x's width a thread, so that the weight
-    and the activations share a layout and neither moves through shared memory) and keeps one fp32 sum a row and
-    run: the lanes' sums meet once, after the last chunk, inside the warp. STAGES > 1: the chunks' loads run
-    ahead by async copies through shared memory (programs on an SM then load and multiply at once, instead of all
-    waiting, then all computing); 1: straight into registers. Rows past the group's end read its last row and are
-    stored nowhere, so no weight load is masked by row. Scales and SwiGLU as _fp8_linear_kernel."""
+    and the activations share a layout: no layout change between them) and keeps one fp32 sum a row and run: the
+    lanes' sums meet once, after the last chunk, inside the warp. STAGES > 1: the chunks' loads run ahead by async
+    copies through shared memory (programs on an SM then load and multiply at once, instead of all waiting, then
+    all computing); 1: straight into registers. Rows past the group's end read its last row and are stored
+    nowhere, so no weight load is masked by row. Scales and SwiGLU as _fp8_linear_kernel."""
     ROWS: tl.constexpr = BLOCK_N // WARPS
     GROUPS: tl.constexpr = BLOCK_K // 128
     RUNS: tl.constexpr = BLOCK_K // RUN
@@ -362,7 +362,9 @@ def _fp8_gemv_kernel(
         runs = tl.sum(tl.reshape(w.to(tl.float32) * x, (WARPS, ROWS, RUNS, RUN)), axis=3)
         if ROW_SCALES:  # a run lies inside one 128-column group: its row's scale for that group multiplies its sum
             run_group = (chunk * BLOCK_K + tl.arange(0, RUNS) * RUN) // 128
-            ws_runs = tl.load(ws_ptr + (n // 128) * ws_stride + run_group[None, None, :], mask=run_group < k_groups)
+            ws_runs = tl.load(
+                ws_ptr + (n // 128) * ws_stride + run_group[None, None, :], mask=run_group < k_groups, other=0.0
+            )
             runs *= ws_runs
         acc += runs
     total = tl.sum(acc, axis=2)

@@ -76,6 +76,7 @@ def test_reference_matches_float64_of_dequantised_operands(fp8):
         (1, 200, 300, 1, True, False),  # FMA, K tail inside a 512 chunk, split K
         (1, 256, 1024, 2, False, False),  # FMA, grouped without act_quant, split K
         (1, 64, 256, 4, True, False),  # FMA, weight scales per row (groups of 16 rows in one 128-row block)
+        (1, 64, 300, 4, True, False),  # FMA, weight scales per row, K tail
         (5, 256, 384, 1, True, True),  # tl.dot, split K
         (3, 80, 160, 2, True, True),  # tl.dot, 40-row groups: a tile crosses weight scale blocks
         (4, 64, 256, 4, False, True),

@@ -231,6 +231,9 @@ def test_interpreted_kernels_equal_the_reference_dequantized(kernels):
     want = routed_experts_reference(x, weights, indices, experts, 0.0)
     got = kernels.routed_experts_triton(x, weights, indices, experts, 0.0)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    rows_as_m = kernels.GemmPlan(bm=16, weight_rows=32, bk=16, warps=4, stages=2, rows_as_m=True)
+    got = kernels.routed_experts_triton(x, weights, indices, experts, 0.0, (rows_as_m, rows_as_m))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_plans_follow_the_device():
