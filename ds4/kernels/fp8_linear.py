@@ -65,6 +65,9 @@ DOT_MAX_BLOCK_M = 64  # rows of x a tl.dot program takes; more rows run more pro
 TRITON_UP_TO = ((1, 1 << 62), (16, 16 << 20), (64, 4 << 20))
 CUBLAS_MIN_M_DEQUANTIZED = 128  # without act_quant, dequantising the weight per call pays off above this
 PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 1/this of the weight's bytes
+# partials in flight while the last program of a tile sums them (read one after another, each was a latency on the
+# launch's critical path)
+PARTIAL_STAGES = tl.constexpr(3)
 CUBLAS_ROWS = 16  # rows padded to a multiple of this for cuBLAS
 SMEM_RESERVE = 8 << 10  # shared memory left to the compiler's own scratch (barriers, the epilogue)
 ACT_QUANT_ROWS = 8  # rows an act_quant program quantises (H200, 8192 x 4096: 0.094 ms at 32, 0.048 at 8)
@@ -170,14 +173,14 @@ def _act_quant_kernel(x_ptr, x_stride, q_ptr, q_stride, scale_ptr, scale_stride,
 def _write_output(acc, out, part, live, split, splits, part_split_stride, arrival, SPLIT: tl.constexpr):
     """A program's fp32 sums `acc` to the output (pointers `out`, its dtype). SPLIT: each split stores its partial
     (pointers `part`, splits `part_split_stride` apart) and the last program of the tile to arrive (the counter
-    `arrival`, which it resets for the next launch) sums the partials in split order and writes the output: one
-    launch, the same bits every run, capturable in a CUDA graph."""
+    `arrival`, which it resets for the next launch) sums the partials in split order (their reads running ahead)
+    and writes the output: one launch, the same bits every run, capturable in a CUDA graph."""
     if SPLIT:
         tl.store(part + split * part_split_stride, acc, mask=live)
         tl.debug_barrier()  # every thread's partial is stored before the release below
         if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == splits - 1:
             total = tl.zeros_like(acc)
-            for s in range(splits):
+            for s in tl.range(0, splits, num_stages=PARTIAL_STAGES):
                 total += tl.load(part + s * part_split_stride, mask=live, other=0.0, cache_modifier=".cg")
             tl.store(out, total.to(out.dtype.element_ty), mask=live)
             tl.atomic_xchg(arrival, 0)

@@ -415,6 +415,7 @@ _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2
 _ACT_QUANT_ELEMENTS = 2048  # an act_quant program's tile
 _ELEMENTWISE_BLOCK = 1024  # columns a program of the slot sum takes
+_COMBINE_STAGES = tl.constexpr(3)  # slot rows in flight while the slot sum adds them (decode: few programs)
 
 
 def plan_shared_memory(plan: GemmPlan, mxfp4: bool, a_bytes: int) -> int:
@@ -576,7 +577,8 @@ def _check(x: torch.Tensor, experts: ExpertWeights) -> None:
         raise ValueError(f"packed MXFP4 experts are uint8, got {experts.gate.dtype}")
 
 
-@triton.jit(do_not_specialize=["k_slots", "N"])
+# N (the hidden size: one variant a model) stays specialised: its divisibility by 16 makes the loads 16 bytes wide.
+@triton.jit(do_not_specialize=["k_slots"])
 def _combine_kernel(
     slots_ptr, stride_s, shared_ptr, stride_sh, out_ptr, stride_out, k_slots, N, HAS_SHARED: tl.constexpr,
     BN: tl.constexpr,
@@ -586,7 +588,7 @@ def _combine_kernel(
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = cols < N
     y = tl.zeros((BN,), tl.float32)
-    for j in range(k_slots):
+    for j in tl.range(0, k_slots, num_stages=_COMBINE_STAGES):
         y += tl.load(slots_ptr + (t * k_slots + j) * stride_s + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_SHARED:
         y += tl.load(shared_ptr + t * stride_sh + cols, mask=ok, other=0.0).to(tl.float32)

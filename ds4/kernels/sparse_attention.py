@@ -44,6 +44,7 @@ _ACC_REGISTERS = 128
 _MIN_SPLIT_KEYS = 64
 _COMBINE_BLOCK_H = 16
 _COMBINE_BLOCK_D = 64
+_COMBINE_STAGES = tl.constexpr(3)  # splits' pieces in flight while the combine sums them (decode: many splits)
 SMALL_BATCH_SHARE = 8  # batches of at most SMs / this many tokens take 16-head programs (attention_plan)
 KEY_STAGES = 2  # key tiles in flight where shared memory holds them (attention_plan)
 
@@ -402,19 +403,20 @@ def _combine_splits(
     BLOCK_D: tl.constexpr,
 ):
     # One program: one token's BLOCK_H heads, BLOCK_D of the dims; the splits' softmax pieces rescaled to their
-    # common maximum. ROTARY: the output turned back (BLOCK_D a multiple of 2 * HALF, so that the angles tile it).
+    # common maximum, their reads running ahead of the sums. ROTARY: the output turned back (BLOCK_D a multiple of
+    # 2 * HALF, so that the angles tile it).
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_in = heads < n_heads
     dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = head_in[:, None] & (dims < D)[None, :]
     peak = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(splits):
+    for s in tl.range(0, splits, num_stages=_COMBINE_STAGES):
         row = ((t * splits + s) * n_heads + heads) * (D + 4)
         peak = tl.maximum(peak, tl.load(part_ptr + row + D, mask=head_in, other=0.0))
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(splits):
+    for s in tl.range(0, splits, num_stages=_COMBINE_STAGES):
         row = ((t * splits + s) * n_heads + heads) * (D + 4)
         weight = tl.exp2(tl.load(part_ptr + row + D, mask=head_in, other=0.0) - peak)
         denom += weight * tl.load(part_ptr + row + D + 1, mask=head_in, other=0.0)
