@@ -160,6 +160,7 @@ SWEEP = {
         _plan(256, 128, 128, 8, 2, tma=True, rows_as_m=True),
         _plan(256, 128, 64, 8, 3, tma=True, rows_as_m=True),
         _plan(128, 128, 64, 4, 4, tma=True, rows_as_m=True),
+        _plan(64, 128, 128, 4, 4, tma=True, rows_as_m=True),  # 8K tokens: 192 rows an expert in 3 whole tiles
     ],
 }
 
