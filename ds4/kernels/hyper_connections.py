@@ -57,6 +57,9 @@ COLLAPSE_WAVES = 4
 COLLAPSE_MAX_TOKENS = 8
 COLLAPSE_TILE = 1024  # channels x tokens a collapse step of several tokens takes
 POST_PRE_TOKENS = 4  # up to this many tokens hc_post and the next hc_pre are one launch (its collapse is serial)
+# Channels a step of that launch's collapse and norm reads: Flash's whole row at once (its last program's reads of
+# the streams, then of the row, are a latency each: 8 of 1024 channels were ten), Pro's in two (registers).
+POST_PRE_COLLAPSE_D = 4096
 
 
 def hc_split_sinkhorn(
@@ -310,16 +313,22 @@ def _expand_kernel(
 @triton.jit
 def _normalize_row(x_ptr, x_stride, token, w_ptr, D, eps, BLOCK_D: tl.constexpr):
     """Row `token` of x (D values this program wrote) replaced by its RMSNorm times w_ptr's weights, as rms_norm of
-    the stored values: two passes, the sum of squares then the scaled row."""
+    the stored values: two passes, the sum of squares then the scaled row; the first block of channels stays in
+    registers between them (a row of at most BLOCK_D is read once)."""
     tl.debug_barrier()  # the row's stores, by every thread, before it is read back
     row = x_ptr + token * x_stride
-    squares = tl.zeros([BLOCK_D], tl.float32)
-    for start in range(0, D, BLOCK_D):
+    d = tl.arange(0, BLOCK_D)
+    first = tl.load(row + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
+    squares = first * first
+    for start in range(BLOCK_D, D, BLOCK_D):
         d = start + tl.arange(0, BLOCK_D)
         v = tl.load(row + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
         squares += v * v
     inverse = inverse_rms(tl.sum(squares, 0), D, eps)
-    for start in range(0, D, BLOCK_D):
+    d = tl.arange(0, BLOCK_D)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    tl.store(row + d, rounded(first * inverse * w, x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty), mask=d < D)
+    for start in range(BLOCK_D, D, BLOCK_D):
         d = start + tl.arange(0, BLOCK_D)
         v = tl.load(row + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
         w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
@@ -548,10 +557,10 @@ def hc_post_triton(out, streams, post, comb, block_d: int = CHANNEL_BLOCK) -> to
 
 def hc_post_pre_triton(
     out, streams, post, comb, fn, scale, base, x_weight, hc: int, iters: int, hc_eps: float, norm_eps: float,
-    block_d=None,
+    block_d=None, collapse_d=POST_PRE_COLLAPSE_D,
 ):  # fmt: skip
     """hc_post_pre in one launch for at most POST_PRE_TOKENS tokens (CUDA, or the CPU under TRITON_INTERPRET=1).
-    block_d: channels a program (default: a block an SM)."""
+    block_d: channels a program (default: a block an SM); collapse_d: channels a step of the collapse and norm."""
     tokens, _, d = streams.shape
     if not 0 < tokens <= POST_PRE_TOKENS or fn.shape[0] != (2 + hc) * hc or streams.shape[1] != hc:
         raise ValueError(f"hc_post_pre: {tokens} tokens (1 to {POST_PRE_TOKENS}), fn {list(fn.shape)}, hc {hc}")
@@ -573,7 +582,7 @@ def hc_post_pre_triton(
         out, out.stride(0), streams, streams.stride(0), post, comb, new, new.stride(0), fn, part,
         arrival_counters(dev), scale, base, x, x.stride(0), x_weight, next_post, next_comb, tokens, d, k, iters,
         hc_eps, norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=triton.next_power_of_2(tokens), BLOCK_D=block_d,
-        SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=min(CHANNEL_BLOCK, triton.next_power_of_2(d)),
+        SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=min(collapse_d, triton.next_power_of_2(d)),
         num_warps=WARPS,
     )  # fmt: skip
     return new, x, next_post, next_comb

@@ -108,12 +108,16 @@ def test_hc_post_matches_reference(mhc, hc, d, block_d, dtype):
     torch.testing.assert_close(got.float(), want.float(), **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
-@pytest.mark.parametrize("hc,d,tokens,block_d", [(4, 64, 1, 16), (4, 40, 3, 16), (2, 64, 4, None)])
+@pytest.mark.parametrize(
+    "hc,d,tokens,block_d,collapse_d",
+    [(4, 64, 1, 16, 4096), (4, 40, 3, 16, 4096), (2, 64, 4, None, 4096), (4, 72, 2, 16, 32)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hc_post_pre_in_one_launch_matches_the_references(mhc, hc, d, tokens, block_d, dtype):
+def test_hc_post_pre_in_one_launch_matches_the_references(mhc, hc, d, tokens, block_d, collapse_d, dtype):
     """A few tokens' hc_post, the next hc_pre and its sub-layer's RMSNorm in one launch (programs a block of
-    channels, the last to arrive collapsing and normalising): hc_post_reference, then hc_pre_reference of its
-    streams, then rms_norm_reference; the arrival counter is left at zero."""
+    channels, the last to arrive collapsing and normalising, whole rows or collapse_d channels at a time):
+    hc_post_reference, then hc_pre_reference of its streams, then rms_norm_reference; the arrival counter is left
+    at zero."""
     g = torch.Generator().manual_seed(hc * d + tokens)
     streams = torch.randn(tokens, hc, d, generator=g).to(dtype)
     out = torch.randn(tokens, d, generator=g).to(dtype)
@@ -122,7 +126,7 @@ def test_hc_post_pre_in_one_launch_matches_the_references(mhc, hc, d, tokens, bl
     fn, scale, base = weights(hc, d, (2 + hc) * hc, g)
     norm = torch.rand(d, generator=g) + 0.5
     got = mhc.hc_post_pre_triton(
-        out, streams, post, comb, fn, scale, base, norm, hc, 20, 1e-6, 1e-6, block_d=block_d
+        out, streams, post, comb, fn, scale, base, norm, hc, 20, 1e-6, 1e-6, block_d=block_d, collapse_d=collapse_d
     )  # fmt: skip
     new = mhc.hc_post_reference(out, streams, post, comb)
     x, next_post, next_comb = mhc.hc_pre_reference(new, fn, scale, base, hc, 20, 1e-6, 1e-6)
