@@ -34,11 +34,12 @@ PLANS = [
     for p in (
         (64, 32, 8, 2),
         (64, 32, 8, 1),
+        (64, 32, 8, 3),
         (64, 16, 8, 2),
-        (64, 16, 8, 3),
         (32, 16, 4, 2),
         (16, 32, 4, 2),
         (16, 32, 4, 1),
+        (16, 32, 4, 3),
     )
 ]
 # Key splits tried in the sweep for decode at batch 1 and 64 (None: the kernel's own choice).
