@@ -76,6 +76,14 @@ def has_tma(device: torch.device) -> bool:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
+def mma_operands_in_registers(device: torch.device) -> bool:
+    """True when the device's tensor-core MMA takes its operands from registers (mma.sync: sm_80 to sm_89, sm_120),
+    False where it reads them from shared memory (wgmma on sm_90, tcgen05 on sm_100; the interpreter)."""
+    if device.type != "cuda":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] not in (9, 10)
+
+
 def launches_dependents_early(device: torch.device) -> bool:
     """True when a kernel may start before the one it depends on ends (programmatic dependent launch, sm_90+)."""
     if device.type != "cuda":

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ds4.kernels._device import interpreting, num_sms, shared_memory_per_block
+from ds4.kernels._device import interpreting, mma_operands_in_registers, num_sms, shared_memory_per_block
 from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, dequantize_kv, kv_entry_bytes
 from ds4.kernels.norm_rope import EntryForm, norm_rope, normalized_rotated, rounded
 from ds4.kernels.rope import apply_rope, apply_rope_reference, turn_row_pairs
@@ -454,16 +454,21 @@ def attention_plan(device: torch.device, heads: int, head_dim: int, tokens: int 
     takes 16 heads a program: four times the programs, each with a quarter of the query tile and accumulator (H200,
     Flash, 64K context: batch 1 0.026 ms against 0.036 at 64 heads; batch 64 0.162 against 0.107). Key tiles are
     read KEY_STAGES ahead where the shared memory also holds their rows (async copies, so that the loads overlap
-    the products: one program a SM leaves nothing else to hide them; not measured yet)."""
+    the products: one program a SM leaves nothing else to hide them; not measured yet). Where the MMA takes its
+    operands from registers (sm_80 to sm_89, sm_120) the query tile is one of them: 16 heads a program over 8 warps
+    (offline, sm_80 and sm_120 at 512 dims: no spills, where 32 or 64 heads spilled hundreds of registers in the
+    key loop)."""
     padded = triton.next_power_of_2(head_dim)
     block_h, block_n = min(64, max(16, triton.next_power_of_2(heads))), 32
-    if tokens is not None and tokens * SMALL_BATCH_SHARE <= num_sms(device):
+    registers_hold_q = mma_operands_in_registers(device)
+    if registers_hold_q or (tokens is not None and tokens * SMALL_BATCH_SHARE <= num_sms(device)):
         block_h = 16
     smem = shared_memory_per_block(device)
     while block_h > 16 and _shared_bytes(block_h, block_n, padded) > smem:
         block_h //= 2
     stages = KEY_STAGES if _shared_bytes(block_h, block_n, padded, KEY_STAGES) <= smem else 1
-    return AttentionPlan(block_h, block_n, min(8, max(4, block_h * padded // (32 * _ACC_REGISTERS))), stages)
+    warps = 8 if registers_hold_q else min(8, max(4, block_h * padded // (32 * _ACC_REGISTERS)))
+    return AttentionPlan(block_h, block_n, warps, stages)
 
 
 def _shared_bytes(block_h: int, block_n: int, padded_dim: int, stages: int = 1) -> int:

@@ -124,6 +124,7 @@ def test_plan_fits_the_shared_memory_and_the_accumulator_the_registers(smem, mon
     """Query tile and key tile (bf16), and a split's fp32 partial result, within the device's shared memory per
     block; warps enough that the fp32 accumulator [heads, dims] takes at most 128 registers a thread (of 255)."""
     monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: smem)
+    monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: False)  # Hopper-like: wgmma
     for heads, head_dim in ((64, 512), (128, 512), (4, 128)):
         plan = sa.attention_plan(torch.device("cuda"), heads, head_dim)
         assert (plan.block_h + plan.block_n) * head_dim * 2 <= smem and plan.block_h * head_dim * 4 <= smem
@@ -140,11 +141,23 @@ def test_few_tokens_take_programs_of_16_heads(monkeypatch):
     """A batch of at most SMs / SMALL_BATCH_SHARE tokens splits 64 heads over four programs; larger ones keep one."""
     monkeypatch.setattr(sa, "num_sms", lambda device: 132)
     monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: 232448)
+    monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: False)
     device = torch.device("cuda")
     assert sa.attention_plan(device, 64, 512, tokens=1) == sa.AttentionPlan(16, 32, 4, sa.KEY_STAGES)
     assert sa.attention_plan(device, 64, 512, tokens=132 // sa.SMALL_BATCH_SHARE).block_h == 16
     assert sa.attention_plan(device, 64, 512, tokens=64).block_h == 64
     assert sa.attention_plan(device, 64, 512).block_h == 64
+
+
+@pytest.mark.parametrize("smem, stages", [(166912, 2), (101376, 1)], ids=["sm80", "sm120"])
+def test_register_operand_devices_take_16_heads_over_8_warps(smem, stages, monkeypatch):
+    """Where the MMA reads the query tile from registers (mma.sync devices), every batch takes 16 heads a program
+    over 8 warps (the plans that compile without spills there), key tiles in flight where shared memory holds them."""
+    monkeypatch.setattr(sa, "num_sms", lambda device: 108)
+    monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: smem)
+    monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: True)
+    for tokens in (1, None):
+        assert sa.attention_plan(torch.device("cuda"), 64, 512, tokens) == sa.AttentionPlan(16, 32, 8, stages)
 
 
 def _positions(requests):

@@ -54,6 +54,7 @@ def test_pro_heads_in_two_programs(requests):
 def test_plan_for_a_smaller_shared_memory_runs_here(smem, monkeypatch):
     """The plan a device with less shared memory per block gets (sm_120 / GB10: 99 KB), run on this one."""
     monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: smem)
+    monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: smem < 200 << 10)  # sm_120-like: mma.sync
     plan = sa.attention_plan(torch.device("cuda"), 64, 512)
     assert (plan.block_h + plan.block_n) * 512 * 2 <= smem and plan.block_h * 512 * 4 <= smem
     case = build_case([(3000, 1), (70, 3), (0, 40)], kind="csa", ratio=4, per_page=64, fp8=True, seed=11, **FLASH)
