@@ -57,8 +57,8 @@ COLLAPSE_WAVES = 4
 COLLAPSE_MAX_TOKENS = 8
 COLLAPSE_TILE = 1024  # channels x tokens a collapse step of several tokens takes
 POST_PRE_TOKENS = 4  # up to this many tokens hc_post and the next hc_pre are one launch (its collapse is serial)
-# Channels a step of that launch's collapse and norm reads: Flash's whole row at once (its last program's reads of
-# the streams, then of the row, are a latency each: 8 of 1024 channels were ten), Pro's in two (registers).
+# Channels a step of that launch's collapse and norm reads: Flash's whole row at once, Pro's in two (registers). Its
+# last program's reads wait one after another; at 1024 channels a step they were about ten.
 POST_PRE_COLLAPSE_D = 4096
 
 
