@@ -136,8 +136,8 @@ def kernel_breakdown(layer: MoE, tokens: int) -> dict[str, float]:
     return {"launches": launches, **dict(sorted(times.items(), key=lambda kv: -kv[1]))}
 
 
-def _plan(bm, weight_rows, bk, warps, stages, tma=False, rows_as_m=False):
-    return km.GemmPlan(bm, weight_rows, bk, warps, stages, tma, rows_as_m)
+def _plan(bm, weight_rows, bk, warps, stages, tma=False):
+    return km.GemmPlan(bm=bm, weight_rows=weight_rows, bk=bk, warps=warps, stages=stages, tma=tma)
 
 
 SWEEP = {
@@ -157,10 +157,6 @@ SWEEP = {
         _plan(256, 128, 64, 8, 4, tma=True),
         _plan(256, 128, 128, 8, 3, tma=True),
         _plan(128, 128, 64, 4, 4, tma=True),
-        _plan(256, 128, 128, 8, 2, tma=True, rows_as_m=True),
-        _plan(256, 128, 64, 8, 3, tma=True, rows_as_m=True),
-        _plan(128, 128, 64, 4, 4, tma=True, rows_as_m=True),
-        _plan(64, 128, 128, 4, 4, tma=True, rows_as_m=True),  # 8K tokens: 192 rows an expert in 3 whole tiles
     ],
 }
 

@@ -30,10 +30,8 @@ order the MMA's threads hold them (`mma_columns`), the activations stored in tha
 plan (sm_90+, `GemmPlan.tma`) has the gate-up pass's act_quant write each slot's token row in expert order, so
 both passes read their activation tiles as boxes of whole rows by TMA descriptors (one copy instruction a tile
 instead of a gathered address a row: fewer instructions in a kernel whose issue slots the decoding fills; an H200
-probe of the gate-up pass at 8K tokens: 4.24 ms against 4.95), and makes the rows the MMA's M (`GemmPlan.rows_as_m`:
-the decoded weights then reach the MMA through shared memory and a K step's MMAs run asynchronously with one wait,
-where taken from registers each waits; not measured yet). The slot sum adds the shared expert's output and rounds
-to the layer's dtype in one kernel.
+probe of the gate-up pass at 8K tokens: 4.24 ms against 4.95). The slot sum adds the shared expert's output and
+rounds to the layer's dtype in one kernel.
 Settings: one table (`_TIERS`), fitted to the device's shared memory (`gemm_plan`).
 """
 
@@ -296,7 +294,6 @@ def _grouped_gemm_kernel(
     PRECISION: tl.constexpr,
     PTX: tl.constexpr,
     TMA_A: tl.constexpr,
-    ROWS_AS_M: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """GATED: out[row] = swiglu(gate a[token], up a[token]) * route_w[slot] for the expert-sorted rows (a = the
@@ -305,9 +302,6 @@ def _grouped_gemm_kernel(
     TMA_A: a_ptr is a TMA descriptor of activations already in expert order (row = sorted row, [BM, BK] boxes):
     tiles of whole rows arrive by one copy instruction, and the rows past the expert's (another expert's, or
     zeros past the end) are computed and not stored.
-    ROWS_AS_M: the activation rows are the MMA's M and the weight rows its N, so that the decoded weights reach the
-    MMA through shared memory: on Hopper a K step's MMAs then run asynchronously with one wait, where weights
-    taken from registers wait on each of them (tiles of at least 64 rows).
     PDL: launched early; the routing (from launches before the previous one) is read at once, `a` after the
     previous launch ends."""
     if PDL:
@@ -344,10 +338,7 @@ def _grouped_gemm_kernel(
             expert.to(tl.int64) * stride_se + cols * stride_sn
         )
         s_at = s_rows[:, None] + tl.arange(0, BK // 32)[None, :]
-    if ROWS_AS_M:
-        acc = tl.zeros((BM, WROWS), tl.float32)
-    else:
-        acc = tl.zeros((WROWS, BM), tl.float32)
+    acc = tl.zeros((WROWS, BM), tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for k0 in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
@@ -362,12 +353,7 @@ def _grouped_gemm_kernel(
         else:
             w = tl.load(w_at, mask=col_ok[:, None], other=0)
         w_at += WK
-        if ROWS_AS_M:
-            acc = tl.dot(tl.trans(a).to(DOT), tl.trans(w).to(DOT), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(w.to(DOT), a.to(DOT), acc, input_precision=PRECISION)
-    if ROWS_AS_M:
-        acc = tl.trans(acc)
+        acc = tl.dot(w.to(DOT), a.to(DOT), acc, input_precision=PRECISION)
     if GATED:
         gate, up = tl.split(acc.reshape(2, BN, BM).permute(1, 2, 0))
         if ROUND_BF16:
@@ -398,7 +384,6 @@ class GemmPlan:
     warps: int
     stages: int
     tma: bool = False  # MXFP4: activations in expert order, tiles read by TMA (`_grouped_gemm_kernel`'s TMA_A)
-    rows_as_m: bool = False  # sm_90+, bm >= 64: the rows as the MMA's M (`_grouped_gemm_kernel`'s ROWS_AS_M)
 
 
 # The chosen settings (the sweep lives in `ds4 bench moe`), by the average rows a touched expert gets: row
@@ -409,7 +394,7 @@ _TIERS = (  # (rows per touched expert up to, plan at most stages deep)
     (32, GemmPlan(bm=32, weight_rows=128, bk=256, warps=4, stages=4)),
     (64, GemmPlan(bm=64, weight_rows=128, bk=128, warps=4, stages=4)),
     (128, GemmPlan(bm=128, weight_rows=128, bk=64, warps=4, stages=4)),
-    (None, GemmPlan(bm=256, weight_rows=128, bk=128, warps=8, stages=3, tma=True, rows_as_m=True)),
+    (None, GemmPlan(bm=256, weight_rows=128, bk=128, warps=8, stages=3, tma=True)),
 )
 _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2
@@ -419,11 +404,9 @@ _COMBINE_STAGES = tl.constexpr(3)  # slot rows in flight while the slot sum adds
 
 
 def plan_shared_memory(plan: GemmPlan, mxfp4: bool, a_bytes: int) -> int:
-    """Bytes of shared memory the pipelined operand tiles of a plan take (`stages` copies), and with rows_as_m the
-    decoded weight tile the MMA reads."""
+    """Bytes of shared memory the pipelined operand tiles of a plan take (`stages` copies)."""
     w_bytes = plan.bk // 2 + plan.bk // MXFP4_GROUP if mxfp4 else plan.bk * a_bytes
-    decoded = plan.weight_rows * plan.bk * a_bytes if plan.rows_as_m else 0
-    return plan.stages * (plan.bm * plan.bk * a_bytes + plan.weight_rows * w_bytes) + decoded
+    return plan.stages * (plan.bm * plan.bk * a_bytes + plan.weight_rows * w_bytes)
 
 
 def gemm_plan(
@@ -444,7 +427,7 @@ def gemm_plan(
     touched = max(1, min(rows, n_experts))
     plan = next(p for limit, p in _TIERS if limit is None or rows / touched <= limit)
     # TMA where the device has it and the act_quant pass puts the activations (MXFP4's) in expert order
-    plan = replace(plan, tma=plan.tma and mxfp4 and tma, rows_as_m=plan.rows_as_m and tma)
+    plan = replace(plan, tma=plan.tma and mxfp4 and tma)
     while (
         plan.weight_rows > _MIN_WEIGHT_ROWS
         and touched * triton.cdiv(n, plan.weight_rows // (2 if gated else 1)) < _PROGRAMS_PER_SM * sms
@@ -556,7 +539,6 @@ def _grouped_gemm(
         PRECISION="ieee" if dot == tl.float32 else "tf32",
         PTX=not interpreting(),
         TMA_A=plan.tma,
-        ROWS_AS_M=plan.rows_as_m,
         PDL=launches_dependents_early(a.device),
         num_warps=plan.warps,
         num_stages=plan.stages,
