@@ -138,26 +138,28 @@ def test_plan_fits_the_shared_memory_and_the_accumulator_the_registers(smem, mon
 
 
 def test_few_tokens_take_programs_of_16_heads(monkeypatch):
-    """A batch of at most SMs / SMALL_BATCH_SHARE tokens splits 64 heads over four programs; larger ones keep one."""
+    """A batch of at most SMs / SMALL_BATCH_SHARE tokens splits 64 heads over four programs, without key tiles in
+    flight; larger ones keep one program and read KEY_STAGES tiles ahead."""
     monkeypatch.setattr(sa, "num_sms", lambda device: 132)
     monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: 232448)
     monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: False)
     device = torch.device("cuda")
-    assert sa.attention_plan(device, 64, 512, tokens=1) == sa.AttentionPlan(16, 32, 4, sa.KEY_STAGES)
-    assert sa.attention_plan(device, 64, 512, tokens=132 // sa.SMALL_BATCH_SHARE).block_h == 16
-    assert sa.attention_plan(device, 64, 512, tokens=64).block_h == 64
-    assert sa.attention_plan(device, 64, 512).block_h == 64
+    assert sa.attention_plan(device, 64, 512, tokens=1) == sa.AttentionPlan(16, 32, 4, 1)
+    assert sa.attention_plan(device, 64, 512, tokens=132 // sa.SMALL_BATCH_SHARE) == sa.AttentionPlan(16, 32, 4, 1)
+    assert sa.attention_plan(device, 64, 512, tokens=64) == sa.AttentionPlan(64, 32, 8, sa.KEY_STAGES)
+    assert sa.attention_plan(device, 64, 512) == sa.AttentionPlan(64, 32, 8, sa.KEY_STAGES)
 
 
 @pytest.mark.parametrize("smem, stages", [(166912, 2), (101376, 1)], ids=["sm80", "sm120"])
 def test_register_operand_devices_take_16_heads_over_8_warps(smem, stages, monkeypatch):
     """Where the MMA reads the query tile from registers (mma.sync devices), every batch takes 16 heads a program
-    over 8 warps (the plans that compile without spills there), key tiles in flight where shared memory holds them."""
+    over 8 warps (the plans that compile without spills there), key tiles in flight where shared memory holds them
+    and the batch is not small."""
     monkeypatch.setattr(sa, "num_sms", lambda device: 108)
     monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: smem)
     monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: True)
-    for tokens in (1, None):
-        assert sa.attention_plan(torch.device("cuda"), 64, 512, tokens) == sa.AttentionPlan(16, 32, 8, stages)
+    assert sa.attention_plan(torch.device("cuda"), 64, 512, 1) == sa.AttentionPlan(16, 32, 8, 1)
+    assert sa.attention_plan(torch.device("cuda"), 64, 512, None) == sa.AttentionPlan(16, 32, 8, stages)
 
 
 def _positions(requests):
