@@ -578,10 +578,12 @@ def hc_post_pre_triton(
     next_comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=dev)
     part = torch.empty(blocks, tokens, mix_pad, dtype=torch.float32, device=dev)
     post, comb = post.contiguous(), comb.contiguous()
+    # One token tile for every count: the sums' order (the tile's layout) then does not depend on the batch, so a
+    # CUDA graph padded to 4 rows gives the eager step of 2 the same bits.
     _post_project_kernel[(blocks,)](
         out, out.stride(0), streams, streams.stride(0), post, comb, new, new.stride(0), fn, part,
         arrival_counters(dev), scale, base, x, x.stride(0), x_weight, next_post, next_comb, tokens, d, k, iters,
-        hc_eps, norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=triton.next_power_of_2(tokens), BLOCK_D=block_d,
+        hc_eps, norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=POST_PRE_TOKENS, BLOCK_D=block_d,
         SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=min(collapse_d, triton.next_power_of_2(d)),
         num_warps=WARPS,
     )  # fmt: skip
