@@ -150,7 +150,8 @@ def test_plans_fit_shared_memory_and_fill_the_device(fp8):
 
 def test_auto_takes_triton_at_decode_sizes_and_cublas_where_it_is_faster(fp8):
     assert fp8.prefers_triton(1, 32768, 1024, 1, True)  # M = 1: the Triton kernel at every size
-    assert fp8.prefers_triton(16, 2048, 4096, 1, True)  # 8 MB of weight
+    assert fp8.prefers_triton(16, 1536, 4096, 1, True)  # 6 MB of weight (attention's wq_a + wkv)
+    assert not fp8.prefers_triton(16, 2048, 4096, 1, True)  # 8 MB: cuBLAS from M = 2
     assert not fp8.prefers_triton(16, 32768, 1024, 1, True)  # 32 MB: cuBLAS from M = 2
     assert fp8.prefers_triton(64, 512, 4096, 1, True) and not fp8.prefers_triton(65, 512, 4096, 1, True)
     assert fp8.prefers_triton(128, 8 * 1024, 4096, 8, False)  # grouped: cuBLAS does not fit
