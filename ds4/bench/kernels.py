@@ -61,7 +61,7 @@ def bench_topk(rows: int, cols: int, k: int, bandwidth: float) -> dict:
         "speedup_vs_torch_graph": torch_graph_ms / ds4_graph_ms,
         "roofline_ms": roof_ms,
         "roofline_fraction": roof_ms / ds4_ms,
-        "roofline_fraction_graph": roof_ms / graph_ms,
+        "roofline_fraction_graph": roof_ms / ds4_graph_ms,
     }
 
 
