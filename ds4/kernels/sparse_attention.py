@@ -455,10 +455,10 @@ def attention_plan(device: torch.device, heads: int, head_dim: int, tokens: int 
     Flash, 64K context: batch 1 0.026 ms against 0.036 at 64 heads; batch 64 0.162 against 0.107). Key tiles are
     read KEY_STAGES ahead where the shared memory also holds their rows (async copies, so that the loads overlap
     the products), except in a small batch's programs (H200, Flash, 64K context, at 16 heads: batch 1 0.0231 ms at
-    1 stage, 0.0254 at 2; at 64 heads: batch 64 0.0727 at 2, 0.0759 at 1, the 8K prefill 5.46 at 2, 5.77 at 1). Where the MMA takes its
-    operands from registers (sm_80 to sm_89, sm_120) the query tile is one of them: 16 heads a program over 8 warps
-    (offline, sm_80 and sm_120 at 512 dims: no spills, where 32 or 64 heads spilled hundreds of registers in the
-    key loop)."""
+    1 stage, 0.0254 at 2; at 64 heads: batch 64 0.0727 at 2, 0.0759 at 1, the 8K prefill 5.46 at 2, 5.77 at 1).
+    Where the MMA takes its operands from registers (sm_80 to sm_89, sm_120) the query tile is one of them: 16 heads
+    a program over 8 warps (offline, sm_80 and sm_120 at 512 dims: no spills, where 32 or 64 heads spilled hundreds
+    of registers in the key loop)."""
     padded = triton.next_power_of_2(head_dim)
     block_h, block_n = min(64, max(16, triton.next_power_of_2(heads))), 32
     registers_hold_q = mma_operands_in_registers(device)
