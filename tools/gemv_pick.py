@@ -13,7 +13,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "ds4/kernels/fp8_linear.py"
 
 
 def settings(tiles: dict) -> str:
-    return "TileSettings(" + ", ".join(f"{k}={v}" for k, v in tiles.items()) + ")"
+    return "TileSettings(" + ", ".join(f"{k}={v}" for k, v in tiles.items() if k != "prefetch" or v) + ")"
 
 
 def main(path: str) -> None:

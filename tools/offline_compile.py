@@ -137,11 +137,12 @@ def report(compiled) -> dict:
     }
 
 
-def _fp8_linear_at_m1(arch: int, n: int = 32768, k: int = 1024, groups: int = 1) -> dict:
-    """The FP8 linear's FMA kernel as a decode step launches it (default wq_b: 32768 x 1024, M = 1)."""
+def _fp8_linear_at_m1(arch: int, n: int = 32768, k: int = 1024, groups: int = 1, tiles=None) -> dict:
+    """The FP8 linear's FMA kernel as a decode step launches it (default wq_b: 32768 x 1024, M = 1; `tiles`
+    overrides TILE_TABLE's)."""
     from ds4.kernels import fp8_linear
 
-    plan = fp8_linear.linear_plan(1, n // groups, groups, k, 2, sms=132, smem=227 << 10)
+    plan = fp8_linear.linear_plan(1, n // groups, groups, k, 2, sms=132, smem=227 << 10, tiles=tiles, use_dot=False)
 
     def tensor(dtype):
         return torch.empty(1, dtype=dtype)
@@ -156,12 +157,19 @@ def _fp8_linear_at_m1(arch: int, n: int = 32768, k: int = 1024, groups: int = 1)
     constexprs = dict(
         QUANTIZE_X=groups == 1, SWIGLU=False, ROW_SCALES=False, SPLIT=plan.splits > 1, BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k, WARPS=plan.num_warps, RUN=fp8_linear.fma_weight_run(plan, 2), STAGES=plan.num_stages,
+        PREFETCH=plan.prefetch,
     )  # fmt: skip
     compiled = compile_kernel(fp8_linear._fp8_gemv_kernel, args, constexprs, arch, plan.num_warps, plan.num_stages)
     return report(compiled)
 
 
 if __name__ == "__main__":
+    from dataclasses import replace
+
+    from ds4.kernels.fp8_linear import TILE_TABLE
+
+    ahead = replace(TILE_TABLE[0][2], max_stages=1, prefetch=True)
     for target in (90, 100, 120):  # e4m3 needs sm_89+ (sm_80 runs ds4's FP8 linears dequantised)
         print(f"sm_{target} fp8_linear M = 1 (wq_b):", _fp8_linear_at_m1(target), flush=True)
+        print(f"sm_{target} the same, prefetching:", _fp8_linear_at_m1(target, tiles=ahead), flush=True)
     sys.exit(0)

@@ -54,7 +54,7 @@ FP32_MS = (1, 2, 4, 8)
 TRITON_BENCH_MAX_M = 256
 SWEEP_SHAPES = ("wq_a+wkv", "wq_b", "wo_a", "wo_b", "shared_w1+w3")
 SWEEP_REP_MS = 50
-# Candidate tile settings (block_n, block_k, programs_per_sm, max_stages, num_warps) per family.
+# Candidate tile settings (block_n, block_k, programs_per_sm, max_stages, num_warps[, prefetch]) per family.
 FMA_CANDIDATES = [
     fl.TileSettings(*t)
     for t in (
@@ -67,6 +67,11 @@ FMA_CANDIDATES = [
         (32, 512, 4, 3, 4),
         (128, 256, 2, 3, 8),
         (16, 256, 4, 3, 4),
+        (64, 256, 3, 1, 4, True),  # the next chunk's weights loaded ahead into registers (sm_90: 203 registers)
+        (64, 256, 3, 1, 8, True),  # (127)
+        (32, 256, 4, 1, 4, True),  # (128)
+        (32, 256, 8, 1, 4, True),
+        (16, 256, 4, 1, 4, True),  # (72)
     )
 ]
 DOT_CANDIDATES = [

@@ -48,6 +48,7 @@ class TileSettings:
     programs_per_sm: int  # split K until the grid holds this many programs per SM (bytes in flight)
     max_stages: int  # pipeline stages at most (fewer where shared memory runs out; FMA: 1 loads into registers)
     num_warps: int  # FMA: each warp owns block_n / num_warps output rows
+    prefetch: bool = False  # FMA at 1 stage: the next chunk's weights loaded before this chunk's products
 
 
 # ---- chosen settings (measured by `ds4 bench linear --sweep`; see BENCHMARKS.md) ----
@@ -323,14 +324,17 @@ def _fp8_gemv_kernel(
     WARPS: tl.constexpr,
     RUN: tl.constexpr,
     STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """One program: BLOCK_N output rows of one group x one row of x x one split of the K chunks, by FMA. Each warp
     owns BLOCK_N / WARPS rows; a lane reads RUN contiguous columns of each (x's width a thread, so that the weight
     and the activations share a layout: no layout change between them) and keeps one fp32 sum a row and run: the
     lanes' sums meet once, after the last chunk, inside the warp. STAGES > 1: the chunks' loads run ahead by async
     copies through shared memory (programs on an SM then load and multiply at once, instead of all waiting, then
-    all computing); 1: straight into registers. Rows past the group's end read its last row and are stored
-    nowhere, so no weight load is masked by row. Scales and SwiGLU as _fp8_linear_kernel."""
+    all computing); 1: straight into registers, with PREFETCH the next chunk's weights loaded before this chunk's
+    products (two chunks in registers: a warp's loads stay in flight while it multiplies). Rows past the group's
+    end read its last row and are stored nowhere, so no weight load is masked by row. Scales and SwiGLU as
+    _fp8_linear_kernel."""
     ROWS: tl.constexpr = BLOCK_N // WARPS
     GROUPS: tl.constexpr = BLOCK_K // 128
     RUNS: tl.constexpr = BLOCK_K // RUN
@@ -350,11 +354,18 @@ def _fp8_gemv_kernel(
     chunk_start = split * chunks_per_split
     chunk_end = tl.minimum(chunk_start + chunks_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((WARPS, ROWS, RUNS), dtype=tl.float32)
+    if PREFETCH:
+        w_next = tl.load(w_rows + chunk_start * BLOCK_K + w_col, mask=chunk_start * BLOCK_K + col < K, other=0.0)
     for chunk in tl.range(chunk_start, chunk_end, num_stages=STAGES):
         k = chunk * BLOCK_K + col
         k_live = k < K
         kg = chunk * GROUPS + tl.arange(0, GROUPS)
-        w = tl.load(w_rows + chunk * BLOCK_K + w_col, mask=k_live, other=0.0)
+        if PREFETCH:
+            w = w_next
+            ahead = (k + BLOCK_K < K) & (chunk + 1 < chunk_end)
+            w_next = tl.load(w_rows + (chunk + 1) * BLOCK_K + w_col, mask=ahead, other=0.0)
+        else:
+            w = tl.load(w_rows + chunk * BLOCK_K + w_col, mask=k_live, other=0.0)
         x = tl.load(x_row + k, mask=k_live, other=0.0).to(tl.float32)
         if SWIGLU:
             up_row = up_ptr + row * up_stride + tl.zeros((WARPS, 1, 1), tl.int32)
@@ -393,6 +404,7 @@ class LinearPlan:
     chunks_per_split: int
     num_stages: int
     num_warps: int
+    prefetch: bool = False
 
 
 @functools.cache
@@ -446,8 +458,10 @@ def linear_plan(
     if tile_count > ARRIVAL_COUNTERS:  # one counter an output tile
         splits = 1
     per_split = triton.cdiv(chunks, splits)
+    stages = max(1, stages)
+    prefetch = t.prefetch and not use_dot and stages == 1
     return LinearPlan(
-        use_dot, block_m, block_n, block_k, triton.cdiv(chunks, per_split), per_split, max(1, stages), t.num_warps
+        use_dot, block_m, block_n, block_k, triton.cdiv(chunks, per_split), per_split, stages, t.num_warps, prefetch
     )
 
 
@@ -518,6 +532,7 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
             WARPS=plan.num_warps,
             RUN=run,
             STAGES=plan.num_stages,
+            PREFETCH=plan.prefetch,
             **launch,
         )
     return out

@@ -2,6 +2,8 @@
 split and whole K, grouped, tiles across scale blocks, K tails, several row tiles) against the torch reference,
 its launch plans, and the reference against a float64 product of the dequantised operands."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from interpreted import interpreted
@@ -96,6 +98,29 @@ def test_triton_kernel_matches_reference(fp8, m, n, k, groups, quantize_x, use_d
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
     # The last program of each tile resets its arrival counter for the next launch.
     assert plan.use_dot == use_dot and not fp8.arrival_counters(x.device).any()
+
+
+@pytest.mark.parametrize(
+    "n, k, groups, quantize_x",
+    [(200, 1300, 1, True), (64, 1300, 1, True), (256, 1024, 2, False), (64, 300, 4, True)],  # K tail, split K,
+)  # grouped without act_quant, row scales
+def test_prefetching_gemv_matches_the_plain_loads(fp8, n, k, groups, quantize_x):
+    """The M = 1 kernel loading the next chunk's weights ahead computes what it computes without: the reference's
+    values, the same sums in the same order (bit-identical), over several chunks a split and partial last chunks."""
+    g = torch.Generator().manual_seed(n + k)
+    x = exact_inputs(groups, k, g).view(1, -1) if quantize_x else torch.randn(1, groups * k, generator=g)
+    w, s = weights(n, k, g)
+    tiles = fp8.TileSettings(block_n=64, block_k=256, programs_per_sm=1, max_stages=1, num_warps=4)
+    plain = fp8.linear_plan(1, n // groups, groups, k, 4, sms=2, smem=99 << 10, tiles=tiles, use_dot=False)
+    ahead = fp8.linear_plan(
+        1, n // groups, groups, k, 4, sms=2, smem=99 << 10, tiles=replace(tiles, prefetch=True), use_dot=False
+    )
+    assert ahead.prefetch and not plain.prefetch and ahead.chunks_per_split > 1
+    assert ahead.splits > 1 or n != 64 or k != 1300
+    got = fp8.fp8_linear(x, w, s, groups, quantize_x, impl="triton", plan=ahead)
+    assert torch.equal(got, fp8.fp8_linear(x, w, s, groups, quantize_x, impl="triton", plan=plain))
+    want = fp8.fp8_linear_reference(x, w, s, groups, quantize_x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("m, use_dot", [(1, False), (5, True)])
