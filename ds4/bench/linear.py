@@ -197,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ds4 bench linear", description=__doc__)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--m", nargs="*", type=int, default=list(MS))
-    parser.add_argument("--sweep", action="store_true", help="time other tile settings (M = 1, 4, 16 and 64)")
+    parser.add_argument(
+        "--sweep",
+        nargs="*",
+        choices=list(SWEEPS),
+        help="time other tile settings (M = 1, 4, 16 and 64): the families named, or all without names",
+    )
     parser.add_argument("--rep", type=int, default=200, help="milliseconds of replays a timing repeats for")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -214,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} M={m} done", file=sys.stderr)
     products = [bench_fp32_product(name, m, bandwidth, args.rep) for name in FP32_SHAPES for m in FP32_MS]
     sweeps = {}
-    if args.sweep:
+    if args.sweep is not None:
         shapes = [s for s in SWEEP_SHAPES if s in args.shapes]
-        sweeps = {family: sweep(family, shapes) for family in SWEEPS}
+        sweeps = {family: sweep(family, shapes) for family in args.sweep or SWEEPS}
     head = f"{'shape':>13} {'M':>5} {'auto ms':>9} {'triton':>9} {'cuBLAS':>9} {'bf16':>9} {'roofline':>9} {'frac':>6}"
     print(head)
     for r in rows:
