@@ -62,8 +62,8 @@ TILE_TABLE = (
 )
 DOT_MAX_BLOCK_M = 64  # rows of x a tl.dot program takes; more rows run more programs
 # (rows, weight bytes): `auto` runs the Triton kernel up to that many rows for weights up to that size, cuBLAS
-# elsewhere where it fits (H200, at 4 and 16 rows: the kernel 0.017 ms against cuBLAS's 0.019 on 6 MB, 0.024 against
-# 0.020 on 16 MB; 8 MB ones were slower by the earlier tiles; at M = 1 it wins everywhere).
+# elsewhere where it fits (H200, at 4 rows: the kernel 0.017 ms against cuBLAS's 0.019 on 6 MB, 0.018 against 0.015
+# on 8 MB, 0.025 against 0.020 on 16 MB; at M = 1 it wins everywhere).
 TRITON_UP_TO = ((1, 1 << 62), (16, 6 << 20), (64, 4 << 20))
 CUBLAS_MIN_M_DEQUANTIZED = 128  # without act_quant, dequantising the weight per call pays off above this
 PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 1/this of the weight's bytes
