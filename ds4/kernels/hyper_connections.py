@@ -170,6 +170,7 @@ def _collapse_tokens(
     x_stride,
     post_ptr,
     comb_ptr,
+    norm_w_ptr,
     t,
     t_ok,
     part,
@@ -190,10 +191,13 @@ def _collapse_tokens(
     TOKENS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CACHE: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """x[t, chunk] = sum_i pre_i h[t, i, chunk] for the tokens t [TOKENS] (int64) and the chunks part, part +
     parts, ...; with MIXING (hc_pre, not hc_head) the first part also writes post[t] and comb[t]. CACHE: the
-    loads' cache modifier (".cg" for rows that other programs of the launch wrote)."""
+    loads' cache modifier (".cg" for rows that other programs of the launch wrote). NORM (a row in one chunk): x
+    stored as the RMSNorm (weights norm_w_ptr, eps norm_eps) of its values rounded to x's dtype, as rms_norm of
+    the stored row, without storing and reading it back."""
     mixes = part == 0
     i = tl.arange(0, HC)
     jk = tl.arange(0, HC * HC)
@@ -222,6 +226,10 @@ def _collapse_tokens(
     for chunk in range(part, chunks, parts):
         x = tl.sum(pre[:, :, None] * h.to(tl.float32), axis=1)
         d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+        if NORM:
+            x = rounded(x, x_ptr.dtype.element_ty)
+            w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            x = rounded(x * inverse_rms(tl.sum(x * x, 1), D, norm_eps)[:, None] * w[None, :], x_ptr.dtype.element_ty)
         tl.store(x_ptr + t[:, None] * x_stride + d[None, :], x.to(x_ptr.dtype.element_ty), mask=t_ok[:, None] & (d < D))
         h = _streams(h_ptr, h_stride, t, t_ok, i, chunk + parts, D, BLOCK_D, CACHE)
     # The mixing outputs wait for hc_post only: their Sinkhorn steps follow the collapse's stores.
@@ -272,9 +280,9 @@ def _collapse_kernel(
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     t_ok = t < T
     _collapse_tokens(
-        h_ptr, h_stride, part_ptr, scale_ptr, base_ptr, x_ptr, x_stride, post_ptr, comb_ptr, t.to(tl.int64), t_ok,
-        tl.program_id(1), T, D, K, splits, iters, chunks, parts, hc_eps, norm_eps, HC, MIX, MIX_PAD, MIXING,
-        SPLIT_BLOCK, TOKENS, BLOCK_D, "",
+        h_ptr, h_stride, part_ptr, scale_ptr, base_ptr, x_ptr, x_stride, post_ptr, comb_ptr, scale_ptr,
+        t.to(tl.int64), t_ok, tl.program_id(1), T, D, K, splits, iters, chunks, parts, hc_eps, norm_eps, HC, MIX,
+        MIX_PAD, MIXING, SPLIT_BLOCK, TOKENS, BLOCK_D, "", False,
     )  # fmt: skip
 
 
@@ -368,13 +376,15 @@ def _post_project_kernel(
     BLOCK_D: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,
     COLLAPSE_D: tl.constexpr,
+    ROW_NORM: tl.constexpr,
 ):
     """hc_post, then the next hc_pre, in one launch for a few tokens (T <= BLOCK_T, one program a block of
     BLOCK_D channels): new[t, k, block] = post[t, k] * out[t, block] + sum_j comb[t, j, k] h[t, j, block] (stored
     in the streams' dtype), and part[block, t] its products with fn's columns of the block (fp32 FMAs: too few
     tokens for an MMA tile) and its sum of squares, as the projection kernel's split rows; the last program to
     arrive (a counter, reset for the next launch) runs the collapse of the tokens, one at a time, from the rows and
-    streams the others wrote, and the sub-layer's RMSNorm (x_weight_ptr, norm_eps) of each collapsed row."""
+    streams the others wrote, and the sub-layer's RMSNorm (x_weight_ptr, norm_eps) of each collapsed row (ROW_NORM, a
+    row of at most COLLAPSE_D: in registers as it is collapsed; else from the stored row)."""
     block = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
@@ -408,10 +418,11 @@ def _post_project_kernel(
             one = token + tl.zeros([1], tl.int64)
             _collapse_tokens(
                 new_ptr, new_stride, part_ptr, scale_ptr, base_ptr, x_ptr, x_stride, next_post_ptr, next_comb_ptr,
-                one, one < T, 0, T, D, K, tl.num_programs(0), iters, chunks, 1, hc_eps, norm_eps, HC, MIX, MIX_PAD,
-                True, SPLIT_BLOCK, 1, COLLAPSE_D, ".cg",
+                x_weight_ptr, one, one < T, 0, T, D, K, tl.num_programs(0), iters, chunks, 1, hc_eps, norm_eps, HC,
+                MIX, MIX_PAD, True, SPLIT_BLOCK, 1, COLLAPSE_D, ".cg", ROW_NORM,
             )  # fmt: skip
-            _normalize_row(x_ptr, x_stride, token, x_weight_ptr, D, norm_eps, COLLAPSE_D)
+            if not ROW_NORM:
+                _normalize_row(x_ptr, x_stride, token, x_weight_ptr, D, norm_eps, COLLAPSE_D)
         tl.atomic_xchg(arrivals_ptr, 0)
 
 
@@ -572,6 +583,7 @@ def hc_post_pre_triton(
     dev = streams.device
     block_d = max(16, block_d or triton.next_power_of_2(triton.cdiv(d, num_sms(dev))))
     blocks = triton.cdiv(d, block_d)
+    collapse_d = min(collapse_d, triton.next_power_of_2(d))
     new = torch.empty_like(streams)
     x = torch.empty(tokens, d, dtype=streams.dtype, device=dev)
     next_post = torch.empty(tokens, hc, dtype=torch.float32, device=dev)
@@ -584,7 +596,7 @@ def hc_post_pre_triton(
         out, out.stride(0), streams, streams.stride(0), post, comb, new, new.stride(0), fn, part,
         arrival_counters(dev), scale, base, x, x.stride(0), x_weight, next_post, next_comb, tokens, d, k, iters,
         hc_eps, norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=POST_PRE_TOKENS, BLOCK_D=block_d,
-        SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=min(collapse_d, triton.next_power_of_2(d)),
+        SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=collapse_d, ROW_NORM=d <= collapse_d,
         num_warps=WARPS,
     )  # fmt: skip
     return new, x, next_post, next_comb
