@@ -17,7 +17,8 @@ kernels it launched (CPU: ops; many small kernels make a family launch-bound at 
 by name (printed for families of 5% or more) and its own roofline where one is counted. "GPU ms" is the decode
 graph's replay and the logits alone: the step without the engine's host work (what async decode's overlap of
 that work with the GPU aims at). The time per layer is extrapolated to the full model and printed next to published
-figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager) on the same shape.
+figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager) on the same shape. `--nsight` runs one
+more eager decode step a batch size inside a CUDA profiler range, for Nsight Compute (tools/ncu_decode.sh).
 `--tensor-parallel-size N [--enable-expert-parallel]` runs the engine on N ranks (one GPU each; CPU: processes);
 every decode and prefill row then also gives the bytes rank 0's collectives moved per step, by kind (counted; for
 decode steps replayed from CUDA graphs, which run no Python to count, from ds4.distributed.traffic), and the bytes
@@ -28,12 +29,14 @@ Progress goes to stderr, the tables to stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import random
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -82,6 +85,12 @@ def main(argv: list[str]) -> int:
         "--enable-expert-parallel", action="store_true", help="whole routed experts per rank (with N > 1)"
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler summaries")
+    parser.add_argument(
+        "--nsight",
+        action="store_true",
+        help="also run one eager decode step a batch size between cudaProfilerStart and Stop, for Nsight Compute "
+        "(`ncu --profile-from-start off`, tools/ncu_decode.sh)",
+    )
     parser.add_argument("--compare-transformers", action="store_true", help="also time transformers' DeepseekV4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -336,6 +345,12 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
             "experts_touched_per_layer": roofline.expected_experts_touched(cfg, batch),
             **traffic.per_step(args.decode_steps, _replayed_traffic(engine, args, cfg, batch)),
         }
+        if args.nsight and engine.device.type == "cuda":
+            with _graphs_eager(engine):
+                torch.cuda.profiler.start()
+                step(engine)
+                torch.cuda.synchronize(engine.device)
+                torch.cuda.profiler.stop()
         if not args.no_profile and batch in (batches[0], batches[-1]):
             progress(f"profiling one decode step at batch {batch} (eager)")
             by_kernel, launches = defaultdict(Counter), Counter()
@@ -371,11 +386,18 @@ def _replay_ms(engine, ids: list[str]) -> float | None:
 
 def _eager_profile(engine, step, by_kernel: defaultdict[str, Counter], launches: Counter) -> dict:
     """Profile one engine step with the decode graph's batch run eagerly (the same padded decode_only batch)."""
+    with _graphs_eager(engine):
+        return profile_families(engine.model, step, engine.device, by_kernel, launches)
+
+
+@contextlib.contextmanager
+def _graphs_eager(engine) -> Iterator[None]:
+    """The engine's decode steps run their graphs' batches eagerly (each kernel a launch of its own)."""
     graphs = engine.runner.graphs
     if graphs is not None:
         graphs.eager = True
     try:
-        return profile_families(engine.model, step, engine.device, by_kernel, launches)
+        yield
     finally:
         if graphs is not None:
             graphs.eager = False
