@@ -4,8 +4,10 @@
 # Stages in this order (STAGES picks them, default all): model4 (4 Flash layers with transformers beside them),
 # tests (every gpu-marked test, several processes with pytest-xdist), model20 (20 Flash layers, prefill to 64K),
 # engine and engine_sync (the engine's host time per step, async decode on and off, each with its costliest host
-# functions), attention, moe. Each writes its log and JSON under $RESULTS and a line to
-# $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. TESTS names the test
+# functions), attention, moe, linear (the FP8 linear with its tile sweep). Each writes its log and JSON under $RESULTS and a line to
+# $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. With the trees of
+# tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected
+# after the tests stage (tools/gpu_bisect.sh; LIMIT_bisect seconds each). TESTS names the test
 # paths (default: all of tests/); COMPARE= (empty) leaves transformers out of model4; LIMIT_<stage>=S sets a
 # stage's time limit in seconds.
 # Needs the wheels in .whl (tools/fetch_device_wheels.sh).
@@ -15,7 +17,7 @@ R=${RESULTS:-/tmp/detached}
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache PYTHONFAULTHANDLER=1  # a stage out of time dumps its stacks
 . tools/install_device_wheels.sh > /dev/null 2>&1
-stages=" ${STAGES:-model4 tests model20 engine engine_sync attention moe} "
+stages=" ${STAGES:-model4 tests model20 engine engine_sync attention moe linear} "
 stage() {  # name timeout command... (LIMIT_<name> overrides the timeout)
   local name=$1 limit=$2 override="LIMIT_$1"
   limit=${!override:-$limit}
@@ -31,9 +33,17 @@ python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-4}" --dist loadfile
 model=(python3 -m ds4.cli bench model --config flash --load-format dummy --context 2048)
 stage model4 600 "${model[@]}" --layers 4 --batch-sizes 1,64 --prefill-lengths 8192 ${COMPARE---compare-transformers} --json "$R/model4.json"
 stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" ${TESTS:-tests}
+if [ -f .bisect/trees.tar.xz ] && [[ $stages == *" tests "* ]]; then  # the first failing test of up to 3 files
+  grep -E "^(FAILED|ERROR) " "$R/tests.txt" | sed -E 's/^(FAILED|ERROR) ([^ ]+).*/\2/' | awk -F'::' '!seen[$1]++' \
+    | head -n 3 | while read -r node; do
+      stages="$stages bisect_$(basename "${node%%::*}" .py) "
+      stage "bisect_$(basename "${node%%::*}" .py)" "${LIMIT_bisect:-420}" bash tools/gpu_bisect.sh "$node"
+    done
+fi
 stage model20 600 "${model[@]}" --layers 20 --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json"
 stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json"
 stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json"
 stage attention 300 python3 -m ds4.cli bench attention --json "$R/attention.json"
 stage moe 300 python3 -m ds4.cli bench moe --json "$R/moe.json"
+stage linear 300 python3 -m ds4.cli bench linear --sweep --json "$R/linear.json"  # then tools/gemv_pick.py on it
 cat "$R/summary.txt"
