@@ -11,7 +11,9 @@ Two weight formats (`ExpertWeights`):
 A token's k expert outputs are summed in fp32; a token routed twice to one expert gets both.
 
 `routed_experts` is the op: the Triton kernels on CUDA, `routed_experts_reference` elsewhere (the spec). Both
-have fixed shapes and no host sync, so a decode step captured in a CUDA graph runs only the routed experts.
+have fixed shapes and no host sync, so a decode step captured in a CUDA graph runs only the routed experts. Its
+two parts are ops too: `routed_slots` (each token's k weighted expert outputs) and `combine_slots` (their sum plus
+the shared expert's output), so that the shared expert can run beside the first.
 
 The kernels: the (token, slot) pairs sorted by expert and each expert's segment of them (`moe_routing`: made
 by the routing kernel at decode sizes, else sorted here), and one grouped-GEMM kernel runs twice: x -> gate
@@ -115,8 +117,16 @@ def routed_experts_reference(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """x [T, D], router weights / expert indices [T, k] -> [T, D] in out_dtype: the slots' sum in fp32, plus
-    `shared` [T, D] if given. Slot by slot (fixed shapes, no host sync), in chunks that bound the gathered
-    weights."""
+    `shared` [T, D] if given."""
+    slots = routed_slots_reference(x, weights, indices, experts, limit)
+    return combine_reference(slots, indices.shape[1], shared, out_dtype)
+
+
+def routed_slots_reference(
+    x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: ExpertWeights, limit: float
+) -> torch.Tensor:
+    """Each (token, slot)'s weighted expert output [T * k, D] (bf16 for MXFP4 experts, else x's dtype). Slot by
+    slot (fixed shapes, no host sync), in chunks that bound the gathered weights."""
     t, k = indices.shape
     slot_dtype = torch.bfloat16 if experts.mxfp4 else x.dtype
     slots = torch.arange(t * k, device=x.device)
@@ -134,8 +144,7 @@ def routed_experts_reference(
         if experts.mxfp4:
             h = act_quant(h)
         outs.append(_slot_matmul(experts.down, experts.down_scale, expert, h.to(a.dtype)).to(slot_dtype))
-    out = torch.cat(outs) if outs else x.new_zeros(0, experts.hidden, dtype=slot_dtype)
-    return combine_reference(out, k, shared, out_dtype)
+    return torch.cat(outs) if outs else x.new_zeros(0, experts.hidden, dtype=slot_dtype)
 
 
 def combine_reference(slots: torch.Tensor, k: int, shared: torch.Tensor | None, out_dtype: torch.dtype):
@@ -602,12 +611,28 @@ def routed_experts_triton(
     """routed_experts_reference through the grouped-GEMM kernels (no host sync; any device Triton runs on).
     plans: (gate-up pass, down pass) instead of gemm_plan's, for tile sweeps. groups: the routes' (order,
     bounds) if the router made them (moe_routing.Routes), else they are made here."""
+    if indices.shape[0] == 0:
+        return x.new_zeros(0, experts.hidden, dtype=out_dtype)
+    slots = routed_slots_triton(x, weights, indices, experts, limit, plans, groups)
+    return _combine(slots, indices.shape[1], shared, out_dtype)
+
+
+def routed_slots_triton(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    experts: ExpertWeights,
+    limit: float,
+    plans: tuple[GemmPlan, GemmPlan] | None = None,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """routed_slots_reference through the grouped-GEMM kernels (arguments as routed_experts_triton's)."""
     _check(x, experts)
     t, k = indices.shape
-    if t == 0:
-        return x.new_zeros(0, experts.hidden, dtype=out_dtype)
-    n_experts, inter, hidden = experts.gate.shape[0], experts.inter, experts.hidden
     slot_dtype = torch.bfloat16 if experts.mxfp4 else x.dtype
+    if t == 0:
+        return x.new_zeros(0, experts.hidden, dtype=slot_dtype)
+    n_experts, inter, hidden = experts.gate.shape[0], experts.inter, experts.hidden
     order, bounds = groups or group_by_expert(indices, n_experts)
     sms, smem = num_sms(x.device), shared_memory_per_block(x.device)
     a_bytes = 2 if experts.mxfp4 or x.dtype == torch.bfloat16 else 4
@@ -647,7 +672,7 @@ def routed_experts_triton(
     if experts.mxfp4:
         _act_quant(h, t * k, plan2.bk, h_quant)
     down(plan2)
-    return _combine(out, k, shared, out_dtype)
+    return out
 
 
 def routed_experts(
@@ -662,6 +687,27 @@ def routed_experts(
 ) -> torch.Tensor:
     """x [T, D], router weights / expert indices [T, k] -> [T, D] in out_dtype, plus shared if given (module
     docstring); groups: (order, bounds) of the routes, if the router made them."""
+    slots = routed_slots(x, weights, indices, experts, limit, groups)
+    return combine_slots(slots, indices.shape[1], shared, out_dtype)
+
+
+def routed_slots(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    experts: ExpertWeights,
+    limit: float,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """routed_experts' first part: each (token, slot)'s weighted expert output [T * k, D]."""
     if x.is_cuda:
-        return routed_experts_triton(x, weights, indices, experts, limit, None, groups, shared, out_dtype)
-    return routed_experts_reference(x, weights, indices, experts, limit, shared, out_dtype)
+        return routed_slots_triton(x, weights, indices, experts, limit, None, groups)
+    return routed_slots_reference(x, weights, indices, experts, limit)
+
+
+def combine_slots(slots: torch.Tensor, k: int, shared: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """routed_experts' second part: a token's k slots [T * k, D] summed in fp32 (slot order), plus shared [T, D] if
+    given, in out_dtype."""
+    if slots.is_cuda and slots.shape[0]:
+        return _combine(slots, k, shared, out_dtype)
+    return combine_reference(slots, k, shared, out_dtype)

@@ -16,10 +16,11 @@ from ds4.checkpoint.quant import MXFP4_BLOCK, fp8_block_dequantize, mxfp4_dequan
 from ds4.config import ModelConfig
 from ds4.distributed.parallel import Parallel
 from ds4.kernels.fp32_product import fp32_product
-from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, routed_experts
+from ds4.kernels.moe import MXFP4_MAX_SCALE, ExpertWeights, combine_slots, routed_slots
 from ds4.kernels.moe_routing import Routes, route
 from ds4.model.linear import CHECKPOINT, DEQUANTIZED, Linear, StackedLinears, kept_fp8_block
 from ds4.model.shard import Region, cut, read, read_grouped, stored_dtype
+from ds4.model.side_stream import side_stream
 
 
 class Gate(nn.Module):
@@ -186,11 +187,18 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg, dtype, device, weight_format, self.parallel) if shared else None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Fixed shapes, no host sync: the same call serves prefill and captured decode steps."""
+        """Fixed shapes, no host sync: the same call serves prefill and captured decode steps. On CUDA the shared
+        expert runs on the side stream beside the router and the routed experts (at decode each is a few
+        latency-bound launches), joined before the slot sum adds it."""
+        side, shared = side_stream(x.device), None
+        if self.shared_experts is not None:
+            with side.fork():
+                shared = self.shared_experts(x)
         routes = self.gate(x, input_ids, self.held_experts)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
         experts, groups = expert_weights(self.experts), (routes.order, routes.bounds)
-        y = routed_experts(x, routes.weights, routes.indices, experts, self.limit, groups, shared, x.dtype)
+        slots = routed_slots(x, routes.weights, routes.indices, experts, self.limit, groups)
+        side.join()
+        y = combine_slots(slots, routes.indices.shape[1], shared, x.dtype)
         return self.parallel.all_reduce(y)
 
 

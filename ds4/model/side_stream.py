@@ -1,0 +1,42 @@
+"""Independent work beside the main stream: on CUDA a second stream runs it, so that two short, latency-bound
+chains of launches (a decode step's) overlap instead of following each other; the main stream waits for it
+before reading its results. In a CUDA graph the fork and the join are captured as the graph's edges. Elsewhere a
+no-op: the work runs where it is issued.
+
+Kernels that share a device-wide resource (ds4.kernels._device.arrival_counters) must not run on both streams at
+once: the side stream's work is chosen so (the shared expert's linears beside the routed experts, whose kernels
+use none)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+
+
+class SideStream:
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        """Work issued inside runs on the side stream, after everything issued on the current stream so far."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        """The current stream's later work waits for the side stream's."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
+@functools.cache
+def side_stream(device: torch.device) -> SideStream:
+    """The device's side stream (one: every fork is joined before the next)."""
+    return SideStream(device)
