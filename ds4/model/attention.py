@@ -43,6 +43,7 @@ from ds4.model.linear import DEQUANTIZED, Linear, Norm, StackedLinears, fp32_par
 from ds4.model.paging import visible_entry_rows
 from ds4.model.rope import layer_inv_freq
 from ds4.model.shard import hold
+from ds4.model.side_stream import side_stream
 
 
 class _HeadSplit:
@@ -119,18 +120,25 @@ class Attention(nn.Module):
         """layout None: a decode_only batch (see ForwardBatch)."""
         step = LayerStep(batch, layout, cache, self.inv_freq)
         t, pos = x.shape[0], batch.positions
+        side = side_stream(x.device)
+        if self.kind != WINDOW:
+            # The compressor (the projections of x, pooling into the cache, its rings) beside the query path, on
+            # the side stream: at decode both are chains of latency-bound launches. The query path touches none of
+            # the step's shared values before the join (the compressor may make them on its stream first).
+            snapshot = cache.snapshot.compressor if cache.snapshot is not None else None
+            with side.fork():
+                compressed = self.compressions(x)  # kv and score of the compressor (and the indexer's)
+                self.compressor(*compressed[:2], step, cache.compressor, cache.compressed, snapshot)
         q_a, kv = self.q_a_and_kv(x)
         qr = rms_norm(q_a, self.q_norm.weight, self.eps)
         q, index_q = self.queries(qr) if self.kind == CSA else (self.wq_b(qr), None)
         q = q.view(t, self.heads, self.head_dim)  # finished (norm, RoPE) by sparse_attention
         # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
         kv = norm_rope(kv, pos, self._form(self.kv_norm.weight, self.fp8_kv))
+        side.join()
 
         key_sets = self._window_keys(kv, step)
         if self.kind != WINDOW:
-            snapshot = cache.snapshot.compressor if cache.snapshot is not None else None
-            compressed = self.compressions(x)  # kv and score of the compressor (and the indexer's)
-            self.compressor(*compressed[:2], step, cache.compressor, cache.compressed, snapshot)
             width = self._entry_width(step)
             if self.kind == CSA:
                 rows = self.indexer(x, index_q, compressed[2:], step, width)

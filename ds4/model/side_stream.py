@@ -4,8 +4,10 @@ before reading its results. In a CUDA graph the fork and the join are captured a
 no-op: the work runs where it is issued.
 
 Kernels that share a device-wide resource (ds4.kernels._device.arrival_counters) must not run on both streams at
-once: the side stream's work is chosen so (the shared expert's linears beside the routed experts, whose kernels
-use none)."""
+once, and the side stream's work may make a batch's shared values (ForwardBatch.shared) that the main stream
+reads only after the join: the side stream's work is chosen so (the shared expert's linears beside the router
+and the routed experts, whose kernels use no counters; a layer's compressor, which uses none, beside its query
+projections)."""
 
 from __future__ import annotations
 
