@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import torch
 
-
 OVERLAP = True  # False: forked work runs on the main stream (the setting to time a step without the overlaps)
 
 
