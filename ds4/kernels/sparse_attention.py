@@ -31,7 +31,8 @@ from triton.runtime.errors import OutOfResources
 
 from ds4.kernels._device import interpreting, mma_operands_in_registers, num_sms, shared_memory_per_block
 from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, dequantize_kv, kv_entry_bytes
-from ds4.kernels.norm_rope import EntryForm, norm_rope, normalized_rotated, rounded
+from ds4.kernels.norm_rope import EntryForm, norm_rope, rounded
+from ds4.kernels.rmsnorm import inverse_rms
 from ds4.kernels.rope import apply_rope, apply_rope_reference, turn_row_pairs
 
 # The torch reference gathers keys for a piece of tokens at a time, at most this many bytes of fp32 keys.
@@ -252,6 +253,60 @@ def _rotated_back(
     return tl.reshape(tl.join(even, odd), (ROWS, BLOCK_D))
 
 
+@triton.jit
+def _rope_pairs(row, stride_h, heads, head_in, D, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Pointers to the last 2 * HALF channels (the RoPE pairs) of the heads' rows [BLOCK_H, 2 * HALF] and their mask."""
+    at = row + heads[:, None] * stride_h + (D - 2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
+    return at, head_in[:, None]
+
+
+@triton.jit
+def _turned(pairs, position, freq_ptr, D, SIGN: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """RoPE pairs fp32 [BLOCK_H, 2 * HALF] (a head's last channels) turned by their angles at `position` (SIGN -1.0:
+    back), fp32 in the same shape."""
+    even, odd = tl.split(tl.reshape(pairs, (BLOCK_H, HALF, 2)))
+    pair = D // 2 - HALF + tl.arange(0, HALF)
+    positions = tl.zeros([1], tl.float32) + position  # one token's rows: their angles once
+    even, odd = turn_row_pairs(even, odd, pair, positions, freq_ptr, D, SIGN, HALF, 1, HALF)
+    return tl.reshape(tl.join(even, odd), (BLOCK_H, 2 * HALF))
+
+
+@triton.jit
+def _finished_queries(
+    q, q_row, stride_qh, scratch, stride_sh, heads, head_in, position, freq_ptr, D, eps,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, DP: tl.constexpr,
+):  # fmt: skip
+    """The projection's heads q [BLOCK_H, DP] (0 past D, loaded from q_row) finished as norm_rope's unweighted
+    EntryForm: normalised, rounded to q's dtype, the RoPE pairs turned at `position` and rounded again. Written to
+    this token's output rows (`scratch`, which the result overwrites) and read back: loaded, q becomes the MMA's
+    operand in shared memory, computed Triton keeps it in registers (64 a thread at 64 x 512, which the
+    accumulator's 128 then spill into the loop). Only the RoPE pairs are turned, loaded again on their own (turning
+    the whole tile and picking those pairs cost a few thousand instructions a thread at 64 x 512)."""
+    dtype: tl.constexpr = q_row.dtype.element_ty
+    dims = tl.arange(0, DP)
+    x = q.to(tl.float32)
+    inverse = inverse_rms(tl.sum(x * x, axis=1), D, eps)
+    at = scratch + heads[:, None] * stride_sh + dims[None, :]
+    tl.store(at, rounded(x * inverse[:, None], dtype).to(dtype), mask=head_in[:, None] & (dims < D - 2 * HALF)[None, :])
+    pairs_at, pairs_ok = _rope_pairs(q_row, stride_qh, heads, head_in, D, HALF, BLOCK_H)
+    pairs = rounded(tl.load(pairs_at, mask=pairs_ok, other=0.0).to(tl.float32) * inverse[:, None], dtype)
+    turned = rounded(_turned(pairs, position, freq_ptr, D, 1.0, HALF, BLOCK_H), dtype)
+    scratch_at, _ = _rope_pairs(scratch, stride_sh, heads, head_in, D, HALF, BLOCK_H)
+    tl.store(scratch_at, turned.to(dtype), mask=pairs_ok)
+    tl.debug_barrier()
+    return tl.load(at, mask=head_in[:, None] & (dims < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _turn_back(row, stride_h, heads, head_in, position, freq_ptr, D, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The RoPE pairs of the output rows this program stored (rounded to their dtype) turned back from `position`
+    in place: apply_rope(inverse) of the rounded output, read back after the stores (only those pairs)."""
+    tl.debug_barrier()  # every thread's output stores are made before the pairs are read back
+    at, ok = _rope_pairs(row, stride_h, heads, head_in, D, HALF, BLOCK_H)
+    pairs = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(at, _turned(pairs, position, freq_ptr, D, -1.0, HALF, BLOCK_H).to(row.dtype.element_ty), mask=ok)
+
+
 @triton.jit(
     do_not_specialize=[
         "n_heads",
@@ -325,18 +380,10 @@ def _sparse_attention_kernel(
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=live, other=0.0)
     if ROTARY:
         position = tl.load(pos_ptr + t).to(tl.float32)
-        even, odd = tl.split(tl.reshape(q.to(tl.float32), (BLOCK_H, DP // 2, 2)))
-        even, odd = normalized_rotated(
-            even, odd, tl.arange(0, DP // 2), q_ptr, tl.zeros([1], tl.float32) + position, freq_ptr, D, eps,
-            False, HALF, 1, DP // 2, q_ptr.dtype.element_ty,
+        q = _finished_queries(
+            q, q_ptr + t * stride_qt, stride_qh, out_ptr + t * stride_ot, stride_oh, heads, head_in, position,
+            freq_ptr, D, eps, HALF, BLOCK_H, DP,
         )  # fmt: skip
-        # Through this token's output rows (the result overwrites them; splits write the same values) and back:
-        # loaded, q becomes the MMA's operand in shared memory, computed Triton keeps it in registers (64 a thread
-        # at 64 x 512, which the accumulator's 128 then spill into the loop).
-        scratch = out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(scratch, tl.reshape(tl.join(even, odd), (BLOCK_H, DP)).to(out_ptr.dtype.element_ty), mask=live)
-        tl.debug_barrier()
-        q = tl.load(scratch, mask=live, other=0.0)
     q = q.to(DOT)
     sink = tl.load(sink_ptr + heads, mask=head_in, other=0.0).to(tl.float32) * 1.4426950408889634
     m = tl.where(split == 0, sink, float("-inf"))
@@ -377,13 +424,13 @@ def _sparse_attention_kernel(
         tl.store(part_ptr + row + D + 1, denom, mask=head_in)
     else:
         out = acc / denom[:, None]
-        if ROTARY:
-            out = _rotated_back(out, 0, position, freq_ptr, D, HALF, BLOCK_H, DP, out_ptr.dtype.element_ty)
         tl.store(
             out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=live,
         )
+        if ROTARY:
+            _turn_back(out_ptr + t * stride_ot, stride_oh, heads, head_in, position, freq_ptr, D, HALF, BLOCK_H)
 
 
 @triton.jit(do_not_specialize=["n_heads", "splits"])
