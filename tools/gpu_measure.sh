@@ -3,6 +3,7 @@
 #   bash tools/gpu_detached.sh start tools/gpu_measure.sh     then, in the next call, `collect`
 # Stages in this order (STAGES picks them, default all): model4 (4 Flash layers with transformers beside them),
 # tests (every gpu-marked test, several processes with pytest-xdist), model20 (20 Flash layers, prefill to 64K),
+# model20_serial (its decode without the side-stream overlaps, `--serial`),
 # engine and engine_sync (the engine's host time per step, async decode on and off, each with its costliest host
 # functions), attention, moe, linear (the FP8 linear with its tile sweep). Each writes its log and JSON under $RESULTS and a line to
 # $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. With the trees of
@@ -17,7 +18,7 @@ R=${RESULTS:-/tmp/detached}
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache PYTHONFAULTHANDLER=1  # a stage out of time dumps its stacks
 . tools/install_device_wheels.sh > /dev/null 2>&1
-stages=" ${STAGES:-model4 tests model20 engine engine_sync attention moe linear} "
+stages=" ${STAGES:-model4 tests model20 model20_serial engine engine_sync attention moe linear} "
 stage() {  # name timeout command... (LIMIT_<name> overrides the timeout)
   local name=$1 limit=$2 override="LIMIT_$1"
   limit=${!override:-$limit}
@@ -41,6 +42,7 @@ if [ -f .bisect/trees.tar.xz ] && [[ $stages == *" tests "* ]]; then  # the firs
     done
 fi
 stage model20 600 "${model[@]}" --layers 20 --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json"
+stage model20_serial 400 "${model[@]}" --layers 20 --prefill-lengths 8192 --batch-sizes 1,64 --serial --json "$R/model20_serial.json"
 stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json"
 stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json"
 stage attention 300 python3 -m ds4.cli bench attention --json "$R/attention.json"

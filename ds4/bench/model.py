@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import gc
 import math
+import os
 import random
 import sys
 import time
@@ -46,6 +47,7 @@ from ds4.bench import ceilings, roofline
 from ds4.bench.driver import choose_model, shrink, step, timed_steps
 from ds4.bench.profile import FAMILIES, profile_families
 from ds4.bench.report import environment, int_list, progress, sync, write_json
+from ds4.model import side_stream
 
 GB = 1e9
 LARGEST_SHOWN_SHARE = 0.05  # families of at least this share of a profiled step list their largest kernels
@@ -86,6 +88,12 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler summaries")
     parser.add_argument(
+        "--serial",
+        action="store_true",
+        help="run the side stream's work (the shared expert, a layer's compressor) on the main stream: the step "
+        "without those overlaps, to time what they give",
+    )
+    parser.add_argument(
         "--nsight",
         action="store_true",
         help="also run one eager decode step a batch size between cudaProfilerStart and Stop, for Nsight Compute "
@@ -96,6 +104,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--plot", type=Path, default=None, help="write step time against batch size here (SVG)")
     args = parser.parse_args(argv)
+    if args.serial:  # before the model is built (its side stream reads it once); ranks' processes inherit it
+        os.environ["DS4_SIDE_STREAM"] = "0"
+        side_stream.OVERLAP = False
     if min(args.batch_sizes) < 1 or min(args.prefill_lengths) < 1 or args.context < 1 or args.decode_steps < 1:
         parser.error("--batch-sizes, --prefill-lengths, --context and --decode-steps must be positive")
     result = run(args)
@@ -198,6 +209,7 @@ def run(args: argparse.Namespace) -> dict:
         "layer_kinds": list(cfg.layer_kinds[: cfg.num_hidden_layers]),
         "tensor_parallel_size": args.tensor_parallel_size,
         "expert_parallel": args.enable_expert_parallel,
+        "side_stream": side_stream.OVERLAP,
         "context": args.context,
         "dtype": str(dtype),
         "kv_cache_dtype": model.kv_cache_dtype,
@@ -586,7 +598,8 @@ def table(result: dict) -> str:
     lines = [
         f"ds4 bench model: {result['config']}, {result['layers']} of {result['full_layers']} layers "
         f"({', '.join(result['layer_kinds'])}), {result['load_format']} weights, {result['dtype']}, "
-        f"context {result['context']}, on {result['device']}",
+        f"context {result['context']}, on {result['device']}"
+        + ("" if result.get("side_stream", True) else " (--serial: no side-stream overlaps)"),
         _ceilings_line(result["ceilings"]),
         f"weights: resident {w['resident_gb']:.2f} GB, checkpoint {w['checkpoint_gb']:.2f} GB "
         f"({w['ratio']:.2f}x); per layer resident / checkpoint GB: "

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 
 import torch
 
-OVERLAP = True  # False: forked work runs on the main stream (the setting to time a step without the overlaps)
+# False: forked work runs on the main stream, to time a step without the overlaps (`ds4 bench model --serial` sets
+# DS4_SIDE_STREAM=0, which the ranks' processes inherit).
+OVERLAP = os.environ.get("DS4_SIDE_STREAM", "1") != "0"
 
 
 class SideStream:

@@ -2,6 +2,7 @@
 and how its device profile assigns kernel time to families."""
 
 import json
+import os
 from collections import Counter, defaultdict
 from types import SimpleNamespace
 
@@ -126,3 +127,19 @@ def test_collectives_run_in_the_communication_range_and_are_restored_after():
         Parallel.single().all_reduce(torch.ones(4))
     assert "ds4::communication" in {event.name for event in prof.events()}
     assert Parallel.all_reduce is original
+
+
+def test_bench_model_serial_times_the_step_without_the_side_stream(tmp_path, monkeypatch):
+    """--serial: the side stream's work runs on the main stream (no CUDA stream is made for it, in this process and
+    in the ranks' processes, which inherit DS4_SIDE_STREAM), and the report says so."""
+    from ds4.model import side_stream
+
+    monkeypatch.setattr(side_stream, "OVERLAP", True)
+    monkeypatch.setenv("DS4_SIDE_STREAM", "1")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "model", "--load-format", "dummy", "--device", "cpu", "--context", "8", "--no-profile"]
+    argv += ["--batch-sizes", "1", "--prefill-lengths", "8", "--decode-steps", "1", "--serial", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["side_stream"] is False
+    assert os.environ["DS4_SIDE_STREAM"] == "0"
+    assert side_stream.SideStream(torch.device("cuda")).stream is None
