@@ -45,7 +45,7 @@ stage model20 600 "${model[@]}" --layers 20 --prefill-lengths 8192,65536 --batch
 stage model20_serial 400 "${model[@]}" --layers 20 --prefill-lengths 8192 --batch-sizes 1,64 --serial --json "$R/model20_serial.json"
 stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json"
 stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json"
-stage attention 300 python3 -m ds4.cli bench attention --json "$R/attention.json"
+stage attention 420 python3 -m ds4.cli bench attention --sweep --json "$R/attention.json"
 stage moe 300 python3 -m ds4.cli bench moe --json "$R/moe.json"
 stage linear 300 python3 -m ds4.cli bench linear --sweep --json "$R/linear.json"  # then tools/gemv_pick.py on it
 cat "$R/summary.txt"

@@ -28,18 +28,20 @@ from ds4.kernels.sparse_attention import AttentionPlan, RotaryQueries, attention
 
 DECODE = [(b, c) for b in (1, 8, 16, 64) for c in (4096, 16384, 65536)]
 PREFILL = [8192]
-# Candidate plans of the sweep: (heads, keys a tile, warps, key tiles in flight).
+# Candidate plans of the sweep: (heads, keys a tile, warps, key tiles in flight, probabilities exchanged).
 PLANS = [
     AttentionPlan(*p)
     for p in (
-        (64, 32, 8, 2),
-        (64, 32, 8, 1),
-        (64, 32, 8, 3),
-        (64, 16, 8, 2),
-        (32, 16, 4, 2),
-        (16, 32, 4, 2),
-        (16, 32, 4, 1),
-        (16, 32, 4, 3),
+        (64, 32, 8, 2, False),
+        (64, 32, 8, 1, False),
+        (64, 32, 8, 3, False),
+        (64, 16, 8, 2, False),
+        (64, 32, 8, 1, True),
+        (64, 64, 8, 1, True),
+        (32, 16, 4, 2, False),
+        (16, 32, 4, 2, False),
+        (16, 32, 4, 1, False),
+        (16, 32, 4, 3, False),
     )
 ]
 # Key splits tried in the sweep for decode at batch 1 and 64 (None: the kernel's own choice).

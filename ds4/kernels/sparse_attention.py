@@ -307,6 +307,24 @@ def _turn_back(row, stride_h, heads, head_in, position, freq_ptr, D, HALF: tl.co
     tl.store(at, _turned(pairs, position, freq_ptr, D, -1.0, HALF, BLOCK_H).to(row.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _exchanged(p, alpha, exchange_ptr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """p [BLOCK_H, BLOCK_N] and alpha [BLOCK_H] as they come back from this program's slot of exchange_ptr (the
+    probabilities, then the fp32 factors): equal values that Triton sees no data path to from the QK product."""
+    slot = (tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
+    slot = (slot + tl.program_id(2)) * (BLOCK_H * BLOCK_N * p.dtype.primitive_bitwidth // 8 + BLOCK_H * 4)
+    rows = tl.arange(0, BLOCK_H)
+    p_at = (exchange_ptr + slot).to(tl.pointer_type(p.dtype)) + rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    alpha_at = (exchange_ptr + slot + BLOCK_H * BLOCK_N * p.dtype.primitive_bitwidth // 8).to(
+        tl.pointer_type(tl.float32)
+    ) + rows
+    tl.debug_barrier()  # the previous tile's reads of the slot are done
+    tl.store(p_at, p)
+    tl.store(alpha_at, alpha)
+    tl.debug_barrier()  # every thread's part is stored
+    return tl.load(p_at), tl.load(alpha_at)
+
+
 @triton.jit(
     do_not_specialize=[
         "n_heads",
@@ -327,6 +345,7 @@ def _sparse_attention_kernel(
     stride_ot,
     stride_oh,
     part_ptr,
+    exchange_ptr,
     sink_ptr,
     pos_ptr,
     freq_ptr,
@@ -364,6 +383,7 @@ def _sparse_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    EXCHANGE: tl.constexpr,
 ):
     # One program: one token, BLOCK_H of its heads (the MMA's M) and one split of its key tiles (the three lists'
     # tiles counted end to end), with an online softmax in the log2 domain whose running max starts at the sink
@@ -371,6 +391,8 @@ def _sparse_attention_kernel(
     # copies through shared memory, so that a tile's loads overlap the previous tiles' products.
     # SPLIT: the running max, denominator and numerator go to part_ptr for _combine_splits, else the output.
     # ROTARY: q is the projection's; its heads are finished here and the output turned back (RotaryQueries).
+    # EXCHANGE: each tile's probabilities and rescale factors reach the PV product through this program's slot of
+    # exchange_ptr (see AttentionPlan.exchange).
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -409,10 +431,13 @@ def _sparse_attention_kernel(
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             denom = denom * alpha + tl.sum(p, axis=1)
+            p = p.to(DOT)
+            if EXCHANGE:
+                p, alpha = _exchanged(p, alpha, exchange_ptr, BLOCK_H, BLOCK_N)
             if IEEE:
-                pv = tl.dot(p.to(DOT), k, input_precision="ieee")
+                pv = tl.dot(p, k, input_precision="ieee")
             else:
-                pv = tl.dot(p.to(DOT), k)
+                pv = tl.dot(p, k)
             acc = acc * alpha[:, None] + pv
             m = m_new
     if SPLIT:
@@ -483,12 +508,20 @@ def _combine_splits(
 @dataclass(frozen=True)
 class AttentionPlan:
     """Launch settings: query heads per program (the MMA's M), keys per tile, warps, and the key tiles in flight
-    (1: read as they are used)."""
+    (1: read as they are used).
+
+    exchange (a sweep candidate, `ds4 bench attention --sweep`): a tile's probabilities and rescale factors go to the
+    PV product through a slot of memory of the program's own. Triton gives a QK product that feeds another product
+    all the warps along M, so with 8 warps and 64 heads (one warpgroup's M) both warpgroups compute the whole QK
+    tile; with no data path from it to the PV product they split its keys instead (offline, sm_90, 64 x 32 over 8
+    warps: 32 wgmma instructions a tile instead of 64, 730 instructions a tile instead of 934), at the price of two
+    barriers a tile, which also keep Triton from reading key tiles ahead (stages is then 1)."""
 
     block_h: int
     block_n: int
     num_warps: int
     stages: int = 1
+    exchange: bool = False
 
 
 def attention_plan(device: torch.device, heads: int, head_dim: int, tokens: int | None = None) -> AttentionPlan:
@@ -642,6 +675,10 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
     per_split = max(1, triton.cdiv(tiles, splits))
     splits = max(1, triton.cdiv(tiles, per_split))
     part = torch.empty(t * splits * heads * (head_dim + 4) if splits > 1 else 0, dtype=torch.float32, device=q.device)
+    # a slot a program: a tile's probabilities in the dot dtype and its rescale factors (AttentionPlan.exchange)
+    slot = plan.block_h * plan.block_n * (4 if dot_f32 else q.element_size()) + plan.block_h * 4
+    programs = t * head_blocks * splits if plan.exchange else 0
+    exchange = torch.empty(programs * slot, dtype=torch.uint8, device=q.device)
     if rotary is None:
         positions, freqs, eps, half = sink, sink, 0.0, 1  # placeholders, never read
     else:
@@ -655,6 +692,7 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
         out.stride(0),
         out.stride(1),
         part,
+        exchange,
         sink,
         positions,
         freqs,
@@ -677,7 +715,8 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
         HALF=half,
         BLOCK_H=plan.block_h,
         BLOCK_N=plan.block_n,
-        STAGES=plan.stages,
+        STAGES=1 if plan.exchange else plan.stages,
+        EXCHANGE=plan.exchange,
         num_warps=plan.num_warps,
     )
     if splits > 1:

@@ -90,6 +90,20 @@ def test_keys_split_over_programs_combine_to_the_reference(splits):
     assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_probabilities_exchanged_through_memory_give_the_reference(splits):
+    """AttentionPlan.exchange: each tile's probabilities and rescale factors reach the PV product through the
+    program's own slot (heads over two programs, a token's keys over several, tiles of -1 skipped)."""
+    mod = _kernel()
+    case = build_case([(40, 1), (23, 2), (0, 3)], heads=20, head_dim=128, kind="csa", topk=20, fp8=True, seed=7)
+    plan = mod.AttentionPlan(block_h=16, block_n=16, num_warps=4, stages=2, exchange=True)
+    want = mod.sparse_attention_reference(case.q, case.key_sets, case.sink, 0.09, case.rope_dim)
+    got = mod.sparse_attention(
+        case.q, case.key_sets, case.sink, 0.09, case.rope_dim, impl="triton", plan=plan, splits=splits
+    )
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
 def test_e4m3_decoded_from_its_bits_as_on_devices_without_fp8_conversion(monkeypatch):
     """sm_80 has no e4m3 conversion: the kernel then decodes the bits itself (normals and subnormals, signs)."""
     mod = _kernel()

@@ -50,6 +50,22 @@ def test_pro_heads_in_two_programs(requests):
     _check(case)
 
 
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_plans_exchanging_the_probabilities_through_memory(block_n, splits):
+    """The sweep's AttentionPlan.exchange candidates at Flash shapes (the rotary queries' path, as the model runs
+    it): a prefill chunk and a decode batch, its keys split or not; the same tolerance."""
+    case = build_case([(100, 160), (5000, 1), (70, 3)], kind="csa", ratio=4, per_page=64, fp8=True, seed=5, **FLASH)
+    positions = torch.tensor([p for c, n in [(100, 160), (5000, 1), (70, 3)] for p in range(c, c + n)]).cuda()
+    form = EntryForm(None, rope_inv_freq(64, 160000.0, 16.0, 65536).cuda(), 1e-6, torch.bfloat16)
+    rotary = sa.RotaryQueries(form, positions)
+    q = case.q * 30
+    plan = sa.AttentionPlan(64, block_n, 8, 1, exchange=True)
+    want = sa.sparse_attention_reference(q, case.key_sets, case.sink, 512**-0.5, 64, rotary)
+    got = sa.sparse_attention(q, case.key_sets, case.sink, 512**-0.5, 64, plan=plan, splits=splits, rotary=rotary)
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (got.float() - want.float()).abs().max()
+
+
 @pytest.mark.parametrize("smem", [101376, 49152], ids=["99KB-sm120", "48KB"])
 def test_plan_for_a_smaller_shared_memory_runs_here(smem, monkeypatch):
     """The plan a device with less shared memory per block gets (sm_120 / GB10: 99 KB), run on this one."""
