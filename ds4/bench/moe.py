@@ -147,6 +147,10 @@ SWEEP = {
         _plan(16, 128, 256, 8, 4),
         _plan(16, 64, 512, 4, 3),
         _plan(16, 64, 128, 4, 6),
+        _plan(16, 64, 256, 4, 2),  # fewer stages: more programs an SM, more decoding warps to hide each other
+        _plan(16, 64, 256, 4, 3),
+        _plan(16, 64, 128, 4, 3),
+        _plan(16, 64, 256, 8, 4),
         _plan(16, 32, 256, 4, 4),  # 32 weight rows: mma.sync (no wgmma waits), 72 registers (offline sm_90)
         _plan(16, 32, 512, 4, 3),
     ],
