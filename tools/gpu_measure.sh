@@ -5,7 +5,8 @@
 # tests (every gpu-marked test, several processes with pytest-xdist), model20 (20 Flash layers, prefill to 64K),
 # model20_serial (its decode without the side-stream overlaps, `--serial`),
 # engine and engine_sync (the engine's host time per step, async decode on and off, each with its costliest host
-# functions), attention, moe, linear (the FP8 linear with its tile sweep). Each writes its log and JSON under $RESULTS and a line to
+# functions), attention (with its plan sweep), moe, linear (the FP8 linear with its tile sweep), mhc (the mHC
+# kernels with the prefill projection's tile sweep). Each writes its log and JSON under $RESULTS and a line to
 # $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. With the trees of
 # tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected
 # after the tests stage (tools/gpu_bisect.sh; LIMIT_bisect seconds each). TESTS names the test
@@ -18,7 +19,7 @@ R=${RESULTS:-/tmp/detached}
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache PYTHONFAULTHANDLER=1  # a stage out of time dumps its stacks
 . tools/install_device_wheels.sh > /dev/null 2>&1
-stages=" ${STAGES:-model4 tests model20 model20_serial engine engine_sync attention moe linear} "
+stages=" ${STAGES:-model4 tests model20 model20_serial engine engine_sync attention moe linear mhc} "
 stage() {  # name timeout command... (LIMIT_<name> overrides the timeout)
   local name=$1 limit=$2 override="LIMIT_$1"
   limit=${!override:-$limit}
@@ -48,4 +49,5 @@ stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input
 stage attention 420 python3 -m ds4.cli bench attention --sweep --json "$R/attention.json"
 stage moe 300 python3 -m ds4.cli bench moe --json "$R/moe.json"
 stage linear 300 python3 -m ds4.cli bench linear --sweep --json "$R/linear.json"  # then tools/gemv_pick.py on it
+stage mhc 240 python3 -m ds4.cli bench kernels --only mhc --all-tiles --json "$R/mhc.json"
 cat "$R/summary.txt"

@@ -319,7 +319,7 @@ def bench_mhc(tokens: int, bandwidth: float, device: str = "cuda") -> list[dict]
 
 
 # (tokens a projection program, flattened channels a step, projection programs per SM) tried by --all-tiles
-MHC_PROJECTION_SWEEP = [(t, k, waves) for t in (32, 64) for k in (64, 128) for waves in (1, 2, 4)]
+MHC_PROJECTION_SWEEP = [(t, k, waves) for t in (32, 64) for k in (64, 128) for waves in (1, 2, 4, 8)]
 
 
 def sweep_mhc_projection(tokens: int, device: str = "cuda") -> list[dict]:
