@@ -5,7 +5,7 @@
 # tests (every gpu-marked test, several processes with pytest-xdist), model20 (20 Flash layers, prefill to 64K),
 # model20_serial (its decode without the side-stream overlaps, `--serial`),
 # engine and engine_sync (the engine's host time per step, async decode on and off, each with its costliest host
-# functions), attention (with its plan sweep), moe, linear (the FP8 linear with its tile sweep), mhc (the mHC
+# functions), attention (with its plan sweep), moe (with its tile sweep), linear (the FP8 linear with its tile sweep), mhc (the mHC
 # kernels with the prefill projection's tile sweep). Each writes its log and JSON under $RESULTS and a line to
 # $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. With the trees of
 # tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected
@@ -47,7 +47,7 @@ stage model20_serial 400 "${model[@]}" --layers 20 --prefill-lengths 8192 --batc
 stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json"
 stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json"
 stage attention 420 python3 -m ds4.cli bench attention --sweep --json "$R/attention.json"
-stage moe 300 python3 -m ds4.cli bench moe --json "$R/moe.json"
+stage moe 420 python3 -m ds4.cli bench moe --sweep --json "$R/moe.json"
 stage linear 300 python3 -m ds4.cli bench linear --sweep --json "$R/linear.json"  # then tools/gemv_pick.py on it
 stage mhc 240 python3 -m ds4.cli bench kernels --only mhc --all-tiles --json "$R/mhc.json"
 cat "$R/summary.txt"
