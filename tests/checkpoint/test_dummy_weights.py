@@ -111,3 +111,24 @@ def test_a_config_or_a_layer_count_needs_load_format_dummy(tmp_path):
         model_config(None, None, "safetensors", None)
     (tmp_path / "config.json").write_text(json.dumps(with_layers(config_dict("pro"), 2)))
     assert model_config(tmp_path, None, "dummy", None).num_hidden_layers == 2
+
+
+def test_dummy_routers_spread_tokens_over_the_experts_as_a_balanced_draw():
+    """Flash's first score layer's dummy router (bias zero, as a trained one balances the loads) gives each of its
+    256 experts about its share of random inputs of RMS 1: the counts' spread within 1.5x of a uniform multinomial
+    draw's (the tiny law's random bias values made it over 5x)."""
+    from ds4.model.moe import Gate
+
+    cfg = load_config(with_layers(config_dict("flash"), 4))
+    layer = cfg.num_hash_layers  # the first score layer
+    made = dummy_weights(cfg, seed=2, holds=lambda name: name.startswith(f"layers.{layer}.ffn.gate."))
+    weights = dict(dequantised(cfg, made, torch.float32))
+    gate = Gate(cfg, hashed=False, device=torch.device("cpu"), dtype=torch.float32)
+    gate.weight.copy_(weights[f"layers.{layer}.ffn.gate.weight"])
+    gate.bias.copy_(weights[f"layers.{layer}.ffn.gate.bias"])
+    tokens, experts, k = 8192, cfg.n_routed_experts, cfg.num_experts_per_tok
+    x = torch.randn(tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(gate(x, torch.zeros(tokens, dtype=torch.long)).indices.flatten(), minlength=experts)
+    balanced_std = (tokens * k / experts * (1 - 1 / experts)) ** 0.5
+    assert counts.sum() == tokens * k
+    assert counts.float().std() < 1.5 * balanced_std, (counts.float().std(), balanced_std)
