@@ -502,7 +502,45 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
         rates_by_family = {family_of[k]: r for k, r in per_kind.items()}
         rows[0]["profile"] = _with_rooflines(families, launches, work, rates_by_family)
         rows[0]["profile_kernels"] = _largest(by_kernel)
+    length = min(args.prefill_lengths)
+    rows[0]["routing"] = routing_balance(engine.model, lambda: prefill(length, "prefill-routing"))
     return rows
+
+
+def routing_balance(model, run) -> dict | None:
+    """The score layers' routing over what `run` computes (a prompt's prefill): rows an expert (token, slot pairs),
+    their largest against the mean, and their spread against a balanced (uniform multinomial) draw's. The routed
+    experts' time follows it: the grouped GEMM's row tiles fill less the more a few experts take. None where the
+    model is not in this process (ranks' workers) or routes by hash only."""
+    from ds4.model.moe import Gate
+
+    if not isinstance(model, torch.nn.Module):
+        return None
+    gates = [m for m in model.modules() if isinstance(m, Gate) and m.tid2eid is None]
+    counts = {id(g): None for g in gates}
+
+    def record(gate, inputs, routes):
+        found = torch.bincount(routes.indices.flatten(), minlength=gate.weight.shape[0])
+        counts[id(gate)] = found if counts[id(gate)] is None else counts[id(gate)] + found
+
+    hooks = [g.register_forward_hook(record) for g in gates]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    layers = [c.double().cpu() for c in counts.values() if c is not None]
+    if not layers:
+        return None
+    rows = torch.stack(layers)  # [score layers, experts]
+    experts, mean = rows.shape[1], rows.mean(dim=1)
+    balanced_std = (rows.sum(dim=1) * (1 / experts) * (1 - 1 / experts)).sqrt()
+    return {
+        "score_layers": rows.shape[0],
+        "rows_per_expert": mean.mean().item(),
+        "max_over_mean": (rows.max(dim=1).values / mean).mean().item(),
+        "spread_over_balanced": (rows.std(dim=1) / balanced_std).mean().item(),
+    }
 
 
 def _extrapolate(cfg, full_cfg, decode: list[dict], prefill: list[dict]) -> dict:
@@ -626,6 +664,13 @@ def table(result: dict) -> str:
             ],
         ),
     ]
+    routing = result["prefill"][0].get("routing")
+    if routing:
+        lines.append(
+            f"routing of the {result['prefill'][0]['tokens']}-token prefill ({routing['score_layers']} score layers, "
+            f"means): {routing['rows_per_expert']:.0f} rows an expert, the largest {routing['max_over_mean']:.2f}x "
+            f"that, spread {routing['spread_over_balanced']:.1f}x a balanced draw's"
+        )
     if result["tensor_parallel_size"] > 1:
         lines += ["", _traffic_rows(result)]
     if result["peak_memory_gb"] is not None:

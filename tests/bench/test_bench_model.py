@@ -33,6 +33,10 @@ def test_bench_model_runs_end_to_end_on_dummy_weights(tmp_path, capsys):
         assert set(profile) == {*FAMILIES, "total"}
         assert sum(profile[f]["ms"] for f in FAMILIES) == pytest.approx(profile["total"]["ms"])
         assert profile["GEMMs"]["ms"] > 0 and profile["MoE"]["ms"] > 0 and profile["attention"]["ms"] > 0
+    routing = result["prefill"][0]["routing"]  # the tiny model: 2 score layers of 8 experts, 2 a token
+    assert routing["score_layers"] == 2 and routing["rows_per_expert"] == pytest.approx(20 * 2 / 8)
+    assert routing["max_over_mean"] >= 1 and routing["spread_over_balanced"] >= 0
+    assert "rows an expert" in printed
     assert [r["batch"] for r in result["transformers"]["decode"]] == [1, 3]
     assert "ms/step" in printed and "x roofline" in printed and "transformers DeepseekV4" in printed
     assert (tmp_path / "decode.svg").read_text().startswith("<svg")
