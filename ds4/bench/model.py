@@ -511,15 +511,20 @@ def routing_balance(model, run) -> dict | None:
     """The score layers' routing over what `run` computes (a prompt's prefill): rows an expert (token, slot pairs),
     their largest against the mean, and their spread against a balanced (uniform multinomial) draw's. The routed
     experts' time follows it: the grouped GEMM's row tiles fill less the more a few experts take. None where the
-    model is not in this process (ranks' workers) or routes by hash only."""
+    model is not in this process (ranks' workers), holds only some experts (expert parallel: the others' slots
+    route to expert 0) or routes by hash only."""
     from ds4.model.moe import Gate
 
     if not isinstance(model, torch.nn.Module):
         return None
     gates = [m for m in model.modules() if isinstance(m, Gate) and m.tid2eid is None]
     counts = {id(g): None for g in gates}
+    some_experts = []
 
     def record(gate, inputs, routes):
+        if len(inputs) > 2 and inputs[2] is not None:  # this rank's experts only
+            some_experts.append(gate)
+            return
         found = torch.bincount(routes.indices.flatten(), minlength=gate.weight.shape[0])
         counts[id(gate)] = found if counts[id(gate)] is None else counts[id(gate)] + found
 
@@ -530,7 +535,7 @@ def routing_balance(model, run) -> dict | None:
         for hook in hooks:
             hook.remove()
     layers = [c.double().cpu() for c in counts.values() if c is not None]
-    if not layers:
+    if some_experts or not layers:
         return None
     rows = torch.stack(layers)  # [score layers, experts]
     experts, mean = rows.shape[1], rows.mean(dim=1)

@@ -147,3 +147,26 @@ def test_bench_model_serial_times_the_step_without_the_side_stream(tmp_path, mon
     assert json.loads(out.read_text())["side_stream"] is False
     assert os.environ["DS4_SIDE_STREAM"] == "0"
     assert side_stream.SideStream(torch.device("cuda")).stream is None
+
+
+def test_routing_balance_counts_the_rows_each_expert_gets():
+    """A router that sends every token to experts 0 and 1 of 8 (a bias that dwarfs its zero logits): rows an
+    expert T / 4 on average, the largest 4x that, spread the std of [T, T, 0 x 6] over a balanced draw's; a rank
+    holding only some experts (expert parallel) gets None."""
+    from ds4.bench.model import routing_balance
+    from ds4.checkpoint.tiny import tiny_config
+    from ds4.model.moe import Gate
+
+    cfg = tiny_config()
+    gate = Gate(cfg, hashed=False, device=torch.device("cpu"), dtype=torch.float32)
+    gate.weight.zero_()
+    gate.bias.copy_(torch.tensor([5.0, 4.0] + [0.0] * 6))
+    model = torch.nn.ModuleDict({"gate": gate})
+    t = 100
+    x, ids = torch.randn(t, cfg.hidden_size), torch.zeros(t, dtype=torch.long)
+    got = routing_balance(model, lambda: gate(x, ids))
+    rows = torch.tensor([t, t] + [0] * 6, dtype=torch.float64)
+    assert got["score_layers"] == 1 and got["rows_per_expert"] == pytest.approx(t / 4)
+    assert got["max_over_mean"] == pytest.approx(4.0)
+    assert got["spread_over_balanced"] == pytest.approx(rows.std().item() / (2 * t / 8 * 7 / 8) ** 0.5)
+    assert routing_balance(model, lambda: gate(x, ids, slice(0, 4))) is None
