@@ -7,8 +7,8 @@
 # engine and engine_sync (the engine's host time per step, async decode on and off, each with its costliest host
 # functions), attention (with its plan sweep), moe (with its tile sweep), linear (the FP8 linear with its tile
 # sweep), mhc (the mHC kernels with the prefill projection's tile sweep). Each writes its log and JSON under
-# $RESULTS and a line to
-# $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. With the trees of
+# $RESULTS and a line to $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the
+# others. With the trees of
 # tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected
 # after the tests stage (tools/gpu_bisect.sh; LIMIT_bisect seconds each). TESTS names the test
 # paths (default: all of tests/); COMPARE= (empty) leaves transformers out of model4; LIMIT_<stage>=S sets a
