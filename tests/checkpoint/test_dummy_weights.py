@@ -116,7 +116,7 @@ def test_a_config_or_a_layer_count_needs_load_format_dummy(tmp_path):
 def test_dummy_routers_spread_tokens_over_the_experts_as_a_balanced_draw():
     """Flash's first score layer's dummy router (bias zero, as a trained one balances the loads) gives each of its
     256 experts about its share of random inputs of RMS 1: the counts' spread within 1.5x of a uniform multinomial
-    draw's (the tiny law's random bias values made it over 5x)."""
+    draw's (the tiny law's random bias values made it over 10x)."""
     from ds4.model.moe import Gate
 
     cfg = load_config(with_layers(config_dict("flash"), 4))
