@@ -358,6 +358,7 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
             "experts_touched_per_layer": roofline.expected_experts_touched(cfg, batch),
             **traffic.per_step(args.decode_steps, _replayed_traffic(engine, args, cfg, batch)),
         }
+        row["routing"] = routing_balance(engine.model, lambda: _eager_step(engine))
         if args.nsight and engine.device.type == "cuda":
             with _graphs_eager(engine):
                 torch.cuda.profiler.start()
@@ -401,6 +402,11 @@ def _eager_profile(engine, step, by_kernel: defaultdict[str, Counter], launches:
     """Profile one engine step with the decode graph's batch run eagerly (the same padded decode_only batch)."""
     with _graphs_eager(engine):
         return profile_families(engine.model, step, engine.device, by_kernel, launches)
+
+
+def _eager_step(engine) -> None:
+    with _graphs_eager(engine):
+        step(engine)
 
 
 @contextlib.contextmanager
@@ -510,11 +516,12 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
 
 
 def routing_balance(model, run) -> dict | None:
-    """The score layers' routing over what `run` computes (a prompt's prefill): rows an expert (token, slot pairs),
-    their largest against the mean, and their spread against a balanced (uniform multinomial) draw's. The routed
-    experts' time follows it: the grouped GEMM's row tiles fill less the more a few experts take. None where the
-    model is not in this process (ranks' workers), holds only some experts (expert parallel: the others' slots
-    route to expert 0) or routes by hash only."""
+    """The score layers' routing over what `run` computes (a prompt's prefill, an eager decode step): rows an
+    expert (token, slot pairs), their largest against the mean, their spread against a balanced (uniform
+    multinomial) draw's, and the experts touched (a layer's mean). The routed experts' time follows it: the
+    grouped GEMM's row tiles fill less the more a few experts take, and a decode step reads the experts touched.
+    None where the model is not in this process (ranks' workers), holds only some experts (expert parallel: the
+    others' slots route to expert 0) or routes by hash only."""
     from ds4.model.moe import Gate
 
     if not isinstance(model, torch.nn.Module):
@@ -547,6 +554,7 @@ def routing_balance(model, run) -> dict | None:
         "rows_per_expert": mean.mean().item(),
         "max_over_mean": (rows.max(dim=1).values / mean).mean().item(),
         "spread_over_balanced": (rows.std(dim=1) / balanced_std).mean().item(),
+        "experts_touched": (rows > 0).sum(dim=1).double().mean().item(),
     }
 
 
@@ -671,6 +679,12 @@ def table(result: dict) -> str:
             ],
         ),
     ]
+    touched = [(r["batch"], r["routing"]["experts_touched"]) for r in result["decode"] if r.get("routing")]
+    if touched:
+        lines.append(
+            "experts a score layer touched in one decode step (eager, measured; the table's experts/layer assume "
+            "uniform routing): " + ", ".join(f"batch {b} {n:.1f}" for b, n in touched)
+        )
     routing = result["prefill"][0].get("routing")
     if routing:
         lines.append(

@@ -37,6 +37,8 @@ def test_bench_model_runs_end_to_end_on_dummy_weights(tmp_path, capsys):
     assert routing["score_layers"] == 2 and routing["rows_per_expert"] == pytest.approx(20 * 2 / 8)
     assert routing["max_over_mean"] >= 1 and routing["spread_over_balanced"] >= 0
     assert "rows an expert" in printed
+    touched = [r["routing"]["experts_touched"] for r in result["decode"]]  # one token picks 2 distinct experts
+    assert touched[0] == 2 and 2 <= touched[1] <= 6 and "touched in one decode step" in printed
     assert [r["batch"] for r in result["transformers"]["decode"]] == [1, 3]
     assert "ms/step" in printed and "x roofline" in printed and "transformers DeepseekV4" in printed
     assert (tmp_path / "decode.svg").read_text().startswith("<svg")
@@ -167,6 +169,6 @@ def test_routing_balance_counts_the_rows_each_expert_gets():
     got = routing_balance(model, lambda: gate(x, ids))
     rows = torch.tensor([t, t] + [0] * 6, dtype=torch.float64)
     assert got["score_layers"] == 1 and got["rows_per_expert"] == pytest.approx(t / 4)
-    assert got["max_over_mean"] == pytest.approx(4.0)
+    assert got["max_over_mean"] == pytest.approx(4.0) and got["experts_touched"] == 2
     assert got["spread_over_balanced"] == pytest.approx(rows.std().item() / (2 * t / 8 * 7 / 8) ** 0.5)
     assert routing_balance(model, lambda: gate(x, ids, slice(0, 4))) is None
