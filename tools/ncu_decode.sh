@@ -17,30 +17,5 @@ ncu --profile-from-start off --set "${SET:-full}" -k "regex:$kernels" -f -o "$OU
   > "$OUT/ncu_decode.log" 2>&1
 echo "ncu rc=$? (log: ncu_decode.log)"
 ncu --import "$OUT/ncu_decode.ncu-rep" --csv --page raw > "$OUT/ncu_raw.csv"
-python3 - "$OUT/ncu_raw.csv" > "$OUT/ncu_decode.txt" <<'PY'
-import csv, re, sys
-table = list(csv.reader(open(sys.argv[1])))
-if len(table) < 3:
-    sys.exit("no kernels profiled: see ncu_decode.log")
-head, units, launches = table[0], table[1], table[2:]
-col = {name: i for i, name in enumerate(head)}
-shown = {
-    "gpu__time_duration.sum": "time",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "DRAM",
-    "sm__inst_issued.avg.pct_of_peak_sustained_active": "issue slots",
-    "launch__registers_per_thread": "registers",
-    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy",
-}
-stall = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
-for row in launches:
-    def value(name):
-        try:
-            return float(row[col[name]].replace(",", ""))
-        except (KeyError, ValueError):
-            return None
-    cells = [f"{label} {value(m):g} {units[col[m]]}".rstrip() for m, label in shown.items() if value(m) is not None]
-    stalls = sorted(((value(m), stall.match(m).group(1)) for m in col if stall.match(m) and value(m)), reverse=True)
-    print(f"{row[col['ID']]} {row[col['Kernel Name']]}: " + ", ".join(cells)
-          + " | stalls " + ", ".join(f"{name} {v:.2f}" for v, name in stalls[:5]))
-PY
+python3 tools/ncu_summary.py "$OUT/ncu_raw.csv" > "$OUT/ncu_decode.txt"
 head -c 8000 "$OUT/ncu_decode.txt"

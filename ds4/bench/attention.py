@@ -122,6 +122,31 @@ def bench_case(cfg, kind, positions, decode: bool, fp8, bandwidth, rate, plan, d
     return {"ms": ms, "bytes": nbytes, "flops": flops, "roofline_ms": roof, "of_roofline": roof / ms}
 
 
+def _nsight_prefill(cfg, fp8: bool, device, plans: list[AttentionPlan]) -> list[dict]:
+    """One 8K CSA prefill call a plan between cudaProfilerStart and Stop (each compiled and run once before), in
+    this order: an `ncu --profile-from-start off` report's launches are these calls, one a plan."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    positions = torch.arange(PREFILL[0], device=device)
+    q, key_sets, sink = _inputs(cfg, "csa", positions, False, fp8, device, gen)
+    rope = cfg.qk_rope_head_dim if fp8 else None
+    inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta).to(device)
+    rotary = RotaryQueries(EntryForm(None, inv_freq, cfg.rms_norm_eps, q.dtype), positions)
+    runs = []
+    for plan in plans:
+        try:
+            sparse_attention(q, key_sets, sink, cfg.head_dim**-0.5, rope, plan=plan, rotary=rotary)
+            torch.cuda.synchronize(device)
+            torch.cuda.profiler.start()
+            sparse_attention(q, key_sets, sink, cfg.head_dim**-0.5, rope, plan=plan, rotary=rotary)
+            torch.cuda.synchronize(device)
+            torch.cuda.profiler.stop()
+            runs.append({"plan": plan.__dict__, "profiled": True})
+        except Exception as e:  # a plan that does not compile or fit is reported, not fatal
+            runs.append({"plan": plan.__dict__, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+        print(f"nsight launch {len(runs)}: {plan} {runs[-1].get('error', '')}")
+    return runs
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="ds4 bench attention", description=__doc__)
     parser.add_argument("--config", default="flash", help="flash, pro or a config.json (default: flash)")
@@ -130,6 +155,12 @@ def main(argv: list[str]) -> int:
         "--sweep",
         action="store_true",
         help="instead of the table: key splits of CSA decode at batch 1 and 64, candidate launch plans",
+    )
+    parser.add_argument(
+        "--nsight",
+        action="store_true",
+        help="instead of the table: the 8K CSA prefill once a plan (the chosen one, then the sweep's 64-head "
+        "candidates) between cudaProfilerStart and Stop, for Nsight Compute (tools/ncu_attention.sh)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the report here")
     args = parser.parse_args(argv)
@@ -159,8 +190,10 @@ def main(argv: list[str]) -> int:
     print(f"{'case':34} {'ms':>9} {'roof ms':>9} {'of roof':>8} {'MB':>9} {'GFLOP':>8}")
     cases = [("decode", kind, b, c) for kind in ("csa", "hca") for b, c in DECODE]
     cases += [("prefill", kind, 1, n) for kind in ("csa", "hca", "window") for n in PREFILL]
-    if args.sweep:
+    if args.sweep or args.nsight:
         cases = []
+    if args.nsight:
+        report["nsight_plans"] = _nsight_prefill(cfg, fp8, device, [plan, *(p for p in PLANS if p.block_h == 64)])
     for mode, kind, batch, n in cases:
         if mode == "decode":
             positions = torch.full((batch,), n - 1, device=device)
