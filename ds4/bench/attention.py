@@ -103,8 +103,8 @@ def _graph_ms(fn, device) -> float:
     return median_ms(graph.replay, device, reps=50, warmup=5)
 
 
-def bench_case(cfg, kind, positions, decode: bool, fp8, bandwidth, rate, plan, device, splits=None) -> dict:
-    """Decode is timed as a CUDA-graph replay, prefill eagerly."""
+def _call(cfg, kind, positions, decode: bool, fp8, plan, device, splits=None):
+    """The model's attention call (rotary queries) on a case's inputs, and those inputs (q, key sets)."""
     gen = torch.Generator(device=device).manual_seed(0)
     q, key_sets, sink = _inputs(cfg, kind, positions, decode, fp8, device, gen)
     rope = cfg.qk_rope_head_dim if fp8 else None
@@ -116,6 +116,12 @@ def bench_case(cfg, kind, positions, decode: bool, fp8, bandwidth, rate, plan, d
             q, key_sets, sink, cfg.head_dim**-0.5, rope, impl="triton", plan=plan, splits=splits, rotary=rotary
         )
 
+    return call, q, key_sets
+
+
+def bench_case(cfg, kind, positions, decode: bool, fp8, bandwidth, rate, plan, device, splits=None) -> dict:
+    """Decode is timed as a CUDA-graph replay, prefill eagerly."""
+    call, q, key_sets = _call(cfg, kind, positions, decode, fp8, plan, device, splits)
     ms = _graph_ms(call, device) if decode else median_ms(call, device)
     nbytes, flops = _cost(cfg, q, key_sets, fp8)
     roof = max(nbytes / bandwidth, flops / rate) * 1e3
@@ -125,19 +131,15 @@ def bench_case(cfg, kind, positions, decode: bool, fp8, bandwidth, rate, plan, d
 def _nsight_prefill(cfg, fp8: bool, device, plans: list[AttentionPlan]) -> list[dict]:
     """One 8K CSA prefill call a plan between cudaProfilerStart and Stop (each compiled and run once before), in
     this order: an `ncu --profile-from-start off` report's launches are these calls, one a plan."""
-    gen = torch.Generator(device=device).manual_seed(0)
     positions = torch.arange(PREFILL[0], device=device)
-    q, key_sets, sink = _inputs(cfg, "csa", positions, False, fp8, device, gen)
-    rope = cfg.qk_rope_head_dim if fp8 else None
-    inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta).to(device)
-    rotary = RotaryQueries(EntryForm(None, inv_freq, cfg.rms_norm_eps, q.dtype), positions)
     runs = []
     for plan in plans:
         try:
-            sparse_attention(q, key_sets, sink, cfg.head_dim**-0.5, rope, plan=plan, rotary=rotary)
+            call = _call(cfg, "csa", positions, False, fp8, plan, device)[0]
+            call()
             torch.cuda.synchronize(device)
             torch.cuda.profiler.start()
-            sparse_attention(q, key_sets, sink, cfg.head_dim**-0.5, rope, plan=plan, rotary=rotary)
+            call()
             torch.cuda.synchronize(device)
             torch.cuda.profiler.stop()
             runs.append({"plan": plan.__dict__, "profiled": True})
