@@ -394,9 +394,10 @@ def _post_project_kernel(
     cols = tl.arange(0, MIX_PAD)
     w_ok = (d < D)[:, None] & (cols < MIX)[None, :]
     out = tl.load(out_ptr + t[:, None] * out_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK_T, MIX_PAD), tl.float32)
-    squares = tl.zeros((BLOCK_T,), tl.float32)
-    # Stream by stream, in [tokens, channels] tiles of one layout: the new stream, then its columns' products.
+    products = tl.zeros((BLOCK_T, BLOCK_D, MIX_PAD), tl.float32)
+    squares = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    # Stream by stream, in [tokens, channels] tiles of one layout: the new stream, then its columns' products,
+    # summed over the channels once, after the last stream (each sum across threads costs barriers).
     for k in tl.static_range(HC):
         mixed = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
         for j in tl.static_range(HC):  # the streams' tiles are read from L1 after the first stream
@@ -405,11 +406,13 @@ def _post_project_kernel(
         post = tl.load(post_ptr + t * HC + k, mask=t_ok, other=0.0)
         new = rounded(post[:, None] * out + mixed, new_ptr.dtype.element_ty)
         tl.store(new_ptr + t[:, None] * new_stride + k * D + d[None, :], new.to(new_ptr.dtype.element_ty), mask=ok)
-        # fn's columns k * D + d, products with the stored (rounded) values
-        w = tl.load(fn_ptr + cols[None, :] * K + (k * D + d)[:, None], mask=w_ok, other=0.0)
-        acc += tl.sum(new[:, :, None] * w[None, :, :], axis=1)
-        squares += tl.sum(new * new, axis=1)
-    acc = tl.where(cols[None, :] == MIX, squares[:, None], acc)
+        # fn's columns k * D + d, products with the stored (rounded) values. Loaded in the products' shape (each
+        # token's copy from L1): a [channels, columns] tile would be moved through shared memory into that layout.
+        w_at = tl.broadcast_to((fn_ptr + cols[None, :] * K + (k * D + d)[:, None])[None, :, :], products.shape)
+        w = tl.load(w_at, mask=tl.broadcast_to(w_ok[None, :, :], products.shape), other=0.0)
+        products += new[:, :, None] * w
+        squares += new * new
+    acc = tl.where(cols[None, :] == MIX, tl.sum(squares, axis=1)[:, None], tl.sum(products, axis=1))
     tl.store(part_ptr + (block * T + t)[:, None] * MIX_PAD + cols[None, :], acc, mask=t_ok[:, None])
     tl.debug_barrier()  # every thread's stores are made before the release below
     if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
