@@ -34,7 +34,8 @@ both passes read their activation tiles as boxes of whole rows by TMA descriptor
 instead of a gathered address a row: fewer instructions in a kernel whose issue slots the decoding fills; an H200
 probe of the gate-up pass at 8K tokens: 4.24 ms against 4.95). The slot sum adds the shared expert's output and
 rounds to the layer's dtype in one kernel.
-Settings: one table (`_TIERS`), fitted to the device's shared memory (`gemm_plan`).
+Settings: one table (`_TIERS`; `_REGISTER_OPERAND_TIERS` where the MMA reads registers), fitted to the device's
+shared memory (`gemm_plan`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ds4.kernels._device import has_tma, interpreting, launches_dependents_early, num_sms, shared_memory_per_block
+from ds4.kernels._device import (
+    has_tma,
+    interpreting,
+    launches_dependents_early,
+    mma_operands_in_registers,
+    num_sms,
+    shared_memory_per_block,
+)
 from ds4.kernels.fp8_linear import act_quant as fp8_act_quant
 from ds4.kernels.moe_routing import group_by_expert
 from ds4.kernels.swiglu import clamped_swiglu, swiglu
@@ -405,6 +413,18 @@ _TIERS = (  # (rows per touched expert up to, plan at most stages deep)
     (128, GemmPlan(bm=128, weight_rows=128, bk=64, warps=4, stages=4)),
     (None, GemmPlan(bm=256, weight_rows=128, bk=128, warps=8, stages=3, tma=True)),
 )
+# The same where the MMA takes both operands from registers (mma.sync: sm_80 to sm_89, sm_120): the decoded weights
+# and the activations' fragments sit beside the fp32 accumulator, so the wider tiles take 8 warps and the widest 64
+# weight rows and K steps of 64. Offline (ptxas, gate-up and down passes at Flash's shapes): _TIERS's 64-, 128-
+# and 256-row plans spill 48-72, 248-304 and 144-2720 bytes a thread on sm_80 and sm_120; these none (at most 233
+# registers; 8 bytes of stack on sm_120 with TMA).
+_REGISTER_OPERAND_TIERS = (
+    (16, GemmPlan(bm=16, weight_rows=128, bk=256, warps=4, stages=4)),
+    (32, GemmPlan(bm=32, weight_rows=128, bk=256, warps=4, stages=4)),
+    (64, GemmPlan(bm=64, weight_rows=128, bk=128, warps=8, stages=4)),
+    (128, GemmPlan(bm=128, weight_rows=128, bk=64, warps=8, stages=4)),
+    (None, GemmPlan(bm=256, weight_rows=64, bk=64, warps=8, stages=3, tma=True)),
+)
 _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2
 _ACT_QUANT_ELEMENTS = 2048  # an act_quant program's tile
@@ -429,12 +449,14 @@ def gemm_plan(
     sms: int,
     shared_memory: int,
     tma: bool = True,
+    registers_hold_operands: bool = False,
 ) -> GemmPlan:
     """The plan for `rows` (token, slot) rows, n output columns (gated: of gate and of up), K = k, from the
-    device's SM count and shared memory (and whether it has TMA): fewer stages, then narrower K steps where it
-    has less."""
+    device's SM count and shared memory (and whether it has TMA, and whether its MMA takes its operands from
+    registers): fewer stages, then narrower K steps where it has less."""
     touched = max(1, min(rows, n_experts))
-    plan = next(p for limit, p in _TIERS if limit is None or rows / touched <= limit)
+    tiers = _REGISTER_OPERAND_TIERS if registers_hold_operands else _TIERS
+    plan = next(p for limit, p in tiers if limit is None or rows / touched <= limit)
     # TMA where the device has it and the act_quant pass puts the activations (MXFP4's) in expert order
     plan = replace(plan, tma=plan.tma and mxfp4 and tma)
     while (
@@ -636,9 +658,10 @@ def routed_slots_triton(
     order, bounds = groups or group_by_expert(indices, n_experts)
     sms, smem = num_sms(x.device), shared_memory_per_block(x.device)
     a_bytes = 2 if experts.mxfp4 or x.dtype == torch.bfloat16 else 4
+    traits = (sms, smem, has_tma(x.device), mma_operands_in_registers(x.device))
     plan1, plan2 = plans or (
-        gemm_plan(t * k, n_experts, inter, hidden, True, experts.mxfp4, a_bytes, sms, smem, has_tma(x.device)),
-        gemm_plan(t * k, n_experts, hidden, inter, False, experts.mxfp4, a_bytes, sms, smem, has_tma(x.device)),
+        gemm_plan(t * k, n_experts, inter, hidden, True, experts.mxfp4, a_bytes, *traits),
+        gemm_plan(t * k, n_experts, hidden, inter, False, experts.mxfp4, a_bytes, *traits),
     )
     h = torch.empty(t * k, inter, dtype=slot_dtype, device=x.device)
     out = torch.empty(t * k, hidden, dtype=slot_dtype, device=x.device)

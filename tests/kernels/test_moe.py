@@ -249,6 +249,21 @@ def test_plans_follow_the_device():
     assert 96 % gemm_plan(6, 8, 64, 96, False, True, 2, 132, 232448).bk == 0
 
 
+@pytest.mark.parametrize("smem,tma", [(101376, True), (166912, False)], ids=["sm_120", "sm_80"])
+def test_register_operand_devices_keep_the_accumulator_small(smem, tma):
+    """Where the MMA takes both operands from registers (mma.sync), each tier's fp32 accumulator takes at most 64
+    registers a thread and the widest tiles' K steps stay at 64 (beside the accumulator they hold the decoded
+    weights' and the activations' fragments), at every batch from one token to a prefill."""
+    for rows in (6, 384, 256 * 20, 256 * 50, 256 * 100, 49152):
+        for gated, n, k in ((True, 2048, 4096), (False, 4096, 2048)):
+            plan = gemm_plan(rows, 256, n, k, gated, True, 2, 188, smem, tma, registers_hold_operands=True)
+            assert plan.bm * plan.weight_rows // (32 * plan.warps) <= 64, plan
+            assert plan.bm < 256 or plan.bk <= 64, plan
+            assert plan_shared_memory(plan, True, 2) <= smem
+            wgmma = gemm_plan(rows, 256, n, k, gated, True, 2, 188, smem, tma)
+            assert plan.bm == wgmma.bm  # the same row tiles: only the register budget differs
+
+
 def test_a_plan_whose_compiled_kernel_overflows_shared_memory_steps_down_once():
     """A plan the compiler's own buffers push past the device's shared memory loses stages (down to two), then
     halves its K step; the result is kept, so a later call compiles nothing."""

@@ -129,10 +129,13 @@ def test_hash_routing_with_repeated_experts(experts):
     assert_close(moe.routed_experts(x, weights, indices, experts, LIMIT), oracle(x, weights, indices, experts))
 
 
-def test_small_shared_memory_plan(experts, monkeypatch):
-    """The plan a ~99 KB part (sm_120, GB10) gets, run on this GPU."""
+@pytest.mark.parametrize("tokens", [4096, 8192])  # 96 and 192 rows an expert
+def test_small_shared_memory_plan(experts, tokens, monkeypatch):
+    """The plans a ~99 KB part whose MMA reads registers (sm_120, GB10) gets, run on this GPU: the 128- and 256-row
+    tiers of _REGISTER_OPERAND_TIERS."""
     monkeypatch.setattr(moe, "shared_memory_per_block", lambda device: 101376)
-    x, weights, indices = routing(1024, 5)
+    monkeypatch.setattr(moe, "mma_operands_in_registers", lambda device: True)
+    x, weights, indices = routing(tokens, 5)
     assert_close(moe.routed_experts(x, weights, indices, experts, LIMIT), oracle(x, weights, indices, experts))
 
 

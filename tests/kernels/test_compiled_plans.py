@@ -1,0 +1,72 @@
+"""Plans compiled for GPUs this machine does not have, by the ptxas that ships with triton (tools/offline_compile.py):
+what the compiler reports is the oracle (registers, the spill stack, shared memory), no GPU needed."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).parents[2]
+
+# Compiled in a process of its own: this one runs Triton's interpreter (conftest), which compiles nothing.
+_MOE_PLANS = """
+import json, sys
+import torch
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+from tools.offline_compile import compile_kernel, report
+from ds4.kernels import moe
+
+arch, sms, smem, tma, registers = json.loads(sys.argv[1])
+results = []
+for rows in (256 * 100, 8192 * 6):  # 100 rows an expert (the 128-row tier), an 8K prefill (the 256-row tier)
+    for gated, n, k in ((True, 2048, 4096), (False, 4096, 2048)):
+        plan = moe.gemm_plan(rows, 256, n, k, gated, True, 2, sms, smem, tma, registers_hold_operands=registers)
+        def t(dtype):
+            return torch.empty(1, dtype=dtype)
+        a = t(torch.bfloat16)
+        if plan.tma:
+            a = TensorDescriptor.from_tensor(torch.empty(64, k, dtype=torch.bfloat16), [plan.bm, plan.bk])
+        args = dict(
+            a_ptr=a, stride_a=k, order_ptr=t(torch.int32), bounds_ptr=t(torch.int32), gate_ptr=t(torch.int32),
+            up_ptr=t(torch.int32), gate_scale_ptr=t(torch.uint8), up_scale_ptr=t(torch.uint8), stride_we=n * k // 8,
+            stride_wn=k // 8, stride_se=n * k // 32, stride_sn=k // 32, route_w_ptr=t(torch.float32),
+            out_ptr=t(torch.bfloat16), stride_out=n, n_experts=256, k_slots=6, K=k, N=n, limit=7.0,
+        )
+        bn = plan.weight_rows // 2 if gated else plan.weight_rows
+        constexprs = dict(
+            E_PAD=256, BM=plan.bm, BN=bn, BK=plan.bk, MXFP4=True, GATED=gated, ROUND_BF16=True, DOT=tl.bfloat16,
+            PRECISION="tf32", PTX=True, TMA_A=plan.tma, PDL=arch >= 90,
+        )
+        compiled = compile_kernel(moe._grouped_gemm_kernel, args, constexprs, arch, plan.warps, plan.stages)
+        results.append(dict(rows=rows, gated=gated, plan=repr(plan), **report(compiled)))
+print(json.dumps(results))
+"""
+
+
+def _compiled(script: str, *args) -> list[dict]:
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(json.dumps, args)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles offline for other GPUs (the CPU CI's check)")
+@pytest.mark.parametrize(
+    "arch,sms,smem,tma,registers",
+    [(120, 188, 101376, True, True), (80, 108, 166912, False, True), (90, 132, 232448, True, False)],
+    ids=["sm_120", "sm_80", "sm_90"],
+)
+def test_moe_prefill_plans_do_not_spill(arch, sms, smem, tma, registers):
+    """The routed experts' wide tiles as each device gets them (RTX PRO 6000 / GB10, A100: mma.sync, both operands
+    in registers; H200: wgmma): within the registers (a spill stack of at most 8 bytes, ptxas's own frame on
+    sm_120) and the device's shared memory."""
+    for result in _compiled(_MOE_PLANS, [arch, sms, smem, tma, registers]):
+        assert result["stack"] <= 8 and result["shared"] <= smem, result
