@@ -451,9 +451,10 @@ def plan(tokens: int, k: int, d: int, mix_pad: int, x_bytes: int, sms: int, smem
     k_blocks = triton.cdiv(k, PROJECTION_BLOCK_K)
     splits = max(1, min(k_blocks, triton.cdiv(PROJECTION_WAVES * sms, triton.cdiv(tokens, block_t))))
     per_split = triton.cdiv(k_blocks, splits)
-    # Loaded tiles in their own dtype; half the shared memory left for the fp32 copies the dot reads.
+    # Loaded tiles in their own dtype, `stage` bytes a stage: the compiled kernel takes at most stages x stage
+    # (ptxas, sm_80 / sm_90 / sm_120, bf16, fp16 and fp32 streams). Half the shared memory: two programs an SM.
     stage = PROJECTION_BLOCK_K * (block_t * x_bytes + mix_pad * 4)
-    stages = max(1, min(PROJECTION_MAX_STAGES, (smem // 2 - PROJECTION_BLOCK_K * (block_t + mix_pad) * 4) // stage))
+    stages = max(1, min(PROJECTION_MAX_STAGES, smem // 2 // stage))
     chunks = triton.cdiv(d, CHANNEL_BLOCK)
     parts = max(1, min(chunks, triton.cdiv(COLLAPSE_WAVES * sms, tokens)))
     # Tokens to spare beyond COLLAPSE_WAVES programs an SM share a program (a token alone in one is latency-bound:

@@ -48,6 +48,28 @@ print(json.dumps(results))
 """
 
 
+_MHC_PROJECTION = """
+import json, sys
+import torch
+from tools.offline_compile import compile_kernel, report
+from ds4.kernels import hyper_connections as mhc
+
+arch, sms, smem = json.loads(sys.argv[1])
+results = []
+for dtype, precision in ((torch.bfloat16, "tf32x3"), (torch.float32, "ieee")):
+    for tokens in (64, 8192):
+        plan = mhc.plan(tokens, 4 * 4096, 4096, 32, dtype.itemsize, sms, smem)
+        args = dict(
+            h_ptr=torch.empty(1, dtype=dtype), h_stride=4 * 4096, fn_ptr=torch.empty(1), part_ptr=torch.empty(1),
+            T=tokens, K=4 * 4096, k_blocks_per_split=plan.k_blocks_per_split,
+        )
+        constexprs = dict(MIX=24, MIX_PAD=32, BLOCK_T=plan.block_t, BLOCK_K=plan.block_k, PRECISION=precision)
+        compiled = compile_kernel(mhc._projection_kernel, args, constexprs, arch, mhc.WARPS, plan.stages)
+        results.append(dict(dtype=str(dtype), tokens=tokens, stages=plan.stages, **report(compiled)))
+print(json.dumps(results))
+"""
+
+
 def _compiled(script: str, *args) -> list[dict]:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
@@ -70,3 +92,12 @@ def test_moe_prefill_plans_do_not_spill(arch, sms, smem, tma, registers):
     sm_120) and the device's shared memory."""
     for result in _compiled(_MOE_PLANS, [arch, sms, smem, tma, registers]):
         assert result["stack"] <= 8 and result["shared"] <= smem, result
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles offline for other GPUs (the CPU CI's check)")
+@pytest.mark.parametrize("arch,sms,smem", [(120, 188, 101376), (90, 132, 232448)], ids=["sm_120", "sm_90"])
+def test_mhc_projection_pipelines_within_half_the_shared_memory(arch, sms, smem):
+    """hc_pre's projection at Flash's streams reads its tiles ahead (2 or more stages) on a ~99 KB part as on the
+    H200, and its compiled kernel takes at most half the device's shared memory (two programs an SM)."""
+    for result in _compiled(_MHC_PROJECTION, [arch, sms, smem]):
+        assert result["stages"] >= 2 and result["shared"] <= smem // 2 and result["stack"] == 0, result
