@@ -47,7 +47,7 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 def has_fp8(device: torch.device) -> bool:
     """True when Triton can convert to and from e4m3 on `device` (sm_89+; the interpreter too): the FP8 linears'
-    act_quant needs it."""
+    act_quant needs it; the FP8 cache's readers (attention, indexer) decode the bytes themselves without it."""
     if device.type != "cuda":
         return True
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)

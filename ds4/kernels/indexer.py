@@ -11,7 +11,8 @@ Rows are grouped by request: request b owns rows [b * n, (b + 1) * n) with n = r
 step has n = 1, or 1 + the MTP draft rows, each with its own key_end). Keys are read through the
 request's block table, so neither prefill nor decode copies the cache. Two kernels: prefill puts a key
 tile in the MMA's M dimension and loops over query rows (heads in N); decode holds a request's few rows
-on chip (their heads side by side in N) and streams the request's keys past them.
+on chip (their heads side by side in N) and streams the request's keys past them. Where the device has no e4m3
+(sm_80 to sm_88) both read q and the keys as bytes and decode them to fp16 (exactly; `_operand`) for the product.
 
 Paged indexer key cache layout (`new_indexer_cache`): uint8 [num_pages, E * 132], E entries per page
 (64 unless the cache is made with another count; the model uses page_size // ratio); a page holds the E
@@ -38,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import interpreting
+from ds4.kernels._device import has_fp8, interpreting
 from ds4.kernels.fp4_act import FP4_BLOCK, ceil_log2, pow2, rotate_fp4, rotate_fp4_reference, round_to
 from ds4.kernels.fp8_kv import pow2_ceil
 from ds4.kernels.rope import apply_rope, apply_rope_reference, turn_row_pairs
@@ -175,12 +176,39 @@ def entry_rows_reference(
 # ----------------------------------------------------------------------------------------------
 
 
+# Where the device has no e4m3 (sm_80 to sm_88) the operands are their bytes, decoded as fp16 at 2^-8 of their
+# values (`_operand`); a product of two then carries 2^-16, which the scores undo.
+_BITS_UNDO = tl.constexpr(65536.0)
+
+
+@triton.jit
+def _operand(x, FP8_CVT: tl.constexpr, DOT_F32: tl.constexpr):
+    """e4m3 values as a product's operand: as they are (fp8); from their bytes where the device has no e4m3
+    (FP8_CVT False): the magnitude's seven bits at fp16's bits 7-13 and the sign at 15 read as 2^-8 times the
+    value, subnormals too (exact, as fp16 holds every e4m3 value); fp32 under the interpreter (DOT_F32)."""
+    if not FP8_CVT:
+        bits = x.to(tl.int32)
+        x = (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+    if DOT_F32:
+        x = x.to(tl.float32)
+    return x
+
+
 @triton.jit
 def _key_tile(
-    vec_ptr, scale_ptr, table_row, keys, key_in, key_live, PAGE_: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr
+    vec_ptr,
+    scale_ptr,
+    table_row,
+    keys,
+    key_in,
+    key_live,
+    PAGE_: tl.constexpr,
+    D: tl.constexpr,
+    FP8_CVT: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
-    """The e4m3 vectors [keys, D] and fp32 scales of `keys`, read through the request's block table row
-    (pages of PAGE_ entries: vectors first, then scales); keys not live read as zero."""
+    """The e4m3 vectors [keys, D] (as `_operand`) and fp32 scales of `keys`, read through the request's block
+    table row (pages of PAGE_ entries: vectors first, then scales); keys not live read as zero."""
     page = tl.load(table_row + keys // PAGE_, mask=key_in, other=0).to(tl.int64)
     slot = keys % PAGE_
     k = tl.load(
@@ -189,9 +217,9 @@ def _key_tile(
         other=0.0,
     )
     k_scale = tl.load(scale_ptr + page * (PAGE_ * (D + 4) // 4) + PAGE_ * D // 4 + slot, mask=key_live, other=0.0)
-    if DOT_F32:
-        k = k.to(tl.float32)
-    return k, k_scale
+    if not FP8_CVT:
+        k_scale *= _BITS_UNDO
+    return _operand(k, FP8_CVT, DOT_F32), k_scale
 
 
 @triton.jit(
@@ -231,6 +259,7 @@ def _indexer_logits_kernel(
     BLOCK_S: tl.constexpr,
     PAGE_: tl.constexpr,
     D: tl.constexpr,
+    FP8_CVT: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     # One program: BLOCK_S keys of one request (the MMA's M) against up to BLOCK_Q of its query rows, one row
@@ -264,8 +293,9 @@ def _indexer_logits_kernel(
     # the table covers max_keys, so its read need not wait for the rows' ends
     key_live = key_in & (keys < tl.max(ends, axis=0))
     k, k_scale = _key_tile(
-        vec_ptr, scale_ptr, bt_ptr + request.to(tl.int64) * stride_bt, keys, key_in, key_live, PAGE_, D, DOT_F32
-    )
+        vec_ptr, scale_ptr, bt_ptr + request.to(tl.int64) * stride_bt, keys, key_in, key_live, PAGE_, D, FP8_CVT,
+        DOT_F32,
+    )  # fmt: skip
     dims = tl.arange(0, D)
     heads = tl.arange(0, H)
     head_live = heads < n_heads
@@ -278,9 +308,7 @@ def _indexer_logits_kernel(
         )
         w = tl.load(w_ptr + row * w_row4 * 4 + heads, mask=head_live, other=0.0)
         end = tl.load(key_end_ptr + row)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        dots = tl.dot(k, tl.trans(q))  # [BLOCK_S, H] fp32, fp8 products accumulated in fp32
+        dots = tl.dot(k, tl.trans(_operand(q, FP8_CVT, DOT_F32)))  # [BLOCK_S, H] fp32, fp8 products accumulated in fp32
         logits = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1) * k_scale
         tl.store(out_row + i * stride_out, tl.where(keys < end, logits, float("-inf")), mask=key_in)
 
@@ -322,6 +350,7 @@ def _indexer_decode_kernel(
     BLOCK_S: tl.constexpr,
     PAGE_: tl.constexpr,
     D: tl.constexpr,
+    FP8_CVT: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     # One program: all rows of one request (1, or 1 + MTP drafts; their heads side by side are the MMA's
@@ -344,9 +373,7 @@ def _indexer_decode_kernel(
         other=0.0,
     )
     w = tl.load(w_ptr + (row0 + which) * w_row4 * 4 + head, mask=live, other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    qt = tl.trans(q)
+    qt = tl.trans(_operand(q, FP8_CVT, DOT_F32))
     first = chunk * tiles_per_program
     stop = tl.minimum(first + tiles_per_program, tl.cdiv(max_keys, BLOCK_S))
     busy = tl.maximum(tl.minimum(stop, tl.cdiv(end_max, BLOCK_S)), first)  # tiles past every row's end: -inf
@@ -363,6 +390,7 @@ def _indexer_decode_kernel(
             keys < end_max,
             PAGE_,
             D,
+            FP8_CVT,
             DOT_F32,
         )
         dots = tl.dot(k, qt)  # [BLOCK_S, BLOCK_Q * H]
@@ -496,6 +524,11 @@ def _entry_rows_kernel(
 _PREFILL_TILE = (256, 64, 4, 3)
 _DECODE_TILE = (128, 16, 4, 3)
 _DECODE_MAX_N = 256
+# fp32 scores a thread may hold of a tile's [keys, heads] product (more warps where a tile has more); half that where
+# the operands are decoded from bytes (no e4m3: both wait in registers as fp16). Offline (ptxas), the decode tile of
+# a request of 4 rows (N = 256) over 4 warps spilled 248 bytes a thread on sm_90, 720 on sm_120, 1328 on sm_80 from
+# bytes; over 8, none (16 on sm_80). The prefill tile from bytes (sm_80): 88 bytes over 4 warps, none over 8.
+_SCORE_REGISTERS = 128
 # The query, key-write and picked-rows kernels: elements of a program's tile, picks a program. A query or key
 # program's code is straight-line, its time about its elements a thread (~115 instructions each in the query
 # kernel on sm_90): 512 is 4 a thread of the 4 warps, one 8-byte load of bf16 in the layout of the rotation's
@@ -572,12 +605,25 @@ def indexer_logits(
 
 
 def _wide_operands(q, w):
-    """q and w with strides in whole 16-byte units, which the kernels take (so their loads are 16 bytes wide)."""
+    """q (as the kernels read it, `_operand_dtype`) and w with strides in whole 16-byte units, which the kernels take
+    (so their loads are 16 bytes wide)."""
     if q.stride(0) % 16 or q.stride(1) % 16:
         q = q.contiguous()
     if w.stride(0) % 4:
         w = torch.nn.functional.pad(w, (0, -q.shape[1] % 4))
-    return q, w
+    return q.view(_operand_dtype(q.device)), w
+
+
+def _warps(warps: int, keys: int, n: int, device: torch.device) -> int:
+    """The tile's warps, more (up to 8) where its [keys, n] fp32 product would take more than _SCORE_REGISTERS a
+    thread (half that where the operands come from bytes)."""
+    budget = _SCORE_REGISTERS if has_fp8(device) else _SCORE_REGISTERS // 2
+    return min(8, max(warps, keys * n // (32 * budget)))
+
+
+def _operand_dtype(device: torch.device) -> torch.dtype:
+    """How the kernels read e4m3 operands: as e4m3, or as bytes where the device has no e4m3 (`_operand`)."""
+    return torch.float8_e4m3fn if has_fp8(device) else torch.uint8
 
 
 def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, tile):
@@ -585,6 +631,7 @@ def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, 
     rows, n_heads, _ = q.shape
     q, w = _wide_operands(q, w)
     block_s, block_q, warps, stages = tile
+    warps = _warps(warps, block_s, _padded_heads(n_heads), q.device)
     block_q = min(block_q, triton.next_power_of_2(rows_per_request))
     query_blocks = triton.cdiv(rows_per_request, block_q)
     key_tiles = triton.cdiv(max_keys, block_s)
@@ -596,7 +643,7 @@ def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, 
         q.stride(1) // 16,
         w,
         w.stride(0) // 4,
-        cache.view(torch.float8_e4m3fn),
+        cache.view(_operand_dtype(q.device)),
         cache.view(torch.float32),
         table,
         table.stride(0),
@@ -613,6 +660,7 @@ def _launch(q, w, cache, block_table, key_end, rows_per_request, max_keys, out, 
         BLOCK_S=block_s,
         PAGE_=page_entries(cache),
         D=HEAD_DIM,
+        FP8_CVT=has_fp8(q.device),
         DOT_F32=interpreting(),
         num_warps=warps,
         num_stages=stages,
@@ -624,6 +672,7 @@ def _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys
     rows, n_heads, _ = q.shape
     q, w = _wide_operands(q, w)
     block_s, per_program, warps, stages = tile
+    warps = _warps(warps, block_s, triton.next_power_of_2(rows_per_request) * _padded_heads(n_heads), q.device)
     chunks = triton.cdiv(triton.cdiv(max_keys, block_s), per_program)
     table = block_table.to(torch.int32)
     return _indexer_decode_kernel[(rows // rows_per_request * chunks,)](
@@ -632,7 +681,7 @@ def _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys
         q.stride(1) // 16,
         w,
         w.stride(0) // 4,
-        cache.view(torch.float8_e4m3fn),
+        cache.view(_operand_dtype(q.device)),
         cache.view(torch.float32),
         table,
         table.stride(0),
@@ -649,6 +698,7 @@ def _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys
         BLOCK_S=block_s,
         PAGE_=page_entries(cache),
         D=HEAD_DIM,
+        FP8_CVT=has_fp8(q.device),
         DOT_F32=interpreting(),
         num_warps=warps,
         num_stages=stages,

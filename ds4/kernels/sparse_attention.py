@@ -21,7 +21,6 @@ written (by the combining launch when split), so the output [T, H, D] is what th
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ds4.kernels._device import interpreting, mma_operands_in_registers, num_sms, shared_memory_per_block
+from ds4.kernels._device import has_fp8, interpreting, mma_operands_in_registers, num_sms, shared_memory_per_block
 from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, dequantize_kv, kv_entry_bytes
 from ds4.kernels.norm_rope import EntryForm, norm_rope, rounded
 from ds4.kernels.rmsnorm import inverse_rms
@@ -586,12 +585,6 @@ def key_splits(programs: int, keys: int, sms: int) -> int:
     return max(1, min(sms // programs, keys // _MIN_SPLIT_KEYS))
 
 
-@functools.cache
-def converts_fp8(device: torch.device) -> bool:
-    """Whether the kernel reads e4m3 through the device's conversion (sm_89+; the interpreter), else from bits."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def _row_align(fp8: bool) -> int:
     """Bytes every pool row starts on: FP8 entries are whole multiples of 8 bytes (fp8_kv), plain rows 16."""
     return 8 if fp8 else 16
@@ -707,7 +700,7 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
         NOPE=head_dim - (rope_dim or 0),
         ROPE=rope_dim or 0,
         FP8=fp8,
-        FP8_CVT=converts_fp8(q.device),
+        FP8_CVT=has_fp8(q.device),  # else the e4m3 values are decoded from their bits
         ROW_ALIGN=_row_align(fp8),
         DOT=tl.float32 if dot_f32 else _DOT_TYPES[q.dtype],
         IEEE=dot_f32,

@@ -70,6 +70,40 @@ print(json.dumps(results))
 """
 
 
+_INDEXER = """
+import json, sys
+import torch
+import triton
+from tools.offline_compile import compile_kernel, report
+from ds4.kernels import indexer
+
+arch = json.loads(sys.argv[1])
+indexer.has_fp8 = lambda device: arch >= 89  # what the device would say
+operand = torch.float8_e4m3fn if arch >= 89 else torch.uint8
+results = []
+for rows in (0, 1, 2, 4):  # a prefill chunk, then decode requests of 1 to 4 rows (MTP drafts)
+    block_s, block_q, warps, stages = indexer._PREFILL_TILE if rows == 0 else indexer._DECODE_TILE
+    block_q = block_q if rows == 0 else triton.next_power_of_2(rows)
+    n = 64 if rows == 0 else block_q * 64
+    warps = indexer._warps(warps, block_s, n, torch.device("cuda"))
+    args = dict(
+        q_ptr=torch.empty(1, dtype=operand), q_row16=512, q_head16=8, w_ptr=torch.empty(1), w_row4=16,
+        vec_ptr=torch.empty(1, dtype=operand), scale_ptr=torch.empty(1), bt_ptr=torch.empty(1, dtype=torch.int32),
+        stride_bt=64, key_end_ptr=torch.empty(1, dtype=torch.int32), rows_per_request=max(rows, 8192), n_heads=64,
+        max_keys=2048, out_ptr=torch.empty(1), stride_out=2048,
+    )
+    if rows:
+        args.update(tiles_per_program=16, chunks=1)
+    else:
+        args.update(query_blocks=128, key_tiles=8)
+    kernel = indexer._indexer_decode_kernel if rows else indexer._indexer_logits_kernel
+    constexprs = dict(H=64, BLOCK_Q=block_q, BLOCK_S=block_s, PAGE_=64, D=128, FP8_CVT=arch >= 89, DOT_F32=False)
+    compiled = compile_kernel(kernel, args, constexprs, arch, warps, stages)
+    results.append(dict(rows=rows, warps=warps, **report(compiled)))
+print(json.dumps(results))
+"""
+
+
 def _compiled(script: str, *args) -> list[dict]:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
@@ -101,3 +135,13 @@ def test_mhc_projection_pipelines_within_half_the_shared_memory(arch, sms, smem)
     H200, and its compiled kernel takes at most half the device's shared memory (two programs an SM)."""
     for result in _compiled(_MHC_PROJECTION, [arch, sms, smem]):
         assert result["stages"] >= 2 and result["shared"] <= smem // 2 and result["stack"] == 0, result
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles offline for other GPUs (the CPU CI's check)")
+@pytest.mark.parametrize("arch", [80, 90, 120], ids=["sm_80", "sm_90", "sm_120"])
+def test_indexer_kernels_compile_within_the_registers(arch):
+    """The lightning indexer's scoring kernels as each device launches them (sm_80: the e4m3 operands read as bytes,
+    which that part has no type for): a prefill chunk and decode requests of 1, 2 and 4 rows (the 4-row tile: a
+    [128, 256] product), spilling at most 16 bytes a thread."""
+    for result in _compiled(_INDEXER, arch):
+        assert result["stack"] <= 16, result

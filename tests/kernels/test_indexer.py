@@ -127,6 +127,32 @@ def test_decode_kernel_streams_keys_past_each_requests_rows(indexer, rows_per_re
     check_against_oracle(indexer, got, q, q_scale, w, cache, table, key_end, rows_per_request)
 
 
+@pytest.mark.parametrize("rows_per_request", [1, 40])
+def test_e4m3_read_as_bytes_on_devices_without_e4m3(indexer, rows_per_request, monkeypatch):
+    """sm_80 to sm_88 have no e4m3: both kernels (a decode request, a prefill chunk) read q and the keys as bytes
+    and decode them (every code: subnormals, both signs, zero) to the same scores, against the oracle."""
+    monkeypatch.setattr(indexer, "has_fp8", lambda device: False)
+    g = torch.Generator().manual_seed(rows_per_request)
+    requests, n_keys, heads = 2, 200, 3
+    cache, table, _ = paged_keys(indexer, requests, n_keys, 4, g)
+    vectors, _ = indexer.cache_views(cache)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # no NaN
+    first_keys = vectors.view(torch.uint8)[table[0, 0].long(), :2]  # request 0's keys 0 and 1: every code
+    first_keys.copy_(torch.cat([codes, torch.zeros(256 - len(codes), dtype=torch.uint8)]).view(2, 128))
+    rows = requests * rows_per_request
+    q, q_scale = indexer.quantize_rows(torch.randn(rows, heads, 128, generator=g))
+    picks = torch.randint(0, len(codes), (heads, 128), generator=g)
+    q.view(torch.uint8)[0] = codes[picks]
+    w = torch.randn(rows, heads, generator=g)
+    key_end = torch.full((rows,), n_keys)
+    max_keys = 4 * indexer.PAGE
+    got = indexer.indexer_logits(
+        q, w, cache, table, key_end, rows_per_request, max_keys, q_scale=q_scale, impl="triton"
+    )
+    check_against_oracle(indexer, got, q, q_scale, w, cache, table, key_end, rows_per_request)
+
+
 @pytest.mark.parametrize("per_page", [4, 16])
 def test_caches_with_other_page_sizes(indexer, per_page):
     """A cache of E entries a page (the model's page_size // ratio): both kernels and the reference."""

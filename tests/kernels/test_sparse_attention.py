@@ -107,7 +107,7 @@ def test_probabilities_exchanged_through_memory_give_the_reference(splits):
 def test_e4m3_decoded_from_its_bits_as_on_devices_without_fp8_conversion(monkeypatch):
     """sm_80 has no e4m3 conversion: the kernel then decodes the bits itself (normals and subnormals, signs)."""
     mod = _kernel()
-    monkeypatch.setattr(mod, "converts_fp8", lambda device: False)
+    monkeypatch.setattr(mod, "has_fp8", lambda device: False)
     case = build_case([(12, 3)], heads=4, head_dim=128, kind="csa", fp8=True, seed=9)
     pool, idx = case.key_sets[2]
     pool[:, :64] = torch.arange(256, dtype=torch.uint8).view(-1, 64).repeat(pool.shape[0] // 4 + 1, 1)[: pool.shape[0]]
