@@ -176,7 +176,11 @@ def test_topk_settings_come_from_the_device():
         assert abs(1e9 / settings.stagger_ns_per_byte / peak - 1) < 1e-6
 
 
-def test_indexer_logits_match_fp32_reference():
+@pytest.mark.parametrize("e4m3", [True, False], ids=["e4m3", "bytes"])
+def test_indexer_logits_match_fp32_reference(e4m3, monkeypatch):
+    """Decode requests (3 rows: the 4-row tile, 8 warps), prefill chunks, causal ends; `bytes`: the operands read as
+    bytes and decoded to fp16, as on a part without e4m3 (sm_80), run here."""
+    monkeypatch.setattr(ix, "has_fp8", lambda device: e4m3)
     g = torch.Generator(device="cuda").manual_seed(17)
     requests, n_keys, pages = 2, 3000, 48
     cache = ix.new_indexer_cache(requests * pages + 5, device="cuda")

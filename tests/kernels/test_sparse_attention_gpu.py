@@ -43,6 +43,13 @@ def test_flash_shapes_match_the_reference(batch, layer, fp8):
     _check(build_case(BATCHES[batch], kind=kind, ratio=ratio, per_page=per_page, fp8=fp8, seed=7, **FLASH))
 
 
+@pytest.mark.parametrize("batch", ["decode 1 token, contexts to 128K", "prefill chunk crossing window and entries"])
+def test_e4m3_decoded_from_its_bits(batch, monkeypatch):
+    """The FP8 cache read as a part without e4m3 (sm_80) reads it, its e4m3 bytes decoded by the kernel, run here."""
+    monkeypatch.setattr(sa, "has_fp8", lambda device: False)
+    _check(build_case(BATCHES[batch], kind="csa", ratio=4, per_page=64, fp8=True, seed=9, **FLASH))
+
+
 @pytest.mark.parametrize("requests", [[(3000, 1), (70, 3), (0, 20)], [(3000, 1), (70, 3)]], ids=["64+64", "8x16"])
 def test_pro_heads_in_two_programs(requests):
     """Pro's 128 heads: two programs of 64 a token, or (a batch of few tokens) eight of 16."""
