@@ -104,6 +104,43 @@ print(json.dumps(results))
 """
 
 
+_ATTENTION = """
+import json, sys
+import torch
+import triton.language as tl
+from tools.offline_compile import compile_kernel, report
+from ds4.kernels import sparse_attention as sa
+
+arch, sms, smem = json.loads(sys.argv[1])
+sa.mma_operands_in_registers = lambda device: arch in (80, 86, 89, 120)  # what the device would say
+sa.num_sms = lambda device: sms
+sa.shared_memory_per_block = lambda device: smem
+results = []
+for tokens, split in ((1, True), (8192, False)):  # a decode step of one token, its keys split; an 8K prefill chunk
+    plan = sa.attention_plan(torch.device("cuda"), 64, 512, tokens)
+    def t(dtype):
+        return torch.empty(1, dtype=dtype)
+    sets = {}
+    for i, width in enumerate((128, 512, 0)):
+        sets.update({f"pool{i}": t(torch.uint8), f"stride_p{i}": 584, f"idx{i}": t(torch.int32), f"stride_i{i}": 512})
+        sets[f"width{i}"] = width
+    args = dict(
+        q_ptr=t(torch.bfloat16), stride_qt=64 * 512, stride_qh=512, out_ptr=t(torch.bfloat16), stride_ot=64 * 512,
+        stride_oh=512, part_ptr=t(torch.float32), exchange_ptr=t(torch.uint8), sink_ptr=t(torch.float32),
+        pos_ptr=t(torch.int64), freq_ptr=t(torch.float32), eps=1e-6, n_heads=64, scale_log2=0.06, **sets,
+        tiles_per_split=4,
+    )
+    constexprs = dict(
+        D=512, DP=512, NOPE=448, ROPE=64, FP8=True, FP8_CVT=arch >= 89, ROW_ALIGN=8, DOT=tl.bfloat16, IEEE=False,
+        SPLIT=split, ROTARY=True, HALF=32, BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, STAGES=plan.stages,
+        EXCHANGE=plan.exchange,
+    )
+    compiled = compile_kernel(sa._sparse_attention_kernel, args, constexprs, arch, plan.num_warps, plan.stages)
+    results.append(dict(tokens=tokens, plan=repr(plan), **report(compiled)))
+print(json.dumps(results))
+"""
+
+
 def _compiled(script: str, *args) -> list[dict]:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
@@ -145,3 +182,17 @@ def test_indexer_kernels_compile_within_the_registers(arch):
     [128, 256] product), spilling at most 16 bytes a thread."""
     for result in _compiled(_INDEXER, arch):
         assert result["stack"] <= 16, result
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles offline for other GPUs (the CPU CI's check)")
+@pytest.mark.parametrize(
+    "arch,sms,smem",
+    [(80, 108, 166912), (90, 132, 232448), (100, 148, 232448), (120, 188, 101376)],
+    ids=["sm_80", "sm_90", "sm_100", "sm_120"],
+)
+def test_attention_plans_compile_within_the_device(arch, sms, smem):
+    """The sparse attention's plans for Flash (64 heads x 512, the FP8 cache, the model's rotary queries) as each
+    device gets them, a decode token and an 8K prefill: within its shared memory, the spill stack at most 64 bytes
+    a thread (the [heads, 512] fp32 accumulator takes 128 registers of 255)."""
+    for result in _compiled(_ATTENTION, [arch, sms, smem]):
+        assert result["stack"] <= 64 and result["shared"] <= smem, result
