@@ -141,6 +141,43 @@ print(json.dumps(results))
 """
 
 
+_FP8_LINEAR = """
+import json, sys
+import torch
+from tools.offline_compile import compile_kernel, report
+from ds4.kernels import fp8_linear as fl
+
+arch, sms, smem = json.loads(sys.argv[1])
+results = []
+for m in (1, 4, 16):  # decode rows (the Triton kernel's: cuBLAS takes larger calls)
+    for n, k, groups in ((32768, 1024, 1), (4096, 8192, 1), (8192, 4096, 8)):  # wq_b, wo_b, the grouped wo_a
+        plan = fl.linear_plan(m, n // groups, groups, k, 2, sms, smem)
+        def t(dtype):
+            return torch.empty(1, dtype=dtype)
+        args = dict(
+            x_ptr=t(torch.bfloat16), x_stride=groups * k, up_ptr=t(torch.bfloat16), up_stride=k, limit=0.0,
+            w_ptr=t(torch.float8_e4m3fn), w_stride=k, ws_ptr=t(torch.float32), ws_stride=-(-k // 128),
+            out_ptr=t(torch.bfloat16), out_stride=n, part_ptr=t(torch.float32), part_split_stride=n, part_stride=n,
+            arrivals_ptr=t(torch.int32), M=m, rows_per_group=n // groups, K=k, chunks_per_split=plan.chunks_per_split,
+            splits=plan.splits,
+        )
+        constexprs = dict(QUANTIZE_X=groups == 1, SWIGLU=False, ROW_SCALES=False, SPLIT=plan.splits > 1)
+        if plan.use_dot:
+            kernel = fl._fp8_linear_kernel
+            constexprs.update(DOT_F32=False, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
+        else:
+            kernel = fl._fp8_gemv_kernel
+            constexprs.update(
+                BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, WARPS=plan.num_warps, RUN=fl.fma_weight_run(plan, 2),
+                STAGES=plan.num_stages, PREFETCH=plan.prefetch,
+            )
+        args = {name: value for name, value in args.items() if name in kernel.arg_names}
+        compiled = compile_kernel(kernel, args, constexprs, arch, plan.num_warps, plan.num_stages)
+        results.append(dict(m=m, n=n, plan=repr(plan), **report(compiled)))
+print(json.dumps(results))
+"""
+
+
 def _compiled(script: str, *args) -> list[dict]:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
@@ -196,3 +233,14 @@ def test_attention_plans_compile_within_the_device(arch, sms, smem):
     a thread (the [heads, 512] fp32 accumulator takes 128 registers of 255)."""
     for result in _compiled(_ATTENTION, [arch, sms, smem]):
         assert result["stack"] <= 64 and result["shared"] <= smem, result
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compiles offline for other GPUs (the CPU CI's check)")
+@pytest.mark.parametrize(
+    "arch,sms,smem", [(90, 132, 232448), (100, 148, 232448), (120, 188, 101376)], ids=["sm_90", "sm_100", "sm_120"]
+)
+def test_fp8_linear_decode_plans_do_not_spill(arch, sms, smem):
+    """The FP8 linear's decode plans (M = 1 by FMA, 4 and 16 by tl.dot) on the parts with e4m3, at Flash's wq_b,
+    wo_b and grouped wo_a: no spill stack, within the shared memory."""
+    for result in _compiled(_FP8_LINEAR, [arch, sms, smem]):
+        assert result["stack"] == 0 and result["shared"] <= smem, result
