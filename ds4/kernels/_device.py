@@ -53,6 +53,15 @@ def has_fp8(device: torch.device) -> bool:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
 
 
+def has_blockwise_fp8_gemm(device: torch.device) -> bool:
+    """True when torch._scaled_mm takes the DeepSeek-style blockwise FP8 recipe (1x128 activation blocks x 128x128
+    weight blocks) on `device`: torch runs it on sm_90 only (elsewhere, sm_89 and sm_100 / sm_120 among them, it
+    raises)."""
+    if device.type != "cuda":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
 ARRIVAL_COUNTERS = 1 << 14  # int32 counters a launch may use (per device)
 
 

@@ -15,8 +15,9 @@ the splits' fp32 partials in a fixed order and writing the output dtype (determi
 graphs), by FMA at M = 1 (each warp its own weight rows, read K-contiguously, the lanes' sums meeting once at
 the end), by tl.dot at more rows. Larger calls (where TRITON_UP_TO says cuBLAS is faster) run whole 128 x 128
 blocks through cuBLAS (torch._scaled_mm, 1x128 activation blocks x 128x128 weight blocks) after a Triton
-act_quant, rows padded to a multiple of 16; without act_quant, large M dequantises the weight per call and
-multiplies in bf16, as the reference does. `ds4 bench linear` times every path at every M.
+act_quant, rows padded to a multiple of 16; torch takes that recipe on sm_90 only, so elsewhere both operands are
+dequantised (exactly, to bf16) for one bf16 GEMM into fp32. Without act_quant, large M dequantises the weight per
+call and multiplies in bf16, as the reference does. `ds4 bench linear` times every path at every M.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import ARRIVAL_COUNTERS, arrival_counters, interpreting, num_sms
+from ds4.kernels._device import ARRIVAL_COUNTERS, arrival_counters, has_blockwise_fp8_gemm, interpreting, num_sms
 from ds4.kernels.fp8_kv import pow2_ceil
 from ds4.kernels.norm_rope import rounded
 from ds4.kernels.swiglu import clamped_swiglu, swiglu, swiglu_to
@@ -566,6 +567,13 @@ def _cublas(x, weight, scale, groups, quantize_x, out_dtype) -> torch.Tensor:
         # Batched over groups, written in place as [m, g, r] (cuBLAS takes the strides): no permuting copy after.
         torch.bmm(x.view(m, groups, k).transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
         return out.view(m, n).to(out_dtype)
+    if not has_blockwise_fp8_gemm(x.device):
+        # Both operands dequantised (exact in bf16: e4m3 values times powers of two) and one bf16 GEMM into fp32:
+        # the same products, summed in fp32, rounded once.
+        q, s = act_quant_triton(x)
+        xq = (q.float().view(m, -1, QUANT_BLOCK) * s[:, :, None]).view(m, k).to(torch.bfloat16)
+        w = _dequantize_aligned(weight, scale, torch.bfloat16)
+        return torch.mm(xq, w.t(), out_dtype=torch.float32).to(out_dtype)
     q, s = _cublas_act_quant(x)
     return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.t(), out_dtype=out_dtype)[:m]
 

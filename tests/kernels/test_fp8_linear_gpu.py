@@ -49,6 +49,19 @@ def test_fp8_linear_matches_reference_over_m(m, n, k):
         assert rel_err(fl.fp8_linear(x, w, s, out_dtype=torch.float32, impl="triton"), want) < 1e-5
 
 
+@pytest.mark.parametrize("m", [17, 1000, 8192])
+def test_parts_without_the_blockwise_recipe_dequantise_both_operands(m, monkeypatch):
+    """torch runs the blockwise FP8 _scaled_mm on sm_90 only: elsewhere (run here) the cuBLAS path dequantises
+    act_quant's values and the weight to bf16 (exact) for one bf16 GEMM into fp32: the reference's products, fp32
+    sums."""
+    monkeypatch.setattr(fl, "has_blockwise_fp8_gemm", lambda device: False)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    w, s = weights(2048, 4096, g)
+    want = fl.fp8_linear_reference(x, w, s, out_dtype=torch.float32)
+    assert rel_err(fl.fp8_linear(x, w, s, out_dtype=torch.float32, impl="cublas"), want) < 1e-5
+
+
 @pytest.mark.parametrize("m", [1, 8, 64, 1000])
 def test_swiglu_input_matches_swiglu_then_the_linear(m):
     """The shared expert's w2 (2048 -> 4096) taking w1's and w3's outputs (row slices of one product): the kernel's
