@@ -9,8 +9,11 @@ import sys
 
 import pytest
 import torch
+import triton
 
 ROOT = pathlib.Path(__file__).parents[2]
+_PTXAS = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+pytestmark = pytest.mark.skipif(not _PTXAS.exists(), reason="this triton wheel ships no ptxas")
 
 # Compiled in a process of its own: this one runs Triton's interpreter (conftest), which compiles nothing.
 _MOE_PLANS = """
