@@ -308,7 +308,7 @@ def _indexer_logits_kernel(
         )
         w = tl.load(w_ptr + row * w_row4 * 4 + heads, mask=head_live, other=0.0)
         end = tl.load(key_end_ptr + row)
-        dots = tl.dot(k, tl.trans(_operand(q, FP8_CVT, DOT_F32)))  # [BLOCK_S, H] fp32, fp8 products accumulated in fp32
+        dots = tl.dot(k, tl.trans(_operand(q, FP8_CVT, DOT_F32)))  # [BLOCK_S, H]: exact products, fp32 sums
         logits = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1) * k_scale
         tl.store(out_row + i * stride_out, tl.where(keys < end, logits, float("-inf")), mask=key_in)
 
