@@ -72,6 +72,7 @@ PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 
 # launch's critical path)
 PARTIAL_STAGES = tl.constexpr(3)
 CUBLAS_ROWS = 16  # rows padded to a multiple of this for cuBLAS
+DEQUANTIZED_PIECE_BYTES = 256 << 20  # fp32 rows at a time where both operands are dequantised (no blockwise recipe)
 SMEM_RESERVE = 8 << 10  # shared memory left to the compiler's own scratch (barriers, the epilogue)
 ACT_QUANT_ROWS = 8  # rows an act_quant program quantises (H200, 8192 x 4096: 0.094 ms at 32, 0.048 at 8)
 DEQUANTIZE_ROWS, DEQUANTIZE_COLS = 32, 512  # a weight dequantisation program's tile
@@ -568,12 +569,17 @@ def _cublas(x, weight, scale, groups, quantize_x, out_dtype) -> torch.Tensor:
         torch.bmm(x.view(m, groups, k).transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
         return out.view(m, n).to(out_dtype)
     if not has_blockwise_fp8_gemm(x.device):
-        # Both operands dequantised (exact in bf16: e4m3 values times powers of two) and one bf16 GEMM into fp32:
-        # the same products, summed in fp32, rounded once.
+        # Both operands dequantised (exact in bf16: e4m3 values times powers of two) and a bf16 GEMM into fp32: the
+        # same products, summed in fp32, rounded once; in pieces of rows that keep the fp32 temporaries small.
         q, s = act_quant_triton(x)
-        xq = (q.float().view(m, -1, QUANT_BLOCK) * s[:, :, None]).view(m, k).to(torch.bfloat16)
-        w = _dequantize_aligned(weight, scale, torch.bfloat16)
-        return torch.mm(xq, w.t(), out_dtype=torch.float32).to(out_dtype)
+        w = _dequantize_aligned(weight, scale, torch.bfloat16).t()
+        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+        piece = max(1, DEQUANTIZED_PIECE_BYTES // (4 * max(n, k)))
+        for r in range(0, m, piece):
+            rows = slice(r, r + piece)
+            xq = (q[rows].float().view(-1, k // QUANT_BLOCK, QUANT_BLOCK) * s[rows, :, None]).view(-1, k)
+            out[rows] = torch.mm(xq.to(torch.bfloat16), w, out_dtype=torch.float32)
+        return out
     q, s = _cublas_act_quant(x)
     return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.t(), out_dtype=out_dtype)[:m]
 

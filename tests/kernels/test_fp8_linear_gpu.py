@@ -55,6 +55,7 @@ def test_parts_without_the_blockwise_recipe_dequantise_both_operands(m, monkeypa
     act_quant's values and the weight to bf16 (exact) for one bf16 GEMM into fp32: the reference's products, fp32
     sums."""
     monkeypatch.setattr(fl, "has_blockwise_fp8_gemm", lambda device: False)
+    monkeypatch.setattr(fl, "DEQUANTIZED_PIECE_BYTES", 1 << 20)  # pieces of 64 rows: several at 1000 and 8192
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, 4096, device="cuda", generator=g).to(torch.bfloat16)
     w, s = weights(2048, 4096, g)
