@@ -25,7 +25,7 @@ from ds4.bench.ceilings import copy_bandwidth, gemm_rate, graph_ms
 from ds4.checkpoint.quant import fp8_block_quantize
 from ds4.kernels import fp8_linear as fl
 from ds4.kernels import fp32_product as fp
-from ds4.kernels._device import num_sms
+from ds4.kernels._device import has_blockwise_fp8_gemm, num_sms
 
 # name: (N, K, groups, act_quant): DeepSeek-V4-Flash's FP8 linears as the model runs them (hidden 4096, q rank
 # 1024, 64 heads x 512, o: 8 groups of 1024 rows, shared expert 2048, indexer 64 heads x 128), the linears of one
@@ -119,7 +119,8 @@ def bench_shape(name: str, m: int, bandwidth: float, rate: float, rep: int = 200
         )
     if fl.cublas_fits(10**9, n, k, groups, quantize_x):
         row["cublas_ms"] = graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x, impl="cublas"), rep)
-    auto_key = "triton_ms" if fl.prefers_triton(m, n, k, groups, quantize_x) else "cublas_ms"
+    blockwise = has_blockwise_fp8_gemm(x.device)
+    auto_key = "triton_ms" if fl.prefers_triton(m, n, k, groups, quantize_x, blockwise) else "cublas_ms"
     row["auto_ms"] = row.get(auto_key) or graph_ms(lambda: fl.fp8_linear(x, w, s, groups, quantize_x), rep)
     dense = fl.dequantize_weight(w, s).to(torch.bfloat16)
     if groups == 1:

@@ -66,6 +66,9 @@ DOT_MAX_BLOCK_M = 64  # rows of x a tl.dot program takes; more rows run more pro
 # elsewhere where it fits (H200, at 4 rows: the kernel 0.017 ms against cuBLAS's 0.019 on 6 MB, 0.018 against 0.015
 # on 8 MB, 0.025 against 0.020 on 16 MB; at M = 1 it wins everywhere).
 TRITON_UP_TO = ((1, 1 << 62), (16, 6 << 20), (64, 4 << 20))
+# Rows the Triton kernel takes at any weight size where torch has no blockwise FP8 GEMM (off sm_90): H200, 32 MB of
+# weight at 16 rows, 0.033 ms, where dequantising it alone moves 96 MB (0.023 ms at the copy rate) before its GEMM.
+TRITON_WITHOUT_BLOCKWISE_UP_TO = 16
 CUBLAS_MIN_M_DEQUANTIZED = 128  # without act_quant, dequantising the weight per call pays off above this
 PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 1/this of the weight's bytes
 # partials in flight while the last program of a tile sums them (read one after another, each was a latency on the
@@ -617,9 +620,11 @@ def cublas_fits(m: int, n: int, k: int, groups: int, quantize_x: bool) -> bool:
     return aligned and groups == 1
 
 
-def prefers_triton(m: int, n: int, k: int, groups: int, quantize_x: bool) -> bool:
-    """`auto` on CUDA: the Triton kernel where cuBLAS does not fit or TRITON_UP_TO says it is faster."""
-    if not cublas_fits(m, n, k, groups, quantize_x):
+def prefers_triton(m: int, n: int, k: int, groups: int, quantize_x: bool, blockwise: bool = True) -> bool:
+    """`auto` on CUDA: the Triton kernel where cuBLAS does not fit or TRITON_UP_TO says it is faster; where the
+    device has no blockwise FP8 GEMM (`blockwise` False: cuBLAS then dequantises the weight per call, three times its
+    bytes moved), also up to TRITON_WITHOUT_BLOCKWISE_UP_TO rows whatever the weight."""
+    if not cublas_fits(m, n, k, groups, quantize_x) or (not blockwise and m <= TRITON_WITHOUT_BLOCKWISE_UP_TO):
         return True
     return any(m <= rows and n * k <= weight_bytes for rows, weight_bytes in TRITON_UP_TO)
 
@@ -670,7 +675,8 @@ def fp8_linear(
         if not x.is_cuda:
             impl = "torch"
         else:
-            impl = "triton" if prefers_triton(m, n, k, groups, quantize_x) else "cublas"
+            blockwise = has_blockwise_fp8_gemm(x.device)
+            impl = "triton" if prefers_triton(m, n, k, groups, quantize_x, blockwise) else "cublas"
     if up2 is not None and impl == "cublas":  # the SwiGLU first: cuBLAS and the reference take plain rows
         x2, up2 = swiglu_to(x2, up2, swiglu_limit, x.dtype), None
     elif up2 is not None and impl == "torch":

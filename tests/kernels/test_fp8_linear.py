@@ -181,6 +181,9 @@ def test_auto_takes_triton_at_decode_sizes_and_cublas_where_it_is_faster(fp8):
     assert fp8.prefers_triton(64, 512, 4096, 1, True) and not fp8.prefers_triton(65, 512, 4096, 1, True)
     assert fp8.prefers_triton(128, 8 * 1024, 4096, 8, False)  # grouped: cuBLAS does not fit
     assert fp8.prefers_triton(4, 200, 300, 1, True)  # partial blocks: cuBLAS does not fit
+    # off sm_90 (no blockwise recipe: cuBLAS dequantises the weight per call) decode sizes stay with the kernel
+    assert fp8.prefers_triton(16, 32768, 1024, 1, True, blockwise=False)
+    assert not fp8.prefers_triton(17, 32768, 1024, 1, True, blockwise=False)
 
 
 @pytest.mark.parametrize("n, k", [(256, 640), (384, 128)])
