@@ -69,7 +69,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float | None:
-    """FLOP/s of an n^3 GEMM in bf16 (fp32 on CPU) or, with dtype float8_e4m3fn, fp8 via torch._scaled_mm."""
+    """FLOP/s of an n^3 GEMM in bf16 (fp32 on CPU) or, with dtype float8_e4m3fn, fp8 via torch._scaled_mm (None where
+    there is none to time)."""
     if dtype == torch.float8_e4m3fn:
         # fp8 tensor cores start with sm_89 (Ada, Hopper); older GPUs and CPUs have no fp8 GEMM to measure.
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
@@ -77,6 +78,10 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float 
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype).t()
         sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+        try:
+            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        except (RuntimeError, NotImplementedError):  # this torch has no rowwise recipe on this part: nothing to time
+            return None
         ms = median_ms(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), device)
     else:
         compute = dtype if device.type == "cuda" else torch.float32
