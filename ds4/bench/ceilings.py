@@ -88,3 +88,10 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float 
         a, b = torch.randn(n, n, device=device, dtype=compute), torch.randn(n, n, device=device, dtype=compute)
         ms = median_ms(lambda: a @ b, device)
     return 2 * n**3 / (ms * 1e-3)
+
+
+def fp8_or_bf16_rate(device: torch.device) -> tuple[float, str]:
+    """(FLOP/s, "fp8") of the fp8 GEMM, or of the bf16 one (kind "bf16") where this part has no fp8 GEMM of torch's to
+    time: the rate an FP8 kernel's roofline is bounded by."""
+    rate = gemm_rate(device, torch.float8_e4m3fn)
+    return (rate, "fp8") if rate is not None else (gemm_rate(device, torch.bfloat16), "bf16")

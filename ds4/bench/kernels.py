@@ -17,7 +17,7 @@ import sys
 import torch
 import triton
 
-from ds4.bench.ceilings import copy_bandwidth, gemm_rate, graph_ms, kernel_ms
+from ds4.bench.ceilings import copy_bandwidth, fp8_or_bf16_rate, graph_ms, kernel_ms
 from ds4.kernels import gated_pool, norm_rope, rmsnorm, rope, topk_triton
 from ds4.kernels import hyper_connections as mhc
 from ds4.kernels import indexer as ix
@@ -481,11 +481,8 @@ def main(argv: list[str]) -> int:
                 )
             )
     if "indexer" in groups:
-        cuda = torch.device("cuda")
-        gemm = gemm_rate(cuda, torch.float8_e4m3fn)
-        if gemm is None:  # no fp8 GEMM of torch's to time on this part: the bf16 rate bounds the roofline instead
-            gemm = gemm_rate(cuda, torch.bfloat16)
-        else:
+        gemm, kind = fp8_or_bf16_rate(torch.device("cuda"))
+        if kind == "fp8":
             report["fp8_gemm_tflops"] = gemm / 1e12
         tiles = PREFILL_TILES if args.all_tiles else PREFILL_TILES[:1]
         sections.append(("indexer_prefill", lambda: bench_indexer_prefill(8192, 65536, gemm, tiles)))

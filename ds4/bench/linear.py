@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ds4.bench.ceilings import copy_bandwidth, gemm_rate, graph_ms
+from ds4.bench.ceilings import copy_bandwidth, fp8_or_bf16_rate, graph_ms
 from ds4.checkpoint.quant import fp8_block_quantize
 from ds4.kernels import fp8_linear as fl
 from ds4.kernels import fp32_product as fp
@@ -211,9 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         print("ds4 bench linear needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    bandwidth, rate, kind = copy_bandwidth(device), gemm_rate(device, torch.float8_e4m3fn), "fp8"
-    if rate is None:  # no fp8 GEMM of torch's to time on this part: the bf16 rate bounds the roofline instead
-        rate, kind = gemm_rate(device, torch.bfloat16), "bf16"
+    bandwidth, (rate, kind) = copy_bandwidth(device), fp8_or_bf16_rate(device)
     print(f"copy {bandwidth / 1e12:.2f} TB/s, {kind} GEMM {rate / 1e12:.0f} TFLOP/s", file=sys.stderr)
     rows = []
     for name in args.shapes:
