@@ -26,6 +26,7 @@ OVERLAP = os.environ.get("DS4_SIDE_STREAM", "1") != "0"
 class SideStream:
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and OVERLAP else None
+        self.forked = False
 
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:
@@ -34,13 +35,17 @@ class SideStream:
             yield
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        self.forked = True
         with torch.cuda.stream(self.stream):
             yield
 
     def join(self) -> None:
-        """The current stream's later work waits for the side stream's."""
-        if self.stream is not None:
+        """The current stream's later work waits for the side stream's work since the last join; nothing without a
+        fork since (a join of a layer that forked nothing must not wait on older work: in a CUDA graph's capture
+        that may be work outside the graph, which invalidates the capture)."""
+        if self.forked:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.forked = False
 
 
 @functools.cache
