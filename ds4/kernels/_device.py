@@ -93,6 +93,13 @@ def mma_operands_in_registers(device: torch.device) -> bool:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] not in (9, 10)
 
 
+def mma_is_warpgroup(device: torch.device) -> bool:
+    """True when the tensor-core MMA is issued by a warpgroup of 4 warps over a tile in shared memory (wgmma, sm_90)."""
+    if device.type != "cuda":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+
+
 def launches_dependents_early(device: torch.device) -> bool:
     """True when a kernel may start before the one it depends on ends (programmatic dependent launch, sm_90+)."""
     if device.type != "cuda":

@@ -28,7 +28,14 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ds4.kernels._device import has_fp8, interpreting, mma_operands_in_registers, num_sms, shared_memory_per_block
+from ds4.kernels._device import (
+    has_fp8,
+    interpreting,
+    mma_is_warpgroup,
+    mma_operands_in_registers,
+    num_sms,
+    shared_memory_per_block,
+)
 from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, dequantize_kv, kv_entry_bytes
 from ds4.kernels.norm_rope import EntryForm, norm_rope, rounded
 from ds4.kernels.rmsnorm import inverse_rms
@@ -509,13 +516,13 @@ class AttentionPlan:
     """Launch settings: query heads per program (the MMA's M), keys per tile, warps, and the key tiles in flight
     (1: read as they are used).
 
-    exchange (a sweep candidate, `ds4 bench attention --sweep`): a tile's probabilities and rescale factors go to the
-    PV product through a slot of memory of the program's own. Triton gives a QK product that feeds another product
-    all the warps along M, so with 8 warps and 64 heads (one warpgroup's M) both warpgroups compute the whole QK
-    tile; with no data path from it to the PV product they split its keys instead (offline, sm_90, 64 x 32 over 8
-    warps: 32 wgmma instructions a tile instead of 64, 759 instructions a tile against 1126 at 2 stages and 934 at
-    1), at the price of two barriers a tile, which also keep Triton from reading key tiles ahead (stages is then
-    1)."""
+    exchange (attention_plan's choice where a warpgroup issues the MMA; a candidate of `ds4 bench attention
+    --sweep`): a tile's probabilities and rescale factors go to the PV product through a slot of memory of the
+    program's own. Triton gives a QK product that feeds another product all the warps along M, so with 8 warps and
+    64 heads (one warpgroup's M) both warpgroups compute the whole QK tile; with no data path from it to the PV
+    product they split its keys instead (offline, sm_90, 64 x 32 over 8 warps: 32 wgmma instructions a tile instead
+    of 64, 759 instructions a tile against 1126 at 2 stages and 934 at 1), at the price of two barriers a tile,
+    which also keep Triton from reading key tiles ahead (stages is then 1)."""
 
     block_h: int
     block_n: int
@@ -536,6 +543,9 @@ def attention_plan(device: torch.device, heads: int, head_dim: int, tokens: int 
     read KEY_STAGES ahead where the shared memory also holds their rows (async copies, so that the loads overlap
     the products), except in a small batch's programs (H200, Flash, 64K context, at 16 heads: batch 1 0.0231 ms at
     1 stage, 0.0254 at 2; at 64 heads: batch 64 0.0727 at 2, 0.0759 at 1, the 8K prefill 5.46 at 2, 5.77 at 1).
+    Where a warpgroup issues the MMA (wgmma) a program of 64 heads over 8 warps exchanges the probabilities through
+    memory, 64 keys a tile where the shared memory holds them (H200, Flash, `ds4 bench attention --sweep` at
+    23c2fb5: the 8K prefill 3.93 ms against 4.97 at 32 keys and 2 stages without; batch 64 0.0672 against 0.0671).
     Where the MMA takes its operands from registers (sm_80 to sm_89, sm_120) the query tile is one of them: 16 heads
     a program over 8 warps (offline, sm_80 and sm_120 at 512 dims: no spills, where 32 or 64 heads spilled hundreds
     of registers in the key loop)."""
@@ -550,6 +560,10 @@ def attention_plan(device: torch.device, heads: int, head_dim: int, tokens: int 
         block_h //= 2
     stages = KEY_STAGES if not small_batch and _shared_bytes(block_h, block_n, padded, KEY_STAGES) <= smem else 1
     warps = 8 if registers_hold_q else min(8, max(4, block_h * padded // (32 * _ACC_REGISTERS)))
+    if not small_batch and block_h == 64 and warps == 8 and mma_is_warpgroup(device):
+        wide = 2 * block_n
+        block_n = wide if _shared_bytes(block_h, wide, padded) <= smem else block_n
+        return AttentionPlan(block_h, block_n, warps, 1, exchange=True)
     return AttentionPlan(block_h, block_n, warps, stages)
 
 

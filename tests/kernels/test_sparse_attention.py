@@ -138,7 +138,8 @@ def test_plan_fits_the_shared_memory_and_the_accumulator_the_registers(smem, mon
     """Query tile and key tile (bf16), and a split's fp32 partial result, within the device's shared memory per
     block; warps enough that the fp32 accumulator [heads, dims] takes at most 128 registers a thread (of 255)."""
     monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: smem)
-    monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: False)  # Hopper-like: wgmma
+    monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: False)  # MMA from shared memory
+    monkeypatch.setattr(sa, "mma_is_warpgroup", lambda device: False)  # sm_100-like: no exchange
     for heads, head_dim in ((64, 512), (128, 512), (4, 128)):
         plan = sa.attention_plan(torch.device("cuda"), heads, head_dim)
         assert (plan.block_h + plan.block_n) * head_dim * 2 <= smem and plan.block_h * head_dim * 4 <= smem
@@ -157,11 +158,28 @@ def test_few_tokens_take_programs_of_16_heads(monkeypatch):
     monkeypatch.setattr(sa, "num_sms", lambda device: 132)
     monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: 232448)
     monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: False)
+    monkeypatch.setattr(sa, "mma_is_warpgroup", lambda device: False)
     device = torch.device("cuda")
     assert sa.attention_plan(device, 64, 512, tokens=1) == sa.AttentionPlan(16, 32, 4, 1)
     assert sa.attention_plan(device, 64, 512, tokens=132 // sa.SMALL_BATCH_SHARE) == sa.AttentionPlan(16, 32, 4, 1)
     assert sa.attention_plan(device, 64, 512, tokens=64) == sa.AttentionPlan(64, 32, 8, sa.KEY_STAGES)
     assert sa.attention_plan(device, 64, 512) == sa.AttentionPlan(64, 32, 8, sa.KEY_STAGES)
+
+
+def test_warpgroup_mma_devices_exchange_the_probabilities_of_64_head_programs(monkeypatch):
+    """Where a warpgroup issues the MMA (sm_90), programs of 64 heads over 8 warps take the exchange through memory,
+    64 keys a tile, no tiles in flight (Pro's two 64-head programs a token as Flash's one); a small batch's 16-head
+    programs and programs of fewer heads do not."""
+    monkeypatch.setattr(sa, "num_sms", lambda device: 132)
+    monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: 232448)
+    monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: False)
+    monkeypatch.setattr(sa, "mma_is_warpgroup", lambda device: True)
+    device = torch.device("cuda")
+    exchanging = sa.AttentionPlan(64, 64, 8, 1, exchange=True)
+    assert sa.attention_plan(device, 64, 512, tokens=8192) == exchanging
+    assert sa.attention_plan(device, 128, 512, tokens=64) == exchanging
+    assert sa.attention_plan(device, 64, 512, tokens=1) == sa.AttentionPlan(16, 32, 4, 1)
+    assert not sa.attention_plan(device, 16, 128, tokens=8192).exchange  # 16 heads: no duplicated QK product
 
 
 @pytest.mark.parametrize("smem, stages", [(166912, 2), (101376, 1)], ids=["sm80", "sm120"])
@@ -172,6 +190,7 @@ def test_register_operand_devices_take_16_heads_over_8_warps(smem, stages, monke
     monkeypatch.setattr(sa, "num_sms", lambda device: 108)
     monkeypatch.setattr(sa, "shared_memory_per_block", lambda device: smem)
     monkeypatch.setattr(sa, "mma_operands_in_registers", lambda device: True)
+    monkeypatch.setattr(sa, "mma_is_warpgroup", lambda device: False)
     assert sa.attention_plan(torch.device("cuda"), 64, 512, 1) == sa.AttentionPlan(16, 32, 8, 1)
     assert sa.attention_plan(torch.device("cuda"), 64, 512, None) == sa.AttentionPlan(16, 32, 8, stages)
 
