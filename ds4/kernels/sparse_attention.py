@@ -52,7 +52,7 @@ _MIN_SPLIT_KEYS = 64
 _COMBINE_BLOCK_H = 16
 _COMBINE_BLOCK_D = 64
 _COMBINE_STAGES = tl.constexpr(3)  # splits' pieces in flight while the combine sums them (decode: many splits)
-SMALL_BATCH_SHARE = 8  # batches of at most SMs / this many tokens take 16-head programs (attention_plan)
+SMALL_BATCH_SHARE = 16  # batches of at most SMs / this many tokens take 16-head programs (attention_plan)
 KEY_STAGES = 2  # key tiles in flight where shared memory holds them (attention_plan)
 
 
@@ -539,7 +539,8 @@ def attention_plan(device: torch.device, heads: int, head_dim: int, tokens: int 
     device's shared memory per block holds neither the query tile and a key tile in bf16 nor the fp32 partial
     result that a split writes through it. A batch of few tokens (at most 1/SMALL_BATCH_SHARE of the SM count)
     takes 16 heads a program: four times the programs, each with a quarter of the query tile and accumulator (H200,
-    Flash, 64K context: batch 1 0.026 ms against 0.036 at 64 heads; batch 64 0.162 against 0.107). Key tiles are
+    Flash, 64K context, the sweep at 23c2fb5: batch 1 0.0202 ms against 0.0271 at 64 heads, 0.0248 exchanging;
+    batch 8 0.0275 against 0.0296 and 0.0274; batch 16 0.0418 against 0.0347 and 0.0319). Key tiles are
     read KEY_STAGES ahead where the shared memory also holds their rows (async copies, so that the loads overlap
     the products), except in a small batch's programs (H200, Flash, 64K context, at 16 heads: batch 1 0.0231 ms at
     1 stage, 0.0254 at 2; at 64 heads: batch 64 0.0727 at 2, 0.0759 at 1, the 8K prefill 5.46 at 2, 5.77 at 1).
