@@ -12,12 +12,14 @@ tokens to fill the device (one partial row per split, summed in a fixed order by
 no atomics, nothing to zero). The collapse launch sums a token's partials, computes its gates and the Sinkhorn
 iterations in registers (an hc x hc matrix) and writes a slice of the channels; when a token's channels are
 split over several programs each recomputes those few values, and when tokens are many a program takes several.
-Everything is fp32 as in the reference. With bf16 or fp16 streams (exact in TF32) the projection's products run
-on tensor cores as three TF32 products
-(Triton's tf32x3: each operand split into a TF32 high part and the TF32 rounding of the rest, the low x low
-product dropped): the streams' low parts are zero, so only the weight's rest is rounded, about 2^-22 of a
-product instead of the 2^-24 of IEEE fp32 FMAs; fp32 streams keep IEEE fp32 FMAs (an fp32 model agrees with its
-CPU run up to the order of the sums). H200, 8192 bf16 tokens: hc_pre 1.31 ms, 1.65 with IEEE FMA dot products.
+Everything is fp32 as in the reference. With bf16 streams the projection's products run on tensor cores as three
+bf16 products: fn's fp32 weights split into three bf16 parts (each the rounding of what the ones before leave, their
+sum fn to about 2^-27 of itself), each part's products with the streams exact and summed in fp32: no conversion of
+the streams, half the MMA instructions of Triton's tf32x3, which fp16 streams keep (exact in TF32; its low x low
+product dropped, the weight's rest rounded to TF32: about 2^-22 of a product). fp32 streams keep IEEE fp32 FMAs (an
+fp32 model agrees with its CPU run up to the order of the sums). H200, 8192 bf16 tokens, tf32x3: hc_pre 0.38 ms
+(`ds4 bench kernels --only mhc`, 23c2fb5); offline, sm_90, the projection's K step of that plan: 591 SASS
+instructions with tf32x3, 342 with the bf16 parts (not measured on a GPU yet).
 A decode step's hc_post, the hc_pre after it and that sub-layer's RMSNorm (`hc_post_pre`, up to POST_PRE_TOKENS
 tokens) are one launch: each program expands a block of channels and writes that block's projection row (fp32
 FMAs: too few tokens for an MMA), and the last program to arrive (an arrival counter) runs the collapse from the
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import arrival_counters, num_sms, shared_memory_per_block
+from ds4.kernels._device import arrival_counters, interpreting, num_sms, shared_memory_per_block
 from ds4.kernels.norm_rope import rounded
 from ds4.kernels.rmsnorm import inverse_rms, rms_norm
 
@@ -47,7 +49,7 @@ PROJECTION_LARGE_T = 64
 PROJECTION_BLOCK_K = 64
 PROJECTION_WAVES = 1
 PROJECTION_MAX_STAGES = 3
-PROJECTION_PRECISION = {torch.bfloat16: "tf32x3", torch.float16: "tf32x3"}  # by stream dtype; else "ieee"
+PROJECTION_PRECISION = {torch.bfloat16: "bf16x3", torch.float16: "tf32x3"}  # by stream dtype; else "ieee"
 WARPS = 4
 # 1024 = WARPS x 32 threads x one 16-byte load of 16-bit streams: each thread then holds all hc streams of its
 # channels and the sums over the streams stay in its registers (with 512, hc is split over warps and summed
@@ -122,6 +124,7 @@ def _projection_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PARTS_F32: tl.constexpr,
 ):
     """part[split, t, :MIX] = flat(h)[t, K slice] @ fn[:, K slice].T, part[split, t, MIX] = sum of squares."""
     split = tl.program_id(1)
@@ -131,16 +134,34 @@ def _projection_kernel(
     row_ok = rows < T
     row_ptr = h_ptr + rows.to(tl.int64)[:, None] * h_stride
     acc = tl.zeros((BLOCK_T, MIX_PAD), tl.float32)
-    squares = tl.zeros((BLOCK_T,), tl.float32)
+    squares = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)  # summed over the channels once, after the loop
     k_start = split * k_blocks_per_split * BLOCK_K
     for step in range(0, k_blocks_per_split):
         k = k_start + step * BLOCK_K + ks
         k_ok = k < K
-        x = tl.load(row_ptr + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(row_ptr + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(fn_ptr + cols[None, :] * K + k[:, None], mask=(cols[None, :] < MIX) & k_ok[:, None], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        squares += tl.sum(x * x, axis=1)
-    acc = tl.where(cols[None, :] == MIX, squares[:, None], acc)
+        if PRECISION == "bf16x3":
+            # fp32 w as the sum of three bf16 parts (each the rounding of what the ones before leave: w to about
+            # 2^-27 of itself), each part's products with the bf16 streams exact in the MMA's fp32 sums. PARTS_F32
+            # (the interpreter, whose bf16 dot is wrong): the same exact products from fp32 copies.
+            high = w.to(tl.bfloat16)
+            rest = w - high.to(tl.float32)
+            middle = rest.to(tl.bfloat16)
+            low = (rest - middle.to(tl.float32)).to(tl.bfloat16)
+            if PARTS_F32:
+                xf = x.to(tl.float32)
+                acc = tl.dot(xf, high.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(xf, middle.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(xf, low.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, high, acc)
+                acc = tl.dot(x, middle, acc)
+                acc = tl.dot(x, low, acc)
+        else:
+            acc = tl.dot(x.to(tl.float32), w, acc, input_precision=PRECISION)
+        squares += x.to(tl.float32) * x.to(tl.float32)
+    acc = tl.where(cols[None, :] == MIX, tl.sum(squares, axis=1)[:, None], acc)
     out = part_ptr + (split * T + rows.to(tl.int64))[:, None] * MIX_PAD + cols[None, :]
     tl.store(out, acc, mask=row_ok[:, None])
 
@@ -501,6 +522,7 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         BLOCK_T=launch.block_t,
         BLOCK_K=launch.block_k,
         PRECISION=PROJECTION_PRECISION.get(streams.dtype, "ieee"),
+        PARTS_F32=interpreting(),
         num_warps=WARPS,
         num_stages=launch.stages,
     )

@@ -58,14 +58,17 @@ from ds4.kernels import hyper_connections as mhc
 
 arch, sms, smem = json.loads(sys.argv[1])
 results = []
-for dtype, precision in ((torch.bfloat16, "tf32x3"), (torch.float32, "ieee")):
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    precision = mhc.PROJECTION_PRECISION.get(dtype, "ieee")
     for tokens in (64, 8192):
         plan = mhc.plan(tokens, 4 * 4096, 4096, 32, dtype.itemsize, sms, smem)
         args = dict(
             h_ptr=torch.empty(1, dtype=dtype), h_stride=4 * 4096, fn_ptr=torch.empty(1), part_ptr=torch.empty(1),
             T=tokens, K=4 * 4096, k_blocks_per_split=plan.k_blocks_per_split,
         )
-        constexprs = dict(MIX=24, MIX_PAD=32, BLOCK_T=plan.block_t, BLOCK_K=plan.block_k, PRECISION=precision)
+        constexprs = dict(
+            MIX=24, MIX_PAD=32, BLOCK_T=plan.block_t, BLOCK_K=plan.block_k, PRECISION=precision, PARTS_F32=False
+        )
         compiled = compile_kernel(mhc._projection_kernel, args, constexprs, arch, mhc.WARPS, plan.stages)
         results.append(dict(dtype=str(dtype), tokens=tokens, stages=plan.stages, **report(compiled)))
 print(json.dumps(results))
