@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ds4.engine.sampler import RequestSampling, Sampler, warp_logits
+from ds4.engine.sampler import RequestSampling, Sampler, greedy_tokens, warp_logits
 from ds4.engine.sampling_params import SamplingParams
 from ds4.model.batch import ForwardBatch
 
@@ -72,7 +72,7 @@ def verify(
     for state, num_tokens, rejected in grammars:
         state.rollback(state.num_tokens - num_tokens)
         state.rejected_token = rejected
-    argmax = processed.argmax(dim=-1).tolist()  # one transfer for every greedy row
+    argmax = greedy_tokens(processed).tolist()  # one transfer for every greedy row
     kept_tokens, row = [], 0
     for request, draft in zip(requests, drafts):
         if request.params.is_greedy:
@@ -175,7 +175,7 @@ class MTPDrafter:
         streams, positions = streams[last_rows], batch.positions[last_rows]
         slots, tables = batch.slots[requests], batch.block_tables[requests]
         starts = torch.arange(requests.shape[0] + 1, dtype=torch.int32, device=positions.device)
-        tokens = [self.model.compute_mtp_logits(streams).argmax(dim=-1)]
+        tokens = [greedy_tokens(self.model.compute_mtp_logits(streams))]
         for j in range(1, self.k):
             # The MTP layer again, one position on, on its own output streams and its last draft.
             step = ForwardBatch(
@@ -188,5 +188,5 @@ class MTPDrafter:
                 decode_only=True,
             )
             streams = self.model.mtp_forward(step, streams, self.cache)
-            tokens.append(self.model.compute_mtp_logits(streams).argmax(dim=-1))
+            tokens.append(greedy_tokens(self.model.compute_mtp_logits(streams)))
         return torch.stack(tokens, dim=1)
