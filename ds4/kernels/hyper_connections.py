@@ -417,8 +417,12 @@ def _post_project_kernel(
     out = tl.load(out_ptr + t[:, None] * out_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
     products = tl.zeros((BLOCK_T, BLOCK_D, MIX_PAD), tl.float32)
     squares = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    streams = tl.arange(0, HC)
+    news = tl.zeros((BLOCK_T, HC, BLOCK_D), tl.float32)
     # Stream by stream, in [tokens, channels] tiles of one layout: the new stream, then its columns' products,
-    # summed over the channels once, after the last stream (each sum across threads costs barriers).
+    # summed over the channels once, after the last stream (each sum across threads costs barriers). The new
+    # streams are stored after the loop: a store before a load of fn would hold that load (it might alias) until
+    # the store is made, and fn's columns come from DRAM, one wait a stream instead of one for all.
     for k in tl.static_range(HC):
         mixed = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
         for j in tl.static_range(HC):  # the streams' tiles are read from L1 after the first stream
@@ -426,13 +430,15 @@ def _post_project_kernel(
             mixed += tl.load(comb_ptr + t * HC * HC + j * HC + k, mask=t_ok, other=0.0)[:, None] * h
         post = tl.load(post_ptr + t * HC + k, mask=t_ok, other=0.0)
         new = rounded(post[:, None] * out + mixed, new_ptr.dtype.element_ty)
-        tl.store(new_ptr + t[:, None] * new_stride + k * D + d[None, :], new.to(new_ptr.dtype.element_ty), mask=ok)
-        # fn's columns k * D + d, products with the stored (rounded) values. Loaded in the products' shape (each
+        news = tl.where((streams == k)[None, :, None], new[:, None, :], news)
+        # fn's columns k * D + d, products with the new (rounded) values. Loaded in the products' shape (each
         # token's copy from L1): a [channels, columns] tile would be moved through shared memory into that layout.
         w_at = tl.broadcast_to((fn_ptr + cols[None, :] * K + (k * D + d)[:, None])[None, :, :], products.shape)
         w = tl.load(w_at, mask=tl.broadcast_to(w_ok[None, :, :], products.shape), other=0.0)
         products += new[:, :, None] * w
         squares += new * new
+    new_at = new_ptr + t[:, None, None] * new_stride + streams[None, :, None] * D + d[None, None, :]
+    tl.store(new_at, news.to(new_ptr.dtype.element_ty), mask=ok[:, None, :])
     acc = tl.where(cols[None, :] == MIX, tl.sum(squares, axis=1)[:, None], tl.sum(products, axis=1))
     tl.store(part_ptr + (block * T + t)[:, None] * MIX_PAD + cols[None, :], acc, mask=t_ok[:, None])
     tl.debug_barrier()  # every thread's stores are made before the release below
