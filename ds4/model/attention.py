@@ -108,9 +108,10 @@ class Attention(nn.Module):
             compressions = [self.compressor.wkv, self.compressor.wgate]
         if self.kind == CSA:
             self.indexer = Indexer(cfg, self.ratio, dtype, device, self.fp8_kv, weight_format)
-            # Both query projections take qr, both compressors' projections x: one launch each.
+            # Both query projections take qr; both compressors' projections and the indexer's head weights x:
+            # one launch each.
             self.queries = StackedLinears(self.wq_b, self.indexer.wq_b)
-            compressions += [self.indexer.compressor.wkv, self.indexer.compressor.wgate]
+            compressions += [self.indexer.compressor.wkv, self.indexer.compressor.wgate, self.indexer.weights_proj]
         if self.kind != WINDOW:
             self.compressions = StackedLinears(*compressions)
 
@@ -127,7 +128,7 @@ class Attention(nn.Module):
             # the step's shared values before the join (the compressor may make them on its stream first).
             snapshot = cache.snapshot.compressor if cache.snapshot is not None else None
             with side.fork():
-                compressed = self.compressions(x)  # kv and score of the compressor (and the indexer's)
+                compressed = self.compressions(x)  # kv and score of the compressor (the indexer's, its weights)
                 self.compressor(*compressed[:2], step, cache.compressor, cache.compressed, snapshot)
         q_a, kv = self.q_a_and_kv(x)
         qr = rms_norm(q_a, self.q_norm.weight, self.eps)

@@ -65,7 +65,9 @@ class Indexer(nn.Module):
         self.finish = _round_index if fp8_kv else nn.Identity()
         fp8 = kept_fp8_block(cfg, weight_format)
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.head_dim, dtype, device, fp8)
-        self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype, device)
+        # Multiplied with the compressors' projections of x (one launch, on the side stream: see Attention), its
+        # fp32 products rounded to the model's dtype as the reference's linear stores them.
+        self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype, device, fp32_output=True)
         # Without fp8 the keys go straight into their pool; with it, through the rounding, then the packed store.
         finish = self.finish if fp8_kv else None
         self.compressor = Compressor(
@@ -77,23 +79,24 @@ class Indexer(nn.Module):
         self,
         x: torch.Tensor,
         q: torch.Tensor,
-        compressed: tuple[torch.Tensor, torch.Tensor],
+        products: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         step: LayerStep,
         width: int,
     ) -> torch.Tensor:
         """Pool rows of the entries each token attends to, [T, min(index_topk, width)] (-1 = none); a token's
         scores span `width` entries (see Attention._entry_width), -inf past the ones it sees. The attention
         multiplies the projections with its own: q is wq_b of the query low-rank residual [T, heads * head_dim],
-        `compressed` the compressor's wkv and wgate products of x."""
+        `products` the compressor's wkv and wgate products of x and weights_proj's (fp32)."""
         batch, cache = step.batch, step.cache
         snapshot = cache.snapshot.indexer if cache.snapshot is not None else None
-        self.compressor(*compressed, step, cache.indexer, cache.index_keys, snapshot)
+        kv, score, weights = products
+        self.compressor(kv, score, step, cache.indexer, cache.index_keys, snapshot)
         k = min(self.topk, width)
         if k == 0 or x.shape[0] == 0:
             return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
         pool = cache.index_keys
         q = q.view(x.shape[0], self.heads, self.head_dim)
-        weights = self.weights_proj(x)
+        weights = weights.to(x.dtype)
         if pool.dtype == torch.uint8:  # RoPE inside the queries' rounding launch
             q, weights = index_queries(q, weights, self.weight_scale, rope=(batch.positions, step.inv_freq))
             top = indexer_topk
