@@ -8,7 +8,8 @@ On any config (`--config flash|pro|DIR` with `--load-format dummy`, or a checkpo
     interval between the steps returned): the requests are prefilled first, then the batch shrinks by aborting
     requests, largest first;
   - prefill tok/s of one prompt of each `--prefill-lengths` (chunks of `--prefill-chunk` tokens);
-  - peak device memory; finite logits asserted on every step.
+  - peak device memory; finite logits asserted on every step but the timed decode steps (whose times would hold
+    the check's launches): every prefill and an eager decode step at each batch size.
 Rooflines (ds4.bench.roofline): decode = the bytes a step must read over the copy bandwidth; prefill = the
 FLOPs by kind over the GEMM rate of that kind (dense GEMMs and the indexer fp8, experts and attention bf16:
 Hopper has no FP4 tensor cores). The ratio is measured / roofline. Decode steps at the smallest and the largest
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> dict:
     kv_entry = kv_entry_size(cfg, model.kv_cache_dtype, dtype)
     index_entry = ENTRY_BYTES if packed_index_keys(cfg, model.kv_cache_dtype) else cfg.index_head_dim * item
     rng = random.Random(args.seed)
-    decode = _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens)
+    decode = _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens, finite)
     prefill = _prefill(engine, args, cfg, rates, rng)
     engine.close()
     if not finite.ok():
@@ -235,18 +236,29 @@ def run(args: argparse.Namespace) -> dict:
 
 
 class _FiniteLogits:
-    """Wraps model.compute_logits to AND up, on the device (no sync per step), whether every logit was finite."""
+    """Wraps model.compute_logits to AND up, on the device (no sync per step), whether every logit was finite,
+    except while paused."""
 
     def __init__(self, model):
         self.flag = torch.ones((), dtype=torch.bool, device=model.embed.weight.device)
+        self.checking = True
         compute = model.compute_logits
 
         def checked(hidden):
             logits = compute(hidden)
-            self.flag &= torch.isfinite(logits).all()
+            if self.checking:
+                self.flag &= torch.isfinite(logits).all()
             return logits
 
         model.compute_logits = checked
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self.checking = False
+        try:
+            yield
+        finally:
+            self.checking = True
 
     def ok(self) -> bool:
         return bool(self.flag)
@@ -316,8 +328,9 @@ def _greedy(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) -> list[dict]:
-    """Prefill max(batch) requests of --context tokens, then time decode steps at each batch size, largest first."""
+def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens, finite) -> list[dict]:
+    """Prefill max(batch) requests of --context tokens, then time decode steps at each batch size, largest first
+    (`finite` paused while they are timed)."""
     batches = sorted(set(args.batch_sizes), reverse=True)
     ids = [f"decode-{i}" for i in range(batches[0])]
     for request_id in ids:
@@ -335,14 +348,15 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens) ->
         traffic = _Traffic(engine)
         # Back to back (async decode launches each step before the previous one's tokens are read): a step's
         # time is the interval between the steps the engine returns.
-        with tqdm(total=args.decode_steps, desc=f"decode batch {batch}", file=sys.stderr) as bar:
+        with finite.paused(), tqdm(total=args.decode_steps, desc=f"decode batch {batch}", file=sys.stderr) as bar:
             times = timed_steps(engine, args.decode_steps, lambda: bar.update(1))
         times.sort()
         ms = times[len(times) // 2]
         if any(i not in engine.requests for i in ids):
             raise SystemExit(f"decode batch {batch}: a request finished early (max_tokens {max_tokens} too small)")
         context = min(engine.requests[i].num_tokens for i in ids)
-        gpu_ms = _replay_ms(engine, ids)
+        with finite.paused():
+            gpu_ms = _replay_ms(engine, ids)
         parts = roofline.decode_bytes(cfg, batch, context, kv_entry, index_entry)
         roof_ms = sum(parts.values()) / rates["copy_bytes_per_s"] * 1e3
         row = {

@@ -172,3 +172,26 @@ def test_routing_balance_counts_the_rows_each_expert_gets():
     assert got["max_over_mean"] == pytest.approx(4.0) and got["experts_touched"] == 2
     assert got["spread_over_balanced"] == pytest.approx(rows.std().item() / (2 * t / 8 * 7 / 8) ** 0.5)
     assert routing_balance(model, lambda: gate(x, ids, slice(0, 4))) is None
+
+
+def test_finite_logits_flag_ands_every_unpaused_step():
+    from ds4.bench.model import _FiniteLogits
+
+    logits = {"value": torch.zeros(2, 5)}
+    model = SimpleNamespace(embed=SimpleNamespace(weight=torch.zeros(1)), compute_logits=lambda h: logits["value"])
+    finite = _FiniteLogits(model)
+    model.compute_logits(None)
+    assert finite.ok()
+    logits["value"] = torch.tensor([[0.0, float("inf")]])
+    with finite.paused():  # the timed decode steps: not checked
+        model.compute_logits(None)
+    assert finite.ok()
+    model.compute_logits(None)
+    assert not finite.ok()
+    logits["value"] = torch.zeros(1, 3)
+    model.compute_logits(None)
+    assert not finite.ok()  # a non-finite step stays reported
+    logits["value"] = torch.tensor([[float("nan")]])
+    nan_check = _FiniteLogits(model)
+    model.compute_logits(None)
+    assert not nan_check.ok()
