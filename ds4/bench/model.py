@@ -10,20 +10,21 @@ On any config (`--config flash|pro|DIR` with `--load-format dummy`, or a checkpo
   - prefill tok/s of one prompt of each `--prefill-lengths` (chunks of `--prefill-chunk` tokens);
   - peak device memory; finite logits asserted on every step but the timed decode steps (whose times would hold
     the check's launches): every prefill and an eager decode step at each batch size.
-Rooflines (ds4.bench.roofline): decode = the bytes a step must read over the copy bandwidth; prefill = the
-FLOPs by kind over the GEMM rate of that kind (dense GEMMs and the indexer fp8, experts and attention bf16:
-Hopper has no FP4 tensor cores). The ratio is measured / roofline. Decode steps at the smallest and the largest
-batch (run eagerly) and one prefill (the shortest) are profiled and summarised by kernel family: its time, the
-kernels it launched (CPU: ops; many small kernels make a family launch-bound at decode), its largest kernels
-by name (printed for families of 5% or more) and its own roofline where one is counted. "GPU ms" is the decode
-graph's replay and the logits alone: the step without the engine's host work (what async decode's overlap of
-that work with the GPU aims at). The time per layer is extrapolated to the full model and printed next to published
-figures. `--compare-transformers` runs transformers' DeepseekV4 (bf16, eager) on the same shape. `--nsight` runs one
-more eager decode step a batch size inside a CUDA profiler range, for Nsight Compute (tools/ncu_decode.sh).
-`--tensor-parallel-size N [--enable-expert-parallel]` runs the engine on N ranks (one GPU each; CPU: processes);
-every decode and prefill row then also gives the bytes rank 0's collectives moved per step, by kind (counted; for
-decode steps replayed from CUDA graphs, which run no Python to count, from ds4.distributed.traffic), and the bytes
-of the step messages rank 0 sent (weights and memory are rank 0's; no profile: it would run one rank).
+Rooflines (ds4.bench.roofline): decode = the bytes a step must read over the copy bandwidth; prefill = the FLOPs by
+kind over the GEMM rate of that kind (FP8 linears with act_quant'ed inputs and the indexer fp8; bf16 linears, wo_a
+(no act_quant in the reference), experts and attention bf16: Hopper has no FP4 tensor cores). The ratio is measured
+/ roofline. Decode steps at the smallest and the largest batch (run eagerly) and one prefill (the shortest) are
+profiled and summarised by kernel family: its time, the kernels it launched (CPU: ops; many small kernels make a
+family launch-bound at decode), its largest kernels by name (printed for families of 5% or more) and its own
+roofline where one is counted. "GPU ms" is the decode graph's replay and the logits alone: the step without the
+engine's host work (what async decode's overlap of that work with the GPU aims at). The time per layer is
+extrapolated to the full model and printed next to published figures. `--compare-transformers` runs transformers'
+DeepseekV4 (bf16, eager) on the same shape. `--nsight` runs one more eager decode step a batch size inside a CUDA
+profiler range, for Nsight Compute (tools/ncu_decode.sh). `--tensor-parallel-size N [--enable-expert-parallel]` runs
+the engine on N ranks (one GPU each; CPU: processes); every decode and prefill row then also gives the bytes rank
+0's collectives moved per step, by kind (counted; for decode steps replayed from CUDA graphs, which run no Python to
+count, from ds4.distributed.traffic), and the bytes of the step messages rank 0 sent (weights and memory are rank
+0's; no profile: it would run one rank).
 Progress goes to stderr, the tables to stdout.
 """
 
@@ -383,9 +384,8 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens, fi
             progress(f"profiling one decode step at batch {batch} (eager)")
             by_kernel, launches = defaultdict(Counter), Counter()
             families = _eager_profile(engine, lambda: step(engine), by_kernel, launches)
-            work = _decode_family_bytes(parts)
-            rates_by_family = dict.fromkeys(work, rates["copy_bytes_per_s"])
-            row["profile"] = _with_rooflines(families, launches, work, rates_by_family)
+            roof = {name: b / rates["copy_bytes_per_s"] * 1e3 for name, b in _decode_family_bytes(parts).items()}
+            row["profile"] = _with_rooflines(families, launches, roof)
             row["profile_kernels"] = _largest(by_kernel)
         rows.append(row)
     for request_id in ids:
@@ -451,24 +451,25 @@ def _decode_family_bytes(parts: dict) -> dict:
     }
 
 
-def _with_rooflines(families: dict, launches: Counter, work: dict, rates: dict) -> dict:
-    """Per family: ms, share of the profiled time, kernels launched and, where counted, roofline ms (work / rate)
-    and the ratio."""
+def _with_rooflines(families: dict, launches: Counter, roofline_ms: dict) -> dict:
+    """Per family: ms, share of the profiled time, kernels launched and, where counted, roofline ms and the
+    ratio."""
     total = families["total"] or 1.0
     out = {}
     for name in (*FAMILIES, "total"):
         kernels = sum(launches.values()) if name == "total" else launches[name]
         entry = {"ms": families[name], "share": families[name] / total, "kernels": kernels}
-        if work.get(name) and rates.get(name):
-            entry["roofline_ms"] = work[name] / rates[name] * 1e3
+        if roofline_ms.get(name):
+            entry["roofline_ms"] = roofline_ms[name]
             entry["ratio"] = families[name] / entry["roofline_ms"]
         out[name] = entry
     return out
 
 
 def _prefill_rates(rates: dict) -> dict:
-    fp8 = rates["fp8_flop_per_s"] or rates["bf16_flop_per_s"]
-    return {"dense": fp8, "experts": rates["bf16_flop_per_s"], "attention": rates["bf16_flop_per_s"], "indexer": fp8}
+    bf16 = rates["bf16_flop_per_s"]
+    fp8 = rates["fp8_flop_per_s"] or bf16
+    return {"dense": fp8, "dense_bf16": bf16, "experts": bf16, "attention": bf16, "indexer": fp8}
 
 
 def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
@@ -519,10 +520,12 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
             engine.model, lambda: prefill(length, "prefill-profiled"), engine.device, by_kernel, launches
         )
         flops = roofline.prefill_flops(cfg, length)
-        family_of = {"dense": "GEMMs", "experts": "MoE", "attention": "attention", "indexer": "indexer"}
-        work = {family_of[kind]: f for kind, f in flops.items()}
-        rates_by_family = {family_of[k]: r for k, r in per_kind.items()}
-        rows[0]["profile"] = _with_rooflines(families, launches, work, rates_by_family)
+        family_of = {"dense": "GEMMs", "dense_bf16": "GEMMs", "experts": "MoE", "attention": "attention"}
+        family_of["indexer"] = "indexer"
+        roof = Counter()
+        for kind, f in flops.items():
+            roof[family_of[kind]] += f / per_kind[kind] * 1e3
+        rows[0]["profile"] = _with_rooflines(families, launches, roof)
         rows[0]["profile_kernels"] = _largest(by_kernel)
     length = min(args.prefill_lengths)
     rows[0]["routing"] = routing_balance(engine.model, lambda: prefill(length, "prefill-routing"))

@@ -11,10 +11,12 @@ head, B embedding rows and B rows of a hash layer's tid2eid, and per request and
 the sliding window, the compressed entries it attends to (HCA: all it may see; CSA: the indexer's top-k)
 and, in CSA layers, every indexer key it may see. Compressor states and writes are left out.
 
-Prefill (one prompt of n tokens from position 0) FLOPs by kind (2 per multiply-add): dense GEMMs (every 2-d
-projection but the experts and mHC, plus the head for the one sampled row), routed experts (k per token,
-three projections), attention (QK and PV over the window and the compressed entries each token sees) and the
-indexer (one score per head and visible entry).
+Prefill (one prompt of n tokens from position 0) FLOPs by kind (2 per multiply-add), each kind the operands its
+exact product takes: dense FP8 GEMMs (the FP8 linears whose input is act_quant'ed: FP8 tensor cores), dense bf16
+GEMMs (the linears stored in bf16 - compressor projections, the indexer's weights_proj, the router, the head for
+the one sampled row - and wo_a, which the reference multiplies without act_quant: its bf16 activations have no
+exact FP8 product), routed experts (k per token, three projections), attention (QK and PV over the window and the
+compressed entries each token sees) and the indexer (one score per head and visible entry).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4.checkpoint.weights_spec import EXPERT, INDEX, expected_parameter_shapes, stored_tensor_specs
+from ds4.checkpoint.weights_spec import EXPERT, FP8_LINEAR, INDEX, expected_parameter_shapes, stored_tensor_specs
 from ds4.config import CSA, HCA, WINDOW, ModelConfig
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -131,16 +133,21 @@ def decode_bytes(
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
-    """FLOPs of prefilling one prompt of `tokens` tokens, by kind: dense, experts, attention, indexer."""
+    """FLOPs of prefilling one prompt of `tokens` tokens, by kind: dense (FP8), dense_bf16, experts, attention,
+    indexer."""
     specs = expected_parameter_shapes(cfg)
-    dense_params = 0
+    fp8_params = bf16_params = 0
     for name, spec in specs.items():
         leaf = name.rsplit(".", 1)[-1]
         if spec.kind in (EXPERT, INDEX) or len(spec.shape) != 2 or leaf.startswith("hc_") or "embed" in name:
             continue
         if name == "head.weight" or leaf == "ape":
             continue
-        dense_params += spec.shape[0] * spec.shape[1]
+        params = spec.shape[0] * spec.shape[1]
+        if spec.kind == FP8_LINEAR and cfg.fp8_block is not None and not name.endswith(".attn.wo_a.weight"):
+            fp8_params += params
+        else:
+            bf16_params += params
     d, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     positions = torch.arange(tokens, dtype=torch.float64)
     attention = indexer = 0.0
@@ -154,7 +161,8 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
                 indexer += 2.0 * cfg.index_n_heads * cfg.index_head_dim * float(visible.sum())
         attention += 4.0 * cfg.num_attention_heads * cfg.head_dim * float(keys.sum())
     return {
-        "dense": 2.0 * tokens * dense_params + 2.0 * cfg.vocab_size * d,
+        "dense": 2.0 * tokens * fp8_params,
+        "dense_bf16": 2.0 * tokens * bf16_params + 2.0 * cfg.vocab_size * d,
         "experts": 2.0 * tokens * k * 3 * inter * d * cfg.num_hidden_layers,
         "attention": attention,
         "indexer": indexer,

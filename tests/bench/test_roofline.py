@@ -101,15 +101,17 @@ def test_expected_experts_touched_runs_from_k_to_all(cfg):
 
 def test_prefill_flops_match_the_hand_count(cfg):
     n = 50
-    # Every 2-d projection but the experts, mHC, embed and head, counted as out * in per layer.
-    attention_proj = 128 * 256 + 256 * 128 + 128 * 256 + 128 * 128 + 256 * 128
-    moe_proj = 8 * 256 + 3 * 128 * 256
-    per_layer = [
-        attention_proj + moe_proj,
-        attention_proj + moe_proj + 2 * (256 * 256) + 512 * 128 + 4 * 256 + 2 * (256 * 256),
-        attention_proj + moe_proj + 2 * (128 * 256),
-    ]
-    dense = 2 * n * sum(per_layer) + 2 * 1000 * 256  # + the head for the one sampled row
+    # Every 2-d projection but the experts, mHC, embed and head, counted as out * in per layer. FP8 with act_quant:
+    # wq_a, wq_b, wkv, wo_b, the shared expert's three, the indexer's wq_b. bf16: wo_a (no act_quant in the
+    # reference), the router, the compressors' wkv and wgate, the indexer's weights_proj, the head.
+    fp8_attention = 128 * 256 + 256 * 128 + 128 * 256 + 256 * 128
+    fp8_per_layer = [fp8_attention + 3 * 128 * 256, fp8_attention + 3 * 128 * 256 + 512 * 128]
+    fp8_per_layer.append(fp8_per_layer[0])
+    bf16_per_layer = [128 * 128 + 8 * 256]  # wo_a [o_groups * o_lora_rank, heads * head_dim / o_groups], router
+    bf16_per_layer.append(bf16_per_layer[0] + 2 * (256 * 256) + 4 * 256 + 2 * (256 * 256))
+    bf16_per_layer.append(bf16_per_layer[0] + 2 * (128 * 256))
+    dense = 2 * n * sum(fp8_per_layer)
+    dense_bf16 = 2 * n * sum(bf16_per_layer) + 2 * 1000 * 256  # + the head for the one sampled row
     experts = 2 * n * 2 * 3 * 128 * 256 * 3
     attention = indexer = 0
     for p in range(n):
@@ -118,5 +120,6 @@ def test_prefill_flops_match_the_hand_count(cfg):
         attention += sum(4 * 2 * 128 * k for k in keys)  # QK and PV: 2 FLOPs x heads x head_dim per key each
         indexer += 2 * 4 * 128 * ((p + 1) // 4)
     got = roofline.prefill_flops(cfg, n)
-    assert got == {"dense": dense, "experts": experts, "attention": attention, "indexer": indexer}
-    assert math.isclose(sum(got.values()), dense + experts + attention + indexer)
+    want = {"dense": dense, "dense_bf16": dense_bf16, "experts": experts, "attention": attention, "indexer": indexer}
+    assert got == want
+    assert math.isclose(sum(got.values()), dense + dense_bf16 + experts + attention + indexer)
