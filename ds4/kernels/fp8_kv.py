@@ -146,9 +146,22 @@ def _e4m3_code(v):
 
 
 @triton.jit
-def store_fp8_entries(row_ptr, even, odd, pair, row_ok, nope, rope_dim, ROWS: tl.constexpr, BLOCK_P: tl.constexpr):
+def store_fp8_entries(
+    row_ptr,
+    even,
+    odd,
+    pair,
+    row_ok,
+    nope,
+    rope_dim,
+    ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    copy_ptr=None,
+    COPY: tl.constexpr = False,
+):
     """Writes entries as quantize_kv does: row_ptr [ROWS] the uint8 rows, even / odd [ROWS, BLOCK_P] fp32 their
-    channels 2 * pair and 2 * pair + 1 (pair = tl.arange(0, BLOCK_P); BLOCK_P a multiple of KV_QUANT_BLOCK / 2)."""
+    channels 2 * pair and 2 * pair + 1 (pair = tl.arange(0, BLOCK_P); BLOCK_P a multiple of KV_QUANT_BLOCK / 2).
+    COPY: the same bytes to the rows copy_ptr [ROWS] too."""
     GROUPS: tl.constexpr = BLOCK_P // (_BLOCK_K // 2)
     is_nope = (pair < nope // 2)[None, :]
     magnitude = tl.where(is_nope, tl.maximum(tl.abs(even), tl.abs(odd)), 0.0)
@@ -157,17 +170,37 @@ def store_fp8_entries(row_ptr, even, odd, pair, row_ok, nope, rope_dim, ROWS: tl
     # x / 2^e equals x * 2^-e (a power of two, exact): 2^-e built from its bits.
     inverse = ((-exponent + _BIAS_K) << 23).to(tl.float32, bitcast=True)
     inverse = tl.reshape(tl.broadcast_to(inverse[:, :, None], (ROWS, GROUPS, _BLOCK_K // 2)), (ROWS, BLOCK_P))
-    # Entries start on _ALIGN_K bytes (kv_entry_bytes): with the hint each store writes runs of 8 bytes, and
-    # the channels go back in order (pairs interleaved) so that a thread's bytes are one contiguous run.
-    row = row_ptr[:, None]
-    channel = tl.arange(0, 2 * BLOCK_P)[None, :]
     even_code = _e4m3_code(tl.minimum(tl.maximum(even * inverse, -_MAX_K), _MAX_K))
     odd_code = _e4m3_code(tl.minimum(tl.maximum(odd * inverse, -_MAX_K), _MAX_K))
-    codes = tl.reshape(tl.join(even_code, odd_code), (ROWS, 2 * BLOCK_P))
-    tl.store(tl.multiple_of(row + channel, [1, _ALIGN_K]), codes.to(tl.uint8), mask=row_ok[:, None] & (channel < nope))
+    # The channels go back in order (pairs interleaved), so that a thread's bytes are one contiguous run.
+    codes = tl.reshape(tl.join(even_code, odd_code), (ROWS, 2 * BLOCK_P)).to(tl.uint8)
     # The RoPE channels as bf16, little-endian: channel c at byte nope + 2 (c - nope), a pair one 4-byte word.
-    ok = row_ok[:, None] & (pair >= nope // 2)[None, :] & (pair < (nope + rope_dim) // 2)[None, :]
     words = (bf16_bits(odd) & -65536) | ((bf16_bits(even) >> 16) & 0xFFFF)
+    _write_entries(row_ptr, codes, words, exponent, pair, row_ok, nope, rope_dim, ROWS, BLOCK_P, GROUPS)
+    if COPY:
+        _write_entries(copy_ptr, codes, words, exponent, pair, row_ok, nope, rope_dim, ROWS, BLOCK_P, GROUPS)
+
+
+@triton.jit
+def _write_entries(
+    row_ptr,
+    codes,
+    words,
+    exponent,
+    pair,
+    row_ok,
+    nope,
+    rope_dim,
+    ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    """store_fp8_entries' bytes into the rows row_ptr [ROWS]. Entries start on _ALIGN_K bytes (kv_entry_bytes): with
+    the hint each store writes runs of 8 bytes."""
+    row = row_ptr[:, None]
+    channel = tl.arange(0, 2 * BLOCK_P)[None, :]
+    tl.store(tl.multiple_of(row + channel, [1, _ALIGN_K]), codes, mask=row_ok[:, None] & (channel < nope))
+    ok = row_ok[:, None] & (pair >= nope // 2)[None, :] & (pair < (nope + rope_dim) // 2)[None, :]
     at = (row + nope).to(tl.pointer_type(tl.int32)) + (pair - nope // 2)[None, :]
     tl.store(tl.multiple_of(at, [1, _ALIGN_K]), words, mask=ok)
     # The exponent bytes, then zeros up to the entry's end.

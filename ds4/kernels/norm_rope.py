@@ -128,19 +128,23 @@ def finish_entries(
     ROWS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     DTYPE: tl.constexpr,
+    copy_row=None,
+    COPY: tl.constexpr = False,
 ):
     """normalized_rotated's rows written to out_row [ROWS] (pointers to the rows: FP8 entries, or values of
-    out_row's type)."""
+    out_row's type) and, with COPY, to copy_row [ROWS] too."""
     even, odd = normalized_rotated(
         even, odd, pair, w_ptr, positions, freq_ptr, D, eps, WEIGHTED, HALF, ROWS, BLOCK_P, DTYPE
     )
     if FP8:
-        store_fp8_entries(out_row, even, odd, pair, row_ok, D - 2 * HALF, 2 * HALF, ROWS, BLOCK_P)
+        store_fp8_entries(out_row, even, odd, pair, row_ok, D - 2 * HALF, 2 * HALF, ROWS, BLOCK_P, copy_row, COPY)
     else:  # the pairs interleaved back into whole rows: one contiguous store
         channel = tl.arange(0, 2 * BLOCK_P)
-        rows = tl.reshape(tl.join(even, odd), (ROWS, 2 * BLOCK_P))
+        rows = tl.reshape(tl.join(even, odd), (ROWS, 2 * BLOCK_P)).to(out_row.dtype.element_ty)
         ok = row_ok[:, None] & (channel < D)[None, :]
-        tl.store(out_row[:, None] + channel[None, :], rows.to(out_row.dtype.element_ty), mask=ok)
+        tl.store(out_row[:, None] + channel[None, :], rows, mask=ok)
+        if COPY:
+            tl.store(copy_row[:, None] + channel[None, :], rows, mask=ok)
 
 
 # D and the row strides are the model's (few variants): specialised, so that rows load as wide vectors.
@@ -153,6 +157,8 @@ def _norm_rope_kernel(
     freq_ptr,
     y_ptr,
     y_stride,
+    copy_ptr,
+    copy_row_ptr,
     rows,
     heads,
     D,
@@ -162,7 +168,9 @@ def _norm_rope_kernel(
     HALF: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    COPY: tl.constexpr,
 ):
+    # COPY: each row also to row copy_row_ptr[r] of copy_ptr (rows of y_stride elements).
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = r < rows
     pair = tl.arange(0, BLOCK_P)
@@ -172,6 +180,9 @@ def _norm_rope_kernel(
     x = tl.load(x_ptr + r[:, None] * x_stride + channel[None, :], mask=ok, other=0.0).to(tl.float32)
     even, odd = tl.split(tl.reshape(x, (ROWS, BLOCK_P, 2)))
     positions = tl.load(pos_ptr + r // heads, mask=row_ok, other=0)
+    copy_row = copy_ptr
+    if COPY:
+        copy_row = copy_ptr + tl.load(copy_row_ptr + r, mask=row_ok, other=0) * y_stride
     finish_entries(
         even,
         odd,
@@ -189,11 +200,16 @@ def _norm_rope_kernel(
         ROWS,
         BLOCK_P,
         x_ptr.dtype.element_ty,
+        copy_row,
+        COPY,
     )
 
 
-def norm_rope_triton(x: torch.Tensor, positions: torch.Tensor, form: EntryForm) -> torch.Tensor:
-    """form.reference(x, positions) in one launch (CUDA, or the CPU under TRITON_INTERPRET=1); x in form.dtype."""
+def norm_rope_triton(
+    x: torch.Tensor, positions: torch.Tensor, form: EntryForm, copy: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """form.reference(x, positions) in one launch (CUDA, or the CPU under TRITON_INTERPRET=1); x in form.dtype.
+    copy: see norm_rope."""
     d, tokens = x.shape[-1], x.shape[0]
     if x.dtype != form.dtype or not form.fits_kernel(d) or positions.shape != (tokens,):
         raise ValueError(
@@ -204,6 +220,8 @@ def norm_rope_triton(x: torch.Tensor, positions: torch.Tensor, form: EntryForm) 
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y = torch.empty(rows.shape[0], form.entry_size(d), dtype=form.entry_dtype(), device=x.device)
+    if copy is not None:
+        _check_copy(copy, y)
     if rows.shape[0]:
         block_p = pair_block(d)
         per_program = max(1, ROW_TILE // (2 * block_p))
@@ -215,6 +233,8 @@ def norm_rope_triton(x: torch.Tensor, positions: torch.Tensor, form: EntryForm) 
             form.inv_freq.to(device=x.device, dtype=torch.float32).contiguous(),
             y,
             y.stride(0),
+            y if copy is None else copy[0],
+            positions if copy is None else copy[1],
             rows.shape[0],
             rows.shape[0] // max(tokens, 1),
             d,
@@ -224,12 +244,32 @@ def norm_rope_triton(x: torch.Tensor, positions: torch.Tensor, form: EntryForm) 
             HALF=form.inv_freq.numel(),
             ROWS=per_program,
             BLOCK_P=block_p,
+            COPY=copy is not None,
         )
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def norm_rope(x: torch.Tensor, positions: torch.Tensor, form: EntryForm) -> torch.Tensor:
-    """Rows x [T, ..., D] normalised and rotated at positions [T], in the form `form` names (see the module)."""
+def _check_copy(copy: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> None:
+    target, rows = copy
+    if target.dtype != y.dtype or target.shape[-1] != y.shape[-1] or not target.is_contiguous():
+        raise ValueError(f"norm_rope: copy target {target.dtype} {list(target.shape)} does not take {y.dtype} rows")
+    if rows.shape != (y.shape[0],) or rows.dtype != torch.int64:
+        raise ValueError(f"norm_rope: copy rows must be int64 [{y.shape[0]}], got {rows.dtype} {list(rows.shape)}")
+
+
+def norm_rope(
+    x: torch.Tensor, positions: torch.Tensor, form: EntryForm, copy: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Rows x [T, D] (or [T, heads, D]) normalised and rotated at positions [T], in the form `form` names (see the
+    module). copy (target, rows): each finished row r also written to row rows[r] of target's rows (contiguous, of
+    the finished rows' dtype and length; rows [T] int64, only with x [T, D]): the attention's window ring, stored
+    in the same launch."""
+    if copy is not None and x.dim() != 2:
+        raise ValueError(f"norm_rope: a copy takes rows x [T, D], got {list(x.shape)}")
     if x.is_cuda and form.fits_kernel(x.shape[-1]):
-        return norm_rope_triton(x.to(form.dtype), positions, form)
-    return form.reference(x, positions)
+        return norm_rope_triton(x.to(form.dtype), positions, form, copy)
+    y = form.reference(x, positions)
+    if copy is not None:
+        _check_copy(copy, y)
+        copy[0].view(-1, y.shape[-1])[copy[1]] = y
+    return y

@@ -134,8 +134,10 @@ class Attention(nn.Module):
         qr = rms_norm(q_a, self.q_norm.weight, self.eps)
         q, index_q = self.queries(qr) if self.kind == CSA else (self.wq_b(qr), None)
         q = q.view(t, self.heads, self.head_dim)  # finished (norm, RoPE) by sparse_attention
-        # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
-        kv = norm_rope(kv, pos, self._form(self.kv_norm.weight, self.fp8_kv))
+        # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does. A
+        # decode_only step's entries go into the window ring in the same launch (see _ring_copy).
+        ring_copy = self._ring_copy(step)
+        kv = norm_rope(kv, pos, self._form(self.kv_norm.weight, self.fp8_kv), ring_copy)
         side.join()
 
         key_sets = self._window_keys(kv, step)
@@ -155,7 +157,8 @@ class Attention(nn.Module):
         rotary = RotaryQueries(self._form(None, False), pos)
         o = sparse_attention(q, key_sets, self.attn_sink, self.head_dim**-0.5, self.rope_dim, rotary=rotary)
         self._snapshot_windows(kv, step)
-        self._store_window(kv, step)
+        if ring_copy is None:
+            self._store_window(kv, step)
         return self.parallel.all_reduce(self.wo_b(self.wo_a(o.flatten(1))))
 
     def _form(self, weight: torch.Tensor | None, fp8: bool) -> EntryForm:
@@ -205,6 +208,19 @@ class Attention(nn.Module):
         fresh = kv[(batch.query_start_loc.long()[req][:, None] + key_pos - ctx).clamp(0, kv.shape[0] - 1)]
         held = cache.window[batch.slots.long()[req][:, None], key_pos % cache.window.shape[1]]
         cache.snapshot.window[ids[:, None], key_pos % win] = torch.where((key_pos >= ctx)[..., None], fresh, held)
+
+    def _ring_copy(self, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a decode_only step, (window ring, each token's flat ring row) to store its entry as it is made: each
+        token is its request's last at its row, and the ring rows the step's tokens write (positions from the
+        context on) are not among those its attention reads (positions before the context, within the window: at
+        least `rows` - window + 1 apart, rows >= window + tokens a request - 1), so the store need not wait for the
+        attention. Else None (_store_window writes after the attention: a chunk may span more positions than the
+        ring has rows)."""
+        ring = step.cache.window
+        if not step.decode_only or ring.shape[1] < self.window + step.batch.tokens_per_request - 1:
+            return None
+        _, (slots, rows) = step.ring_writes(ring.shape[1])
+        return ring, slots.long() * ring.shape[1] + rows
 
     def _store_window(self, kv: torch.Tensor, step: LayerStep) -> None:
         """Each request's ring takes its last tokens at position % rows: every token writes its ring row with the

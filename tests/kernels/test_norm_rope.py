@@ -63,3 +63,29 @@ def test_rows_whose_rotated_pairs_are_not_aligned_take_the_reference(nr):
     torch.testing.assert_close(nr.norm_rope(x, positions, form), form.reference(x, positions), rtol=0, atol=0)
     with pytest.raises(ValueError, match="do not fit"):
         nr.norm_rope_triton(x, positions, form)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_copy_writes_each_finished_row_to_its_ring_row_and_nothing_else(nr, fp8):
+    """The window ring's store in the same launch: row r of the output also lands on ring row rows[r]; the other
+    ring rows keep what they held. The CPU path (norm_rope without the interpreter's kernel) writes the same."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 512, generator=g).to(torch.bfloat16)
+    positions = torch.tensor([5, 130, 7, 0])
+    form = nr.EntryForm(torch.rand(512, generator=g) + 0.5, rope_inv_freq(64, 10000.0), 1e-6, torch.bfloat16, fp8)
+    width = form.entry_size(512)
+    before = torch.randint(0, 100, (3, 6, width), generator=g).to(form.entry_dtype())
+    rows = torch.tensor([7, 0, 17, 11])  # slot * 6 + row, any order
+    ring = before.clone()
+    got = nr.norm_rope_triton(x, positions, form, (ring, rows))
+    assert torch.equal(got, nr.norm_rope_triton(x, positions, form))
+    want = before.clone().view(-1, width)
+    want[rows] = got
+    assert torch.equal(ring.view(-1, width), want)
+    cpu_ring = before.clone()
+    cpu = nr.norm_rope(x, positions, form, (cpu_ring, rows))
+    assert torch.equal(cpu_ring.view(-1, width)[rows], cpu) and torch.equal(
+        cpu_ring.view(-1, width)[[1, 2]], want[[1, 2]]
+    )
+    with pytest.raises(ValueError, match="int64"):
+        nr.norm_rope(x, positions, form, (ring, rows.int()))
