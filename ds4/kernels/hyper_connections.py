@@ -134,6 +134,8 @@ def _projection_kernel(
     row_ok = rows < T
     row_ptr = h_ptr + rows.to(tl.int64)[:, None] * h_stride
     acc = tl.zeros((BLOCK_T, MIX_PAD), tl.float32)
+    # bf16x3: the two smaller parts' products in a sum of their own (see below), added to acc after the loop.
+    fine = tl.zeros((BLOCK_T, MIX_PAD), tl.float32)
     squares = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)  # summed over the channels once, after the loop
     k_start = split * k_blocks_per_split * BLOCK_K
     for step in range(0, k_blocks_per_split):
@@ -143,25 +145,28 @@ def _projection_kernel(
         w = tl.load(fn_ptr + cols[None, :] * K + k[:, None], mask=(cols[None, :] < MIX) & k_ok[:, None], other=0.0)
         if PRECISION == "bf16x3":
             # fp32 w as the sum of three bf16 parts (each the rounding of what the ones before leave: w to about
-            # 2^-27 of itself), each part's products with the bf16 streams exact in the MMA's fp32 sums. PARTS_F32
-            # (the interpreter, whose bf16 dot is wrong): the same exact products from fp32 copies.
+            # 2^-27 of itself), each part's products with the bf16 streams exact. The tensor cores' sums drop the
+            # bits of a small addend below the larger one's last (H100: summed into the high part's sum, the two
+            # smaller parts' products left the gates 2.5e-5 off the fp32 reference at 8K tokens), so those
+            # products sum on their own, from the lowest part up. PARTS_F32 (the interpreter, whose bf16 dot is
+            # wrong): the same exact products from fp32 copies.
             high = w.to(tl.bfloat16)
             rest = w - high.to(tl.float32)
             middle = rest.to(tl.bfloat16)
             low = (rest - middle.to(tl.float32)).to(tl.bfloat16)
             if PARTS_F32:
                 xf = x.to(tl.float32)
+                fine = tl.dot(xf, low.to(tl.float32), fine, input_precision="ieee")
+                fine = tl.dot(xf, middle.to(tl.float32), fine, input_precision="ieee")
                 acc = tl.dot(xf, high.to(tl.float32), acc, input_precision="ieee")
-                acc = tl.dot(xf, middle.to(tl.float32), acc, input_precision="ieee")
-                acc = tl.dot(xf, low.to(tl.float32), acc, input_precision="ieee")
             else:
+                fine = tl.dot(x, low, fine)
+                fine = tl.dot(x, middle, fine)
                 acc = tl.dot(x, high, acc)
-                acc = tl.dot(x, middle, acc)
-                acc = tl.dot(x, low, acc)
         else:
             acc = tl.dot(x.to(tl.float32), w, acc, input_precision=PRECISION)
         squares += x.to(tl.float32) * x.to(tl.float32)
-    acc = tl.where(cols[None, :] == MIX, tl.sum(squares, axis=1)[:, None], acc)
+    acc = tl.where(cols[None, :] == MIX, tl.sum(squares, axis=1)[:, None], acc + fine)
     out = part_ptr + (split * T + rows.to(tl.int64))[:, None] * MIX_PAD + cols[None, :]
     tl.store(out, acc, mask=row_ok[:, None])
 
