@@ -26,6 +26,7 @@ from ds4.config import load_config
 from ds4.engine.config import EngineConfig
 from ds4.engine.engine import LLMEngine
 from ds4.engine.sampling_params import SamplingParams
+from ds4.kernels.fp8_kv import dequantize_kv
 from ds4.model.batch import ForwardBatch
 
 pytestmark = pytest.mark.gpu
@@ -278,7 +279,20 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
     for eager_layer, graph_layer in zip(eager_cache.layers, graph_cache.layers):
         assert torch.allclose(eager_layer.window[:2], graph_layer.window[:2], rtol=1e-5, atol=1e-5)
         if eager_layer.compressed is not None:
-            assert torch.allclose(eager_layer.compressed[:8], graph_layer.compressed[:8], rtol=1e-5, atol=1e-5)
+            _assert_entries_agree(eager_layer.compressed[:8], graph_layer.compressed[:8], model.cfg)
+
+
+def _assert_entries_agree(eager: torch.Tensor, graph: torch.Tensor, cfg) -> None:
+    """Compressed entries of the eager steps and of the graph's. Their compressors' projections are fp32 sums in
+    another order (fp32_product: the eager step's 2 rows by the Triton GEMV, the graph's 4 by cuBLAS), so an FP8
+    entry may round a value to the next e4m3 code (the bytes differed on an H100, the hidden states agreeing to
+    1e-5): the same bytes but for a few, and values within one e4m3 step. Rows of the compute dtype agree to 1e-5."""
+    if eager.dtype != torch.uint8:
+        assert torch.allclose(eager, graph, rtol=1e-5, atol=1e-5)
+        return
+    assert (eager != graph).float().mean() <= 0.05
+    rows = [dequantize_kv(e.flatten(0, -2), cfg.head_dim, cfg.qk_rope_head_dim, torch.float32) for e in (eager, graph)]
+    torch.testing.assert_close(rows[1], rows[0], rtol=2**-3, atol=1e-3 * float(rows[0].abs().max()))
 
 
 def test_a_prefill_step_syncs_once_for_its_layout(model):
