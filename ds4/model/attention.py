@@ -122,10 +122,14 @@ class Attention(nn.Module):
         step = LayerStep(batch, layout, cache, self.inv_freq)
         t, pos = x.shape[0], batch.positions
         side = side_stream(x.device)
+        # A decode_only step's entries go into the window ring in their norm_rope launch. Its rows are shared values
+        # of the step: made here, before the fork (the compressor may take the same ones on its stream).
+        ring_copy = self._ring_copy(step)
         if self.kind != WINDOW:
             # The compressor (the projections of x, pooling into the cache, its rings) beside the query path, on
             # the side stream: at decode both are chains of latency-bound launches. The query path touches none of
-            # the step's shared values before the join (the compressor may make them on its stream first).
+            # the step's shared values before the join but those made before the fork (the compressor may make
+            # others on its stream first).
             snapshot = cache.snapshot.compressor if cache.snapshot is not None else None
             with side.fork():
                 compressed = self.compressions(x)  # kv and score of the compressor (the indexer's, its weights)
@@ -134,9 +138,7 @@ class Attention(nn.Module):
         qr = rms_norm(q_a, self.q_norm.weight, self.eps)
         q, index_q = self.queries(qr) if self.kind == CSA else (self.wq_b(qr), None)
         q = q.view(t, self.heads, self.head_dim)  # finished (norm, RoPE) by sparse_attention
-        # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does. A
-        # decode_only step's entries go into the window ring in the same launch (see _ring_copy).
-        ring_copy = self._ring_copy(step)
+        # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
         kv = norm_rope(kv, pos, self._form(self.kv_norm.weight, self.fp8_kv), ring_copy)
         side.join()
 
