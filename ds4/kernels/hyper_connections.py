@@ -14,12 +14,12 @@ iterations in registers (an hc x hc matrix) and writes a slice of the channels; 
 split over several programs each recomputes those few values, and when tokens are many a program takes several.
 Everything is fp32 as in the reference. With bf16 streams the projection's products run on tensor cores as three
 bf16 products: fn's fp32 weights split into three bf16 parts (each the rounding of what the ones before leave, their
-sum fn to about 2^-27 of itself), each part's products with the streams exact and summed in fp32: no conversion of
-the streams, half the MMA instructions of Triton's tf32x3, which fp16 streams keep (exact in TF32; its low x low
-product dropped, the weight's rest rounded to TF32: about 2^-22 of a product). fp32 streams keep IEEE fp32 FMAs (an
-fp32 model agrees with its CPU run up to the order of the sums). H200, 8192 bf16 tokens, tf32x3: hc_pre 0.38 ms
-(`ds4 bench kernels --only mhc`, 23c2fb5); offline, sm_90, the projection's K step of that plan: 591 SASS
-instructions with tf32x3, 342 with the bf16 parts (not measured on a GPU yet).
+sum fn to about 2^-27 of itself), each part's products with the streams exact and summed in fp32 (the two smaller
+parts' apart from the largest's): no conversion of the streams, half the MMA instructions of Triton's tf32x3, which
+fp16 streams keep (exact in TF32; its low x low product dropped, the weight's rest rounded to TF32: about 2^-22 of a
+product). fp32 streams keep IEEE fp32 FMAs (an fp32 model agrees with its CPU run up to the order of the sums).
+hc_pre at 8192 bf16 tokens (`ds4 bench kernels --only mhc`): H200, tf32x3, 0.380 ms (23c2fb5); H100, bf16x3 with
+one sum for all parts, 0.253 ms (25e4b02; its gates were then 2.5e-5 off: the parts now sum apart, not yet timed).
 A decode step's hc_post, the hc_pre after it and that sub-layer's RMSNorm (`hc_post_pre`, up to POST_PRE_TOKENS
 tokens) are one launch: each program expands a block of channels and writes that block's projection row (fp32
 FMAs: too few tokens for an MMA), and the last program to arrive (an arrival counter) runs the collapse from the
