@@ -12,8 +12,8 @@
 # time does not stop the others. With the trees of
 # tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected
 # after the tests stage (tools/gpu_bisect.sh; LIMIT_bisect seconds each). TESTS names the test
-# paths (default: all of tests/); COMPARE= (empty) leaves transformers out of model4; LIMIT_<stage>=S sets a
-# stage's time limit in seconds.
+# paths (default: all of tests/); COMPARE= (empty) leaves transformers out of model4; LAYERS the model stages' layers
+# (default 20; 16 on a card of less than 100 GiB); LIMIT_<stage>=S sets a stage's time limit in seconds.
 # Needs the wheels in .whl (tools/fetch_device_wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,13 @@ stage() {  # name timeout command... (LIMIT_<name> overrides the timeout)
 par=()
 python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-4}" --dist loadfile)
 model=(python3 -m ds4.cli bench model --config flash --load-format dummy --context 2048)
+# A card of less than 100 GiB (an H100) holds 16 Flash layers, not 20 (73.7 GB of weights), and not transformers'
+# bf16 copy of 4: there the model stages run 16 layers (the stage names stay) and model4 without transformers.
+small=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1 | awk '{print ($1 < 100000)}')
+if [ "${small:-0}" = 1 ]; then
+  LAYERS=${LAYERS:-16}
+  COMPARE=${COMPARE-}
+fi
 stage model4 600 "${model[@]}" --layers 4 --batch-sizes 1,64 --prefill-lengths 8192 ${COMPARE---compare-transformers} --json "$R/model4.json"
 stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" ${TESTS:-tests}
 if [ -f .bisect/trees.tar.xz ] && [[ $stages == *" tests "* ]]; then  # the first failing test of up to 3 files
@@ -44,8 +51,8 @@ if [ -f .bisect/trees.tar.xz ] && [[ $stages == *" tests "* ]]; then  # the firs
       stage "bisect_$(basename "${node%%::*}" .py)" "${LIMIT_bisect:-420}" bash tools/gpu_bisect.sh "$node"
     done
 fi
-stage model20 600 "${model[@]}" --layers 20 --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json"
-stage model20_serial 400 "${model[@]}" --layers 20 --prefill-lengths 8192 --batch-sizes 1,64 --serial --json "$R/model20_serial.json"
+stage model20 600 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json"
+stage model20_serial 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --serial --json "$R/model20_serial.json"
 stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json"
 stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json"
 stage attention 420 python3 -m ds4.cli bench attention --sweep --json "$R/attention.json"
