@@ -45,12 +45,17 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device (its index, or the current one)."""
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def has_fp8(device: torch.device) -> bool:
     """True when Triton can convert to and from e4m3 on `device` (sm_89+; the interpreter too): the FP8 linears'
     act_quant needs it; the FP8 cache's readers (attention, indexer) decode the bytes themselves without it."""
     if device.type != "cuda":
         return True
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+    return _capability(device) >= (8, 9)
 
 
 def has_blockwise_fp8_gemm(device: torch.device) -> bool:
@@ -59,7 +64,7 @@ def has_blockwise_fp8_gemm(device: torch.device) -> bool:
     raises)."""
     if device.type != "cuda":
         return False
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+    return _capability(device) == (9, 0)
 
 
 ARRIVAL_COUNTERS = 1 << 14  # int32 counters a launch may use (per device)
@@ -82,7 +87,7 @@ def has_tma(device: torch.device) -> bool:
     descriptors to plain loads on older parts, without its pipelining: there the kernels keep pointer loads."""
     if device.type != "cuda":
         return True
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return _capability(device)[0] >= 9
 
 
 def mma_operands_in_registers(device: torch.device) -> bool:
@@ -90,21 +95,21 @@ def mma_operands_in_registers(device: torch.device) -> bool:
     False where it reads them from shared memory (wgmma on sm_90, tcgen05 on sm_100; the interpreter)."""
     if device.type != "cuda":
         return False
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] not in (9, 10)
+    return _capability(device)[0] not in (9, 10)
 
 
 def mma_is_warpgroup(device: torch.device) -> bool:
     """True when the tensor-core MMA is issued by a warpgroup of 4 warps over a tile in shared memory (wgmma, sm_90)."""
     if device.type != "cuda":
         return False
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+    return _capability(device)[0] == 9
 
 
 def launches_dependents_early(device: torch.device) -> bool:
     """True when a kernel may start before the one it depends on ends (programmatic dependent launch, sm_90+)."""
     if device.type != "cuda":
         return False
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return _capability(device)[0] >= 9
 
 
 def _patch_interpreter_scalars() -> None:
