@@ -7,7 +7,8 @@
 # engine and engine_sync (the engine's host time per step, async decode on and off, each with its costliest host
 # functions), attention (with its plan sweep), moe (with its tile sweep), linear (the FP8 linear with its tile
 # sweep), mhc (the mHC kernels with the prefill projection's tile sweep), ncu (only when STAGES names it:
-# tools/ncu_decode.sh's Nsight Compute lines for the decode step's largest kernels, NCU_LAYERS layers). Each
+# tools/ncu_decode.sh's Nsight Compute lines for the decode step's largest kernels, NCU_LAYERS layers), ncu_attention
+# (only when named: tools/ncu_attention.sh on the 8K CSA prefill's attention plans). Each
 # writes its log and JSON under $RESULTS and a line to $RESULTS/summary.txt; a stage that fails or runs out of its
 # time does not stop the others. With the trees of
 # tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected
@@ -60,4 +61,5 @@ stage moe 420 python3 -m ds4.cli bench moe --sweep --json "$R/moe.json"
 stage linear 300 python3 -m ds4.cli bench linear --sweep --json "$R/linear.json"  # then tools/gemv_pick.py on it
 stage mhc 240 python3 -m ds4.cli bench kernels --only mhc --all-tiles --json "$R/mhc.json"
 stage ncu 300 env OUT="$R/ncu" LAYERS="${NCU_LAYERS:-4}" bash tools/ncu_decode.sh  # named in STAGES only
+stage ncu_attention 300 env OUT="$R/ncu_attention" bash tools/ncu_attention.sh  # named in STAGES only
 cat "$R/summary.txt"
