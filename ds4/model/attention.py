@@ -131,7 +131,7 @@ class Attention(nn.Module):
             # the step's shared values before the join but those made before the fork (the compressor may make
             # others on its stream first).
             snapshot = cache.snapshot.compressor if cache.snapshot is not None else None
-            with side.fork():
+            with side.fork(t):
                 compressed = self.compressions(x)  # kv and score of the compressor (the indexer's, its weights)
                 self.compressor(*compressed[:2], step, cache.compressor, cache.compressed, snapshot)
         q_a, kv = self.q_a_and_kv(x)

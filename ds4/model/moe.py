@@ -192,7 +192,7 @@ class MoE(nn.Module):
         latency-bound launches), joined before the slot sum adds it."""
         side, shared = side_stream(x.device), None
         if self.shared_experts is not None:
-            with side.fork():
+            with side.fork(x.shape[0]):
                 shared = self.shared_experts(x)
         routes = self.gate(x, input_ids, self.held_experts)
         experts, groups = expert_weights(self.experts), (routes.order, routes.bounds)

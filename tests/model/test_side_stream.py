@@ -7,14 +7,14 @@ import contextlib
 import pytest
 import torch
 
-from ds4.model.side_stream import SideStream
+from ds4.model.side_stream import OVERLAP_MAX_TOKENS, SideStream
 
 SPIN_CYCLES = 20_000_000  # ~10 ms of the side stream spinning before it writes
 
 
 def test_cpu_work_runs_inline():
     side, x = SideStream(torch.device("cpu")), torch.zeros(4)
-    with side.fork():
+    with side.fork(1):
         x += 1
     side.join()
     assert torch.equal(x, torch.ones(4))
@@ -41,12 +41,24 @@ def test_a_join_waits_only_for_work_forked_since_the_last_join(monkeypatch):
     side.stream = _Stream(torch.device("cuda"))
     side.join()
     assert main.waited_for == [] and side.stream.waited_for == []
-    with side.fork():
+    with side.fork(1):
         pass
     assert side.stream.waited_for == [main] and main.waited_for == []
     side.join()
     side.join()
     assert main.waited_for == [side.stream]
+
+
+def test_work_of_a_prefill_chunk_stays_on_the_main_stream(monkeypatch):
+    main = _Stream(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: pytest.fail("switched to the side stream"))
+    side = SideStream(torch.device("cpu"))
+    side.stream = _Stream(torch.device("cuda"))
+    with side.fork(OVERLAP_MAX_TOKENS + 1):
+        pass
+    side.join()
+    assert main.waited_for == [] and side.stream.waited_for == []
 
 
 @pytest.mark.gpu
@@ -56,14 +68,14 @@ def test_a_graph_captures_a_join_without_a_fork_after_side_work_outside_it():
     the replay orders the side work."""
     side = SideStream(torch.device("cuda"))
     x = torch.zeros(1 << 20, device="cuda")
-    with side.fork():
+    with side.fork(1):
         x.add_(1)
     side.join()
     torch.cuda.synchronize()
 
     def step():
         side.join()
-        with side.fork():
+        with side.fork(1):
             torch.cuda._sleep(SPIN_CYCLES)
             y = x + 1
         side.join()
@@ -83,7 +95,7 @@ def test_the_join_orders_the_side_work_before_what_follows():
     side = SideStream(torch.device("cuda"))
     x = torch.zeros(1 << 20, device="cuda")
     x += 3  # main-stream work the fork must wait for
-    with side.fork():
+    with side.fork(1):
         torch.cuda._sleep(SPIN_CYCLES)
         y = x + 1
     side.join()
@@ -96,7 +108,7 @@ def test_a_graph_keeps_the_fork_and_the_join():
     x = torch.zeros(1 << 20, device="cuda")
 
     def step():
-        with side.fork():
+        with side.fork(1):
             torch.cuda._sleep(SPIN_CYCLES)
             y = x + 1
         side.join()
