@@ -14,12 +14,13 @@ iterations in registers (an hc x hc matrix) and writes a slice of the channels; 
 split over several programs each recomputes those few values, and when tokens are many a program takes several.
 Everything is fp32 as in the reference. With bf16 streams the projection's products run on tensor cores as three
 bf16 products: fn's fp32 weights split into three bf16 parts (each the rounding of what the ones before leave, their
-sum fn to about 2^-27 of itself), each part's products with the streams exact and summed in fp32 (the two smaller
-parts' apart from the largest's): no conversion of the streams, half the MMA instructions of Triton's tf32x3, which
-fp16 streams keep (exact in TF32; its low x low product dropped, the weight's rest rounded to TF32: about 2^-22 of a
-product). fp32 streams keep IEEE fp32 FMAs (an fp32 model agrees with its CPU run up to the order of the sums).
-hc_pre at 8192 bf16 tokens (`ds4 bench kernels --only mhc`): H200, tf32x3, 0.380 ms (23c2fb5); H100, bf16x3 with
-one sum for all parts, 0.253 ms (25e4b02; its gates were then 2.5e-5 off: the parts now sum apart, not yet timed).
+sum fn to about 2^-27 of itself), each part's products with the streams exact, a K block's summed on the tensor
+cores and the blocks' sums in fp32: no conversion of the streams, half the MMA instructions of Triton's tf32x3,
+which fp16 streams keep (exact in TF32; its low x low product dropped, the weight's rest rounded to TF32: about
+2^-22 of a product). fp32 streams keep IEEE fp32 FMAs (an fp32 model agrees with its CPU run up to the order of the
+sums). hc_pre at 8192 bf16 tokens (`ds4 bench kernels --only mhc`): H200, tf32x3, 0.380 ms (23c2fb5); H100,
+bf16x3, 0.255 ms with one tensor-core sum over all of K (e923bad; its gates and output up to 2.7e-5 off the fp32
+reference: the per-block sums since, not yet timed).
 A decode step's hc_post, the hc_pre after it and that sub-layer's RMSNorm (`hc_post_pre`, up to POST_PRE_TOKENS
 tokens) are one launch: each program expands a block of channels and writes that block's projection row (fp32
 FMAs: too few tokens for an MMA), and the last program to arrive (an arrival counter) runs the collapse from the
@@ -134,8 +135,6 @@ def _projection_kernel(
     row_ok = rows < T
     row_ptr = h_ptr + rows.to(tl.int64)[:, None] * h_stride
     acc = tl.zeros((BLOCK_T, MIX_PAD), tl.float32)
-    # bf16x3: the two smaller parts' products in a sum of their own (see below), added to acc after the loop.
-    fine = tl.zeros((BLOCK_T, MIX_PAD), tl.float32)
     squares = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)  # summed over the channels once, after the loop
     k_start = split * k_blocks_per_split * BLOCK_K
     for step in range(0, k_blocks_per_split):
@@ -145,28 +144,30 @@ def _projection_kernel(
         w = tl.load(fn_ptr + cols[None, :] * K + k[:, None], mask=(cols[None, :] < MIX) & k_ok[:, None], other=0.0)
         if PRECISION == "bf16x3":
             # fp32 w as the sum of three bf16 parts (each the rounding of what the ones before leave: w to about
-            # 2^-27 of itself), each part's products with the bf16 streams exact. The tensor cores' sums drop the
-            # bits of a small addend below the larger one's last (H100: summed into the high part's sum, the two
-            # smaller parts' products left the gates 2.5e-5 off the fp32 reference at 8K tokens), so those
-            # products sum on their own, from the lowest part up. PARTS_F32 (the interpreter, whose bf16 dot is
-            # wrong): the same exact products from fp32 copies.
+            # 2^-27 of itself), each part's products with the bf16 streams exact. The tensor cores truncate
+            # where they add (an addend's bits below the sum's last are dropped, not rounded): a chain of MMAs
+            # over all of K drifts (H100, 8K tokens: gates 2.5e-5 off the fp32 reference with one chain for all
+            # parts, ~1e-5 with the small parts' apart). So each K block's products sum in a chain of their own,
+            # smallest part first, and the blocks' sums add in fp32 (as Triton's tf32x3 does). PARTS_F32 (the
+            # interpreter, whose bf16 dot is wrong): the same exact products from fp32 copies.
             high = w.to(tl.bfloat16)
             rest = w - high.to(tl.float32)
             middle = rest.to(tl.bfloat16)
             low = (rest - middle.to(tl.float32)).to(tl.bfloat16)
             if PARTS_F32:
                 xf = x.to(tl.float32)
-                fine = tl.dot(xf, low.to(tl.float32), fine, input_precision="ieee")
-                fine = tl.dot(xf, middle.to(tl.float32), fine, input_precision="ieee")
-                acc = tl.dot(xf, high.to(tl.float32), acc, input_precision="ieee")
+                block = tl.dot(xf, low.to(tl.float32), input_precision="ieee")
+                block = tl.dot(xf, middle.to(tl.float32), block, input_precision="ieee")
+                block = tl.dot(xf, high.to(tl.float32), block, input_precision="ieee")
             else:
-                fine = tl.dot(x, low, fine)
-                fine = tl.dot(x, middle, fine)
-                acc = tl.dot(x, high, acc)
+                block = tl.dot(x, low)
+                block = tl.dot(x, middle, block)
+                block = tl.dot(x, high, block)
+            acc += block
         else:
             acc = tl.dot(x.to(tl.float32), w, acc, input_precision=PRECISION)
         squares += x.to(tl.float32) * x.to(tl.float32)
-    acc = tl.where(cols[None, :] == MIX, tl.sum(squares, axis=1)[:, None], acc + fine)
+    acc = tl.where(cols[None, :] == MIX, tl.sum(squares, axis=1)[:, None], acc)
     out = part_ptr + (split * T + rows.to(tl.int64))[:, None] * MIX_PAD + cols[None, :]
     tl.store(out, acc, mask=row_ok[:, None])
 
