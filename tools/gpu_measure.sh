@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The measurements the open issues ask of one H200, in order of need, for tools/gpu_detached.sh (it sets RESULTS):
 #   bash tools/gpu_detached.sh start tools/gpu_measure.sh     then, in the next call, `collect`
-# Stages in this order (STAGES picks them, default all): model4 (4 Flash layers with transformers beside them),
-# tests (every gpu-marked test, several processes with pytest-xdist), model20 (20 Flash layers, prefill to 64K),
-# model20_serial (its decode without the side-stream overlaps, `--serial`),
-# engine and engine_sync (the engine's host time per step, async decode on and off, each with its costliest host
+# Stages in the order STAGES names them (default: all but the ncu ones, in this order): model4 (4 Flash layers
+# with transformers beside them), tests (every gpu-marked test, several processes with pytest-xdist), model20 (20
+# Flash layers, prefill to 64K), model20_serial (its decode without the side-stream overlaps, `--serial`), engine
+# and engine_sync (the engine's host time per step, async decode on and off, each with its costliest host
 # functions), attention (with its plan sweep), moe (with its tile sweep), linear (the FP8 linear with its tile
-# sweep), mhc (the mHC kernels with the prefill projection's tile sweep), ncu (only when STAGES names it:
-# tools/ncu_decode.sh's Nsight Compute lines for the decode step's largest kernels, NCU_LAYERS layers), ncu_attention
-# (only when named: tools/ncu_attention.sh on the 8K CSA prefill's attention plans). Each
+# sweep), mhc (the mHC kernels with the prefill projection's tile sweep), ncu (tools/ncu_decode.sh's Nsight Compute
+# lines for the decode step's largest kernels, NCU_LAYERS layers), ncu_attention (tools/ncu_attention.sh on the 8K
+# CSA prefill's attention plans). Each
 # writes its log and JSON under $RESULTS and a line to $RESULTS/summary.txt; a stage that fails or runs out of its
 # time does not stop the others. With the trees of
 # tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected
@@ -22,12 +22,10 @@ R=${RESULTS:-/tmp/detached}
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache PYTHONFAULTHANDLER=1  # a stage out of time dumps its stacks
 . tools/install_device_wheels.sh > /dev/null 2>&1
-stages=" ${STAGES:-model4 tests model20 model20_serial engine engine_sync attention moe linear mhc} "
 stage() {  # name timeout command... (LIMIT_<name> overrides the timeout)
   local name=$1 limit=$2 override="LIMIT_$1"
   limit=${!override:-$limit}
   shift 2
-  [[ $stages == *" $name "* ]] || return 0
   local start=$SECONDS
   timeout -s ABRT -k 10 "$limit" "$@" > "$R/$name.txt" 2>&1
   echo "$name rc=$? ${SECONDS}s (took $((SECONDS - start)) s)" >> "$R/summary.txt"
@@ -43,23 +41,32 @@ if [ "${small:-0}" = 1 ]; then
   LAYERS=${LAYERS:-16}
   COMPARE=${COMPARE-}
 fi
-stage model4 600 "${model[@]}" --layers 4 --batch-sizes 1,64 --prefill-lengths 8192 ${COMPARE---compare-transformers} --json "$R/model4.json"
-stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" ${TESTS:-tests}
-if [ -f .bisect/trees.tar.xz ] && [[ $stages == *" tests "* ]]; then  # the first failing test of up to 3 files
+bisect_failures() {  # with the trees of tools/bisect_trees.sh: the first failing test of up to 3 files
+  [ -f .bisect/trees.tar.xz ] || return 0
   grep -E "^(FAILED|ERROR) " "$R/tests.txt" | sed -E 's/^(FAILED|ERROR) ([^ ]+).*/\2/' | awk -F'::' '!seen[$1]++' \
     | head -n 3 | while read -r node; do
-      stages="$stages bisect_$(basename "${node%%::*}" .py) "
       stage "bisect_$(basename "${node%%::*}" .py)" "${LIMIT_bisect:-420}" bash tools/gpu_bisect.sh "$node"
     done
-fi
-stage model20 600 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json"
-stage model20_serial 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --serial --json "$R/model20_serial.json"
-stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json"
-stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json"
-stage attention 420 python3 -m ds4.cli bench attention --sweep --json "$R/attention.json"
-stage moe 420 python3 -m ds4.cli bench moe --sweep --json "$R/moe.json"
-stage linear 300 python3 -m ds4.cli bench linear --sweep --json "$R/linear.json"  # then tools/gemv_pick.py on it
-stage mhc 240 python3 -m ds4.cli bench kernels --only mhc --all-tiles --json "$R/mhc.json"
-stage ncu 300 env OUT="$R/ncu" LAYERS="${NCU_LAYERS:-4}" bash tools/ncu_decode.sh  # named in STAGES only
-stage ncu_attention 300 env OUT="$R/ncu_attention" bash tools/ncu_attention.sh  # named in STAGES only
+}
+run_stage() {
+  case $1 in
+    model4) stage model4 600 "${model[@]}" --layers 4 --batch-sizes 1,64 --prefill-lengths 8192 ${COMPARE---compare-transformers} --json "$R/model4.json" ;;
+    tests) stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" ${TESTS:-tests}
+      bisect_failures ;;
+    model20) stage model20 600 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json" ;;
+    model20_serial) stage model20_serial 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --serial --json "$R/model20_serial.json" ;;
+    engine) stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json" ;;
+    engine_sync) stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json" ;;
+    attention) stage attention 420 python3 -m ds4.cli bench attention --sweep --json "$R/attention.json" ;;
+    moe) stage moe 420 python3 -m ds4.cli bench moe --sweep --json "$R/moe.json" ;;
+    linear) stage linear 300 python3 -m ds4.cli bench linear --sweep --json "$R/linear.json" ;;  # then tools/gemv_pick.py on it
+    mhc) stage mhc 240 python3 -m ds4.cli bench kernels --only mhc --all-tiles --json "$R/mhc.json" ;;
+    ncu) stage ncu 300 env OUT="$R/ncu" LAYERS="${NCU_LAYERS:-4}" bash tools/ncu_decode.sh ;;
+    ncu_attention) stage ncu_attention 300 env OUT="$R/ncu_attention" bash tools/ncu_attention.sh ;;
+    *) echo "unknown stage $1" >> "$R/summary.txt" ;;
+  esac
+}
+for name in ${STAGES:-model4 tests model20 model20_serial engine engine_sync attention moe linear mhc}; do
+  run_stage "$name"
+done
 cat "$R/summary.txt"
