@@ -8,8 +8,6 @@ On any config (`--config flash|pro|DIR` with `--load-format dummy`, or a checkpo
     interval between the steps returned): the requests are prefilled first, then the batch shrinks by aborting
     requests, largest first;
   - prefill tok/s of one prompt of each `--prefill-lengths` (chunks of `--prefill-chunk` tokens);
-  - with `--load-format dummy`, the score routers' biases first balanced on a calibration prompt the way training
-    balances a real checkpoint's (ds4.bench.routers; `--unbalanced-routers` keeps them zero);
   - peak device memory; finite logits asserted on every step but the timed decode steps (whose times would hold
     the check's launches): every prefill and an eager decode step at each batch size.
 Rooflines (ds4.bench.roofline): decode = the bytes a step must read over the copy bandwidth; prefill = the FLOPs by
@@ -34,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import math
 import os
@@ -48,7 +45,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ds4.bench import ceilings, roofline, routers
+from ds4.bench import ceilings, roofline
 from ds4.bench.driver import choose_model, shrink, step, timed_steps
 from ds4.bench.profile import FAMILIES, profile_families
 from ds4.bench.report import environment, int_list, progress, sync, write_json
@@ -104,11 +101,6 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="also run one eager decode step a batch size between cudaProfilerStart and Stop, for Nsight Compute "
         "(`ncu --profile-from-start off`, tools/ncu_decode.sh)",
-    )
-    parser.add_argument(
-        "--unbalanced-routers",
-        action="store_true",
-        help="dummy weights: keep the score routers' biases zero (not balanced on a calibration prompt)",
     )
     parser.add_argument("--compare-transformers", action="store_true", help="also time transformers' DeepseekV4")
     parser.add_argument("--seed", type=int, default=0)
@@ -203,13 +195,6 @@ def run(args: argparse.Namespace) -> dict:
     kv_entry = kv_entry_size(cfg, model.kv_cache_dtype, dtype)
     index_entry = ENTRY_BYTES if packed_index_keys(cfg, model.kv_cache_dtype) else cfg.index_head_dim * item
     rng = random.Random(args.seed)
-    balance = None
-    if args.load_format == "dummy" and not args.unbalanced_routers:
-        length = min(args.prefill_lengths)
-        progress(f"balancing the dummy routers on a {length}-token prompt ({routers.ROUNDS} rounds)")
-        prompt = _random_prompt(rng, length, cfg.vocab_size)
-        balanced = routers.balance_routers(engine.model, functools.partial(_complete, engine, "router-balance", prompt))
-        balance = {"routers": balanced, "prompt_tokens": length, "rounds": routers.ROUNDS} if balanced else None
     decode = _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens, finite)
     prefill = _prefill(engine, args, cfg, rates, rng)
     engine.close()
@@ -234,7 +219,6 @@ def run(args: argparse.Namespace) -> dict:
         "kv_entry_bytes": kv_entry,
         "index_entry_bytes": index_entry,
         "load_s": load_s,
-        "routers_balanced": balance,
         "ceilings": rates,
         "weights": weights,
         "decode": decode,
@@ -337,13 +321,6 @@ def _weights(model, cfg) -> dict:
 
 def _random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(2, vocab) for _ in range(length)]
-
-
-def _complete(engine, name: str, prompt: list[int]) -> None:
-    """Run one request of `prompt` (one token generated) through the engine to its end."""
-    engine.add_request(name, prompt, _greedy(1))
-    while engine.has_unfinished_requests():
-        step(engine)
 
 
 def _greedy(max_tokens: int):
@@ -731,11 +708,6 @@ def table(result: dict) -> str:
             f"routing of the {result['prefill'][0]['tokens']}-token prefill ({routing['score_layers']} score layers, "
             f"means): {routing['rows_per_expert']:.0f} rows an expert, the largest {routing['max_over_mean']:.2f}x "
             f"that, spread {routing['spread_over_balanced']:.1f}x a balanced draw's"
-            + (
-                f" (dummy routers balanced on another {b['prompt_tokens']}-token prompt, ds4.bench.routers)"
-                if (b := result.get("routers_balanced"))
-                else ""
-            )
         )
     if result["tensor_parallel_size"] > 1:
         lines += ["", _traffic_rows(result)]

@@ -56,16 +56,6 @@ def _expert_ids(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device, dtype=torch.int32)
 
 
-def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
-    """The experts' scores of fp32 logits [T, E]: the routing weights' source (score layers pick the top-k of
-    score + bias)."""
-    if score_func == "softmax":
-        return logits.softmax(dim=-1)
-    if score_func == "sigmoid":
-        return logits.sigmoid()
-    return F.softplus(logits).sqrt()
-
-
 def route_reference(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
@@ -77,7 +67,12 @@ def route_reference(
 ) -> Routes:
     """logits fp32 [T, E]; bias [E] (score routing) or hashed [T, k] (the tokens' tid2eid rows); local (first,
     count): this rank's experts under expert parallelism (None: all of them)."""
-    scores = route_scores(logits, score_func)
+    if score_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif score_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = F.softplus(logits).sqrt()
     indices = hashed if hashed is not None else (scores + bias).topk(topk, dim=-1).indices
     weights = scores.gather(1, indices)
     if score_func != "softmax":
