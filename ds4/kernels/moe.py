@@ -32,8 +32,12 @@ order the MMA's threads hold them (`mma_columns`), the activations stored in tha
 plan (sm_90+, `GemmPlan.tma`) has the gate-up pass's act_quant write each slot's token row in expert order, so
 both passes read their activation tiles as boxes of whole rows by TMA descriptors (one copy instruction a tile
 instead of a gathered address a row: fewer instructions in a kernel whose issue slots the decoding fills; an H200
-probe of the gate-up pass at 8K tokens: 4.24 ms against 4.95). The slot sum adds the shared expert's output and
-rounds to the layer's dtype in one kernel.
+probe of the gate-up pass at 8K tokens: 4.24 ms against 4.95). A prefill pass is two launches (`GemmPlan.rest`):
+256-row tiles take each expert's whole tiles (and a remainder of more than 128 rows), 128-row tiles the smaller
+remainders, so an expert's rows are padded by at most 127, not 255 (a skewed load leaves many experts a few rows:
+simulated, 8K tokens with the largest expert ~8x the mean as in 16 dummy Flash layers fill 58% of one launch's
+256-row tiles, 76% of the two launches'; a balanced load 75% either way). The
+slot sum adds the shared expert's output and rounds to the layer's dtype in one kernel.
 Settings: one table (`_TIERS`; `_REGISTER_OPERAND_TIERS` where the MMA reads registers), fitted to the device's
 shared memory (`gemm_plan`).
 """
@@ -312,6 +316,9 @@ def _grouped_gemm_kernel(
     PTX: tl.constexpr,
     TMA_A: tl.constexpr,
     PDL: tl.constexpr,
+    PART: tl.constexpr,
+    WIDE_ROWS: tl.constexpr,
+    REST_ROWS: tl.constexpr,
 ):
     """GATED: out[row] = swiglu(gate a[token], up a[token]) * route_w[slot] for the expert-sorted rows (a = the
     activations); else out[slot] = down a[row] (a = the first pass's output). Program (n, m): weight rows
@@ -320,7 +327,10 @@ def _grouped_gemm_kernel(
     tiles of whole rows arrive by one copy instruction, and the rows past the expert's (another expert's, or
     zeros past the end) are computed and not stored.
     PDL: launched early; the routing (from launches before the previous one) is read at once, `a` after the
-    previous launch ends."""
+    previous launch ends.
+    PART "all": every row of an expert in BM-row tiles. A pass of two launches (`GemmPlan.rest`): "wide" (BM =
+    WIDE_ROWS) takes an expert's whole tiles and one more for a remainder of more than REST_ROWS rows; "rest" (BM =
+    REST_ROWS) a remainder of up to REST_ROWS rows past the whole tiles, in one tile."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -328,13 +338,24 @@ def _grouped_gemm_kernel(
     ids = tl.arange(0, E_PAD)
     lo = tl.load(bounds_ptr + ids, mask=ids < n_experts, other=0)
     hi = tl.load(bounds_ptr + ids + 1, mask=ids < n_experts, other=0)
-    tiles = (hi - lo + BM - 1) // BM
+    first = lo
+    if PART == "wide":
+        rest = (hi - lo) % BM
+        tiles = (hi - lo) // BM + (rest > REST_ROWS).to(tl.int32)
+    elif PART == "rest":
+        rest = (hi - lo) % WIDE_ROWS
+        first = hi - rest
+        tiles = ((rest > 0) & (rest <= BM)).to(tl.int32)
+    else:
+        tiles = (hi - lo + BM - 1) // BM
     tile_end = tl.cumsum(tiles, 0)
     expert = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
     if expert >= n_experts:
+        if PDL:  # not before the previous launch ends: a launch whose programs all return here would end first
+            tl.extra.cuda.gdc_wait()
         return
     mine = ids == expert
-    row0 = tl.sum(tl.where(mine, lo + (pid_m - tile_end + tiles) * BM, 0), 0)
+    row0 = tl.sum(tl.where(mine, first + (pid_m - tile_end + tiles) * BM, 0), 0)
     row_end = tl.sum(tl.where(mine, hi, 0), 0)
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < row_end
@@ -401,29 +422,35 @@ class GemmPlan:
     warps: int
     stages: int
     tma: bool = False  # MXFP4: activations in expert order, tiles read by TMA (`_grouped_gemm_kernel`'s TMA_A)
+    # A second launch for each expert's remainder of up to rest.bm rows past its whole bm tiles (larger ones take
+    # one more bm tile): a skewed routing's lightly loaded experts then fill rest.bm-row tiles, not bm-row ones.
+    rest: GemmPlan | None = None
 
 
 # The chosen settings (the sweep lives in `ds4 bench moe`), by the average rows a touched expert gets: row
 # tiles hold them; decode batches take weight tiles of 128 rows, or of 64 (one warpgroup's MMA) where that
 # leaves fewer than _PROGRAMS_PER_SM programs an SM; prefill tiles decode each weight once for up to 256 rows.
+# Prefill's second launch (GemmPlan.rest): an expert's remainder of up to 128 rows, with the wide tiles' K step.
+_PREFILL_REST = GemmPlan(bm=128, weight_rows=128, bk=128, warps=4, stages=3)
 _TIERS = (  # (rows per touched expert up to, plan at most stages deep)
     (16, GemmPlan(bm=16, weight_rows=128, bk=256, warps=4, stages=4)),
     (32, GemmPlan(bm=32, weight_rows=128, bk=256, warps=4, stages=4)),
     (64, GemmPlan(bm=64, weight_rows=128, bk=128, warps=4, stages=4)),
     (128, GemmPlan(bm=128, weight_rows=128, bk=64, warps=4, stages=4)),
-    (None, GemmPlan(bm=256, weight_rows=128, bk=128, warps=8, stages=3, tma=True)),
+    (None, GemmPlan(bm=256, weight_rows=128, bk=128, warps=8, stages=3, tma=True, rest=_PREFILL_REST)),
 )
 # The same where the MMA takes both operands from registers (mma.sync: sm_80 to sm_89, sm_120): the decoded weights
 # and the activations' fragments sit beside the fp32 accumulator, so the wider tiles take 8 warps and the widest 64
 # weight rows and K steps of 64. Offline (ptxas, gate-up and down passes at Flash's shapes): _TIERS's 64-, 128-
 # and 256-row plans spill 48-72, 248-304 and 144-2720 bytes a thread on sm_80 and sm_120; these none (at most 233
 # registers; 8 bytes of stack on sm_120 with TMA).
+_REGISTER_ROWS_128 = GemmPlan(bm=128, weight_rows=128, bk=64, warps=8, stages=4)
 _REGISTER_OPERAND_TIERS = (
     (16, GemmPlan(bm=16, weight_rows=128, bk=256, warps=4, stages=4)),
     (32, GemmPlan(bm=32, weight_rows=128, bk=256, warps=4, stages=4)),
     (64, GemmPlan(bm=64, weight_rows=128, bk=128, warps=8, stages=4)),
-    (128, GemmPlan(bm=128, weight_rows=128, bk=64, warps=8, stages=4)),
-    (None, GemmPlan(bm=256, weight_rows=64, bk=64, warps=8, stages=3, tma=True)),
+    (128, _REGISTER_ROWS_128),
+    (None, GemmPlan(bm=256, weight_rows=64, bk=64, warps=8, stages=3, tma=True, rest=_REGISTER_ROWS_128)),
 )
 _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2
@@ -457,14 +484,21 @@ def gemm_plan(
     touched = max(1, min(rows, n_experts))
     tiers = _REGISTER_OPERAND_TIERS if registers_hold_operands else _TIERS
     plan = next(p for limit, p in tiers if limit is None or rows / touched <= limit)
-    # TMA where the device has it and the act_quant pass puts the activations (MXFP4's) in expert order
-    plan = replace(plan, tma=plan.tma and mxfp4 and tma)
+    # TMA where the device has it and the act_quant pass puts the activations (MXFP4's) in expert order; a pass's
+    # two launches read them alike
+    use_tma = plan.tma and mxfp4 and tma
+    plan = replace(plan, tma=use_tma, rest=plan.rest and replace(plan.rest, tma=use_tma))
     while (
         plan.weight_rows > _MIN_WEIGHT_ROWS
         and touched * triton.cdiv(n, plan.weight_rows // (2 if gated else 1)) < _PROGRAMS_PER_SM * sms
     ):
         plan = replace(plan, weight_rows=plan.weight_rows // 2)
-    budget = shared_memory  # a first cut: `_fitted` checks the compiled kernel's own size
+    return _fit(plan, k, mxfp4, a_bytes, shared_memory)
+
+
+def _fit(plan: GemmPlan, k: int, mxfp4: bool, a_bytes: int, budget: int) -> GemmPlan:
+    """K steps that divide K, then fewer stages and narrower K steps until the pipelined tiles fit `budget` (a
+    first cut: `_fitted` checks the compiled kernel's own size); the same for the rest launch's plan."""
     min_bk = MXFP4_GROUP if mxfp4 else 16  # a scale group; the MMA's K
     bk = plan.bk
     while k % bk and bk > min_bk:
@@ -476,7 +510,10 @@ def gemm_plan(
         plan = replace(plan, stages=plan.stages - 1)
     while plan.bk > min_bk and plan_shared_memory(plan, mxfp4, a_bytes) > budget:
         plan = replace(plan, bk=plan.bk // 2)
-    return plan
+    if plan.rest is None:
+        return plan
+    rest = _fit(replace(plan.rest, bk=min(plan.rest.bk, plan.bk)), k, mxfp4, a_bytes, budget)
+    return replace(plan, bk=rest.bk, rest=rest)  # one K step for both launches (their activations' column order)
 
 
 _FITTED: dict[tuple, GemmPlan] = {}
@@ -485,19 +522,44 @@ _FITTED: dict[tuple, GemmPlan] = {}
 def _fitted(plan: GemmPlan, key: tuple, compile_plan, shared_memory: int, mxfp4: bool) -> GemmPlan:
     """`plan`, or the same with fewer stages, then narrower K steps, until its compiled kernel fits in
     `shared_memory` bytes: plan_shared_memory counts the pipelined operand tiles only, the compiler adds buffers of
-    its own (the decoded weight tile, layout changes). Compiled once per plan and key (dtypes, device)."""
+    its own (the decoded weight tile, layout changes); its rest launch's plan alike. compile_plan(plan, part,
+    split) compiles one launch (`_launches`). Compiled once per plan and key (dtypes, device)."""
     key = (plan, *key)
     if key not in _FITTED:
-        fitted, min_bk = plan, MXFP4_GROUP if mxfp4 else 16
-        while compile_plan(fitted).metadata.shared > shared_memory:
-            if fitted.stages > 2:
-                fitted = replace(fitted, stages=fitted.stages - 1)
-            elif fitted.bk > min_bk:
-                fitted = replace(fitted, bk=fitted.bk // 2)
-            else:
-                raise RuntimeError(f"no grouped-GEMM plan fits in {shared_memory} bytes of shared memory ({plan})")
+        fitted = _fitted_launch(plan, "wide" if plan.rest else "all", plan, compile_plan, shared_memory, mxfp4)
+        if plan.rest:  # one K step for both launches (their activations' column order), the smaller one fitted
+            rest = _fitted_launch(
+                replace(plan.rest, bk=min(plan.rest.bk, fitted.bk)), "rest", plan, compile_plan, shared_memory, mxfp4
+            )
+            if rest.bk < fitted.bk:
+                fitted = _fitted_launch(replace(fitted, bk=rest.bk), "wide", plan, compile_plan, shared_memory, mxfp4)
+            fitted = replace(fitted, rest=rest)
         _FITTED[key] = fitted
     return _FITTED[key]
+
+
+def _fitted_launch(launch: GemmPlan, part: str, plan: GemmPlan, compile_plan, shared_memory: int, mxfp4: bool):
+    """One launch's plan of `plan`'s pass, fitted as `_fitted` says."""
+    split = _split(plan)
+    fitted, min_bk = launch, MXFP4_GROUP if mxfp4 else 16
+    while compile_plan(fitted, part, split).metadata.shared > shared_memory:
+        if fitted.stages > 2:
+            fitted = replace(fitted, stages=fitted.stages - 1)
+        elif fitted.bk > min_bk:
+            fitted = replace(fitted, bk=fitted.bk // 2)
+        else:
+            raise RuntimeError(f"no grouped-GEMM plan fits in {shared_memory} bytes of shared memory ({launch})")
+    return fitted
+
+
+def _split(plan: GemmPlan) -> tuple[int, int]:
+    """(wide, rest) row tiles of a pass of two launches; (0, 0) for one."""
+    return (plan.bm, plan.rest.bm) if plan.rest else (0, 0)
+
+
+def _launches(plan: GemmPlan) -> list[tuple[GemmPlan, str]]:
+    """The launches of one grouped-GEMM pass: (plan, part) for `_grouped_gemm_kernel`'s PART."""
+    return [(plan, "wide"), (plan.rest, "rest")] if plan.rest else [(plan, "all")]
 
 
 def _act_quant(
@@ -524,9 +586,11 @@ def _act_quant(
 
 
 def _grouped_gemm(
-    a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan, compile_only=False
-):
-    """One grouped-GEMM pass; compile_only: compile it for `plan` without launching, returning the kernel."""
+    a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan, part, split,
+    compile_only=False,
+):  # fmt: skip
+    """One launch of a grouped-GEMM pass (`_launches`: part, and the pass's (wide, rest) row tiles); compile_only:
+    compile it for `plan` without launching, returning the kernel."""
     gated = up is not None
     mxfp4 = scale is not None
     if mxfp4:  # eight e2m1 codes an int32 word (`_e2m1_tile`)
@@ -536,7 +600,14 @@ def _grouped_gemm(
     bn = plan.weight_rows // 2 if gated else plan.weight_rows
     rows = order.shape[0]
     dot = tl.float32 if interpreting() or a.dtype == torch.float32 else tl.bfloat16
-    grid = (triton.cdiv(n, bn), (rows + min(n_experts, rows) * (plan.bm - 1)) // plan.bm)
+    touched = min(n_experts, rows)
+    if part == "rest":  # one tile an expert at most
+        row_tiles = touched
+    elif part == "wide":  # a remainder of up to split[1] rows takes no tile here
+        row_tiles = (rows + touched * (plan.bm - split[1] - 1)) // plan.bm
+    else:
+        row_tiles = (rows + touched * (plan.bm - 1)) // plan.bm
+    grid = (triton.cdiv(n, bn), row_tiles)
     launch = functools.partial(_grouped_gemm_kernel.warmup, grid=grid) if compile_only else _grouped_gemm_kernel[grid]
     return launch(
         TensorDescriptor.from_tensor(a, [plan.bm, plan.bk]) if plan.tma else a,
@@ -571,6 +642,9 @@ def _grouped_gemm(
         PTX=not interpreting(),
         TMA_A=plan.tma,
         PDL=launches_dependents_early(a.device),
+        PART=part,
+        WIDE_ROWS=split[0],
+        REST_ROWS=split[1],
         num_warps=plan.warps,
         num_stages=plan.stages,
         launch_pdl=launches_dependents_early(a.device),
@@ -673,28 +747,32 @@ def routed_slots_triton(
     a = torch.empty(a_rows, hidden, dtype=torch.bfloat16, device=x.device) if experts.mxfp4 else x
     h_quant = torch.empty_like(h, dtype=torch.bfloat16) if experts.mxfp4 else h
 
-    def gate_up(plan, compile_only=False):
+    def gate_up(plan, part, split, compile_only=False):
         return _grouped_gemm(
             a, order, bounds, experts.gate, experts.up, experts.gate_scale, experts.up_scale, route_w, h,
-            n_experts, k, limit, plan, compile_only,
+            n_experts, k, limit, plan, part, split, compile_only,
         )  # fmt: skip
 
-    def down(plan, compile_only=False):
+    def down(plan, part, split, compile_only=False):
         return _grouped_gemm(
             h_quant, order, bounds, experts.down, None, experts.down_scale, None, route_w, out, n_experts, k, limit,
-            plan, compile_only,
+            plan, part, split, compile_only,
         )  # fmt: skip
 
     if not interpreting() and plans is None:
         key = (experts.mxfp4, x.dtype, slot_dtype, x.device)
         plan1 = _fitted(plan1, ("gate-up", *key), functools.partial(gate_up, compile_only=True), smem, experts.mxfp4)
         plan2 = _fitted(plan2, ("down", *key), functools.partial(down, compile_only=True), smem, experts.mxfp4)
+    if any(p.rest and p.rest.bk != p.bk for p in (plan1, plan2)):
+        raise ValueError("a pass's two launches read the activations in the MMA column order of one K step")
     if experts.mxfp4:
         _act_quant(x, a_rows, plan1.bk, a, order if plan1.tma else None, k)
-    gate_up(plan1)
+    for launch, part in _launches(plan1):
+        gate_up(launch, part, _split(plan1))
     if experts.mxfp4:
         _act_quant(h, t * k, plan2.bk, h_quant)
-    down(plan2)
+    for launch, part in _launches(plan2):
+        down(launch, part, _split(plan2))
     return out
 
 

@@ -2,6 +2,7 @@
 kernels (interpreted) equal the reference under hash and score routing, uneven and empty experts, and
 tokens routed twice to one expert."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -217,6 +218,33 @@ def test_interpreted_tma_plans_read_the_activations_in_expert_order(kernels, bm)
         kernels.routed_experts_triton(x.float(), weights, indices, dense, 10.0, (tma, tma))
 
 
+@pytest.mark.parametrize("tma", [False, True])
+def test_interpreted_two_launch_plans_split_each_expert_into_wide_tiles_and_a_rest(kernels, tma):
+    """A pass of two launches (GemmPlan.rest, 32-row wide tiles, rests of up to 16 rows): expert 2's 45 rows take
+    one wide tile and a rest of 13, expert 0's 24 one wide tile (a rest over 16), expert 1's 5 a rest alone, experts
+    3.. none. Equal to the one-launch plan (each row's sums are the same), and to the reference."""
+    gen = torch.Generator().manual_seed(10)
+    e, d, i, k = 8, 128, 64, 2
+    counts = {2: 45, 0: 24, 1: 5}
+    slots = torch.cat([torch.full((n,), expert) for expert, n in counts.items()])
+    slots = slots[torch.randperm(slots.numel(), generator=gen)]
+    t = slots.numel() // k
+    indices = slots[: t * k].view(t, k)
+    experts = _packed(_dense(e, d, i, gen))
+    x = torch.randn(t, d, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(t, k, generator=gen)
+    rest = kernels.GemmPlan(bm=16, weight_rows=64, bk=64, warps=4, stages=2, tma=tma)
+    two = kernels.GemmPlan(bm=32, weight_rows=64, bk=64, warps=4, stages=2, tma=tma, rest=rest)
+    one = kernels.GemmPlan(bm=32, weight_rows=64, bk=64, warps=4, stages=2, tma=tma)
+    got = kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (two, two))
+    assert torch.equal(got, kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (one, one)))
+    want = routed_experts_reference(x, weights, indices, experts, 10.0)
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+    with pytest.raises(ValueError, match="one K step"):
+        mismatched = kernels.GemmPlan(bm=32, weight_rows=64, bk=64, warps=4, stages=2, rest=replace(rest, bk=32))
+        kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (mismatched, mismatched))
+
+
 def test_interpreted_kernels_equal_the_reference_dequantized(kernels):
     gen = torch.Generator().manual_seed(5)
     e, d, i, t, k = 5, 96, 80, 6, 2
@@ -240,6 +268,10 @@ def test_plans_follow_the_device():
     big = gemm_plan(49152, 256, 2048, 4096, True, True, 2, 132, 232448)
     small = gemm_plan(49152, 256, 2048, 4096, True, True, 2, 188, 101376)
     assert big.bm == 256 and big.stages >= 3 and big.tma and not batch.tma
+    for plan, smem in ((big, 232448), (small, 101376)):  # an expert's rest of up to 128 rows in a second launch
+        assert plan.rest.bm == 128 and plan.rest.bk == plan.bk and plan.rest.tma == plan.tma
+        assert plan_shared_memory(plan.rest, True, 2) <= smem
+    assert batch.rest is None and one_token.rest is None
     assert not gemm_plan(49152, 256, 2048, 4096, True, True, 2, 108, 166912, tma=False).tma  # sm_80
     for plan, smem in ((big, 232448), (small, 101376)):
         assert plan_shared_memory(plan, True, 2) <= smem
@@ -257,9 +289,10 @@ def test_register_operand_devices_keep_the_accumulator_small(smem, tma):
     for rows in (6, 384, 256 * 20, 256 * 50, 256 * 100, 49152):
         for gated, n, k in ((True, 2048, 4096), (False, 4096, 2048)):
             plan = gemm_plan(rows, 256, n, k, gated, True, 2, 188, smem, tma, registers_hold_operands=True)
-            assert plan.bm * plan.weight_rows // (32 * plan.warps) <= 64, plan
-            assert plan.bm < 256 or plan.bk <= 64, plan
-            assert plan_shared_memory(plan, True, 2) <= smem
+            for launch in (plan, plan.rest) if plan.rest else (plan,):
+                assert launch.bm * launch.weight_rows // (32 * launch.warps) <= 64, launch
+                assert launch.bm < 256 or launch.bk <= 64, launch
+                assert plan_shared_memory(launch, True, 2) <= smem
             wgmma = gemm_plan(rows, 256, n, k, gated, True, 2, 188, smem, tma)
             assert plan.bm == wgmma.bm  # the same row tiles: only the register budget differs
 
@@ -269,7 +302,8 @@ def test_a_plan_whose_compiled_kernel_overflows_shared_memory_steps_down_once():
     halves its K step; the result is kept, so a later call compiles nothing."""
     compiled = []
 
-    def compile_plan(plan):
+    def compile_plan(plan, part, split):
+        assert (part, split) == ("all", (0, 0))
         compiled.append(plan)
         return SimpleNamespace(metadata=SimpleNamespace(shared=plan.stages * plan.bk * 1000 + 100_000))
 
@@ -283,3 +317,19 @@ def test_a_plan_whose_compiled_kernel_overflows_shared_memory_steps_down_once():
     assert roomy == plan and len(compiled) == 6
     with pytest.raises(RuntimeError, match="no grouped-GEMM plan fits"):
         moe_module._fitted(plan, ("test", 3), compile_plan, 100_000, mxfp4=True)
+
+
+def test_a_two_launch_plans_launches_are_fitted_to_one_k_step():
+    """The wide launch's compiled kernel fits only with K steps of 64: the rest launch takes them too (the
+    activations are stored in the column order of one K step), each compiled for its part of the pass."""
+    parts = []
+
+    def compile_plan(plan, part, split):
+        parts.append((part, split))
+        return SimpleNamespace(metadata=SimpleNamespace(shared=plan.bm * plan.bk * 8 * plan.stages // 2))
+
+    rest = GemmPlan(bm=128, weight_rows=128, bk=128, warps=4, stages=2)
+    plan = GemmPlan(bm=256, weight_rows=128, bk=128, warps=8, stages=2, rest=rest)
+    fitted = moe_module._fitted(plan, ("test", 2), compile_plan, 200_000, mxfp4=True)
+    assert (fitted.bk, fitted.rest.bk, fitted.rest.bm) == (64, 64, 128)
+    assert set(parts) == {("wide", (256, 128)), ("rest", (256, 128))}
