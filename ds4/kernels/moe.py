@@ -763,8 +763,8 @@ def routed_slots_triton(
         key = (experts.mxfp4, x.dtype, slot_dtype, x.device)
         plan1 = _fitted(plan1, ("gate-up", *key), functools.partial(gate_up, compile_only=True), smem, experts.mxfp4)
         plan2 = _fitted(plan2, ("down", *key), functools.partial(down, compile_only=True), smem, experts.mxfp4)
-    if any(p.rest and p.rest.bk != p.bk for p in (plan1, plan2)):
-        raise ValueError("a pass's two launches read the activations in the MMA column order of one K step")
+    if any(p.rest and (p.rest.bk, p.rest.tma) != (p.bk, p.tma) for p in (plan1, plan2)):
+        raise ValueError("a pass's two launches read the activations alike: one K step (its MMA column order), TMA")
     if experts.mxfp4:
         _act_quant(x, a_rows, plan1.bk, a, order if plan1.tma else None, k)
     for launch, part in _launches(plan1):

@@ -240,9 +240,10 @@ def test_interpreted_two_launch_plans_split_each_expert_into_wide_tiles_and_a_re
     assert torch.equal(got, kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (one, one)))
     want = routed_experts_reference(x, weights, indices, experts, 10.0)
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
-    with pytest.raises(ValueError, match="one K step"):
-        mismatched = kernels.GemmPlan(bm=32, weight_rows=64, bk=64, warps=4, stages=2, rest=replace(rest, bk=32))
-        kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (mismatched, mismatched))
+    for other in (replace(rest, bk=32), replace(rest, tma=not tma)):
+        mismatched = replace(two, rest=other)
+        with pytest.raises(ValueError, match="read the activations alike"):
+            kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (mismatched, mismatched))
 
 
 def test_interpreted_kernels_equal_the_reference_dequantized(kernels):

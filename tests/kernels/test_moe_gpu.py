@@ -119,7 +119,11 @@ def test_prefill_tma_plan_equals_the_pointer_plan(experts, smem, monkeypatch):
     tma = moe.routed_experts(x, weights, indices, experts, LIMIT, routes)
     fitted = {key[1]: plan for key, plan in moe._FITTED.items() if key[0].tma and key[-1] == x.device}
     assert set(fitted) == {"gate-up", "down"}, "the 8K prefill did not take TMA plans"
-    pointers = tuple(dataclasses.replace(fitted[name], tma=False) for name in ("gate-up", "down"))
+    pointers = tuple(
+        dataclasses.replace(plan, tma=False, rest=plan.rest and dataclasses.replace(plan.rest, tma=False))
+        for plan in (fitted["gate-up"], fitted["down"])
+    )
+    assert all(plan.rest for plan in pointers), "the 8K prefill did not take two-launch passes"
     got = moe.routed_experts_triton(x, weights, indices, experts, LIMIT, pointers, routes)
     assert torch.equal(tma, got)
 
