@@ -69,16 +69,28 @@ def moe_layer(cfg: ModelConfig) -> MoE:
     return layer
 
 
-def bench_moe(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, plans=None, whole_layer=True) -> dict:
+def inputs(tokens: int, hidden: int, skew: float, g: torch.Generator) -> torch.Tensor:
+    """A batch of random bf16 inputs; skew > 0 adds one random direction all its tokens share, skew standard
+    deviations long (the tokens of one prompt in a random model share much of their hidden state, which skews the
+    routing toward a few experts: 16 dummy Flash layers' 8K prefill gave the largest expert ~7x the mean)."""
+    shared = torch.randn(1, hidden, device=g.device, generator=g) * skew
+    return (torch.randn(tokens, hidden, device=g.device, generator=g) + shared).bfloat16()
+
+
+def bench_moe(
+    layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, plans=None, whole_layer=True, skew: float = 0.0
+) -> dict:
     """One batch size: the routed-experts op and the whole layer (gate, routed, shared), eager and graphed.
-    whole_layer False: only the routed op's graph time (tile sweeps)."""
+    whole_layer False: only the routed op's graph time (tile sweeps). skew: as `inputs`."""
     cfg_d = layer.gate.weight.shape[1]
     per_expert = layer.experts.bytes_per_expert()
     sets = max(1, min(16, ROTATE_BYTES // (per_expert * min(tokens * layer.gate.topk, layer.gate.weight.shape[0]))))
     g = torch.Generator(device="cuda").manual_seed(tokens)
-    xs = [torch.randn(tokens, cfg_d, device="cuda", generator=g).bfloat16() for _ in range(sets)]
+    xs = [inputs(tokens, cfg_d, skew, g) for _ in range(sets)]
     ids = torch.zeros(tokens, dtype=torch.long, device="cuda")
     routes = [layer.gate(x, ids) for x in xs]
+    loads = [torch.bincount(r.indices.flatten(), minlength=layer.gate.weight.shape[0]).float() for r in routes]
+    largest_over_mean = sum((n.max() / n.mean()).item() for n in loads) / sets
     weights = expert_weights(layer.experts)
     touched = sum(int(r.indices.unique().numel()) for r in routes) / sets
     slots = tokens * layer.gate.topk
@@ -94,7 +106,7 @@ def bench_moe(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, plans
 
     routed_graph_ms = graph_ms(routed) / sets
     if not whole_layer:
-        return {"tokens": tokens, "routed_graph_ms": routed_graph_ms}
+        return {"tokens": tokens, "routed_graph_ms": routed_graph_ms, "largest_over_mean": largest_over_mean}
     routed_ms = kernel_ms(routed) / sets
     layer_graph_ms = graph_ms(whole) / sets
     bytes_roof_ms = touched * per_expert / bandwidth * 1e3
@@ -103,6 +115,7 @@ def bench_moe(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, plans
     return {
         "tokens": tokens,
         "experts_touched": touched,
+        "largest_over_mean": largest_over_mean,
         "touched_gb": touched * per_expert / 1e9,
         "routed_ms": routed_ms,
         "routed_graph_ms": routed_graph_ms,
@@ -116,11 +129,11 @@ def bench_moe(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, plans
     }
 
 
-def kernel_breakdown(layer: MoE, tokens: int) -> dict[str, float]:
+def kernel_breakdown(layer: MoE, tokens: int, skew: float = 0.0) -> dict[str, float]:
     """CUDA time per kernel name (us per call) of the whole layer, from the profiler, and under "launches" the
     kernels (and memsets) one call runs."""
     g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(tokens, layer.gate.weight.shape[1], device="cuda", generator=g).bfloat16()
+    x = inputs(tokens, layer.gate.weight.shape[1], skew, g)
     ids = torch.zeros(tokens, dtype=torch.long, device="cuda")
     layer(x, ids)
     torch.cuda.synchronize()
@@ -170,13 +183,13 @@ SWEEP = {
 }
 
 
-def sweep(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float) -> list[dict]:
+def sweep(layer: MoE, tokens: int, bandwidth: float, gemm_rate: float, skew: float = 0.0) -> list[dict]:
     """Graph time of the routed op with each candidate plan (both passes the same plan)."""
     runs = []
     for plan in SWEEP["decode" if tokens <= 64 else "prefill"]:
         try:
-            row = bench_moe(layer, tokens, bandwidth, gemm_rate, plans=(plan, plan), whole_layer=False)
-            runs.append({"plan": dataclasses.asdict(plan), "routed_graph_ms": row["routed_graph_ms"]})
+            row = bench_moe(layer, tokens, bandwidth, gemm_rate, plans=(plan, plan), whole_layer=False, skew=skew)
+            runs.append({"plan": dataclasses.asdict(plan), **{k: v for k, v in row.items() if k != "tokens"}})
         except Exception as error:  # an over-sized plan (shared memory) is reported, not fatal
             runs.append({"plan": dataclasses.asdict(plan), "error": str(error)[:200]})
     return runs
@@ -189,6 +202,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the full report here")
     parser.add_argument(
         "--sweep", type=int, nargs="*", metavar="TOKENS", help="time candidate tile plans (default at 1, 64, 8192)"
+    )
+    parser.add_argument(
+        "--skew",
+        type=float,
+        default=0.0,
+        help="the inputs of a batch share one random direction this many standard deviations long (a skewed "
+        "routing, as a random model's prompt gives; the report prints the largest expert's rows over the mean)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -208,19 +228,23 @@ def main(argv: list[str]) -> int:
         "rows": [],
     }
     for tokens in args.tokens:
-        report["rows"].append(bench_moe(layer, tokens, bandwidth, gemm))
+        report["rows"].append(bench_moe(layer, tokens, bandwidth, gemm, skew=args.skew))
         print(f"tokens {tokens}: {report['rows'][-1]}", file=sys.stderr)
-    report["profile"] = {t: kernel_breakdown(layer, t) for t in (1, 64, 8192) if t in args.tokens}
+    report["profile"] = {t: kernel_breakdown(layer, t, args.skew) for t in (1, 64, 8192) if t in args.tokens}
     if args.sweep is not None:
         swept = args.sweep or [t for t in args.tokens if t in (1, 64, 8192)]
-        report["sweep"] = {t: sweep(layer, t, bandwidth, gemm) for t in swept}
+        report["sweep"] = {t: sweep(layer, t, bandwidth, gemm, args.skew) for t in swept}
     print(f"copy {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s ({report['device']})")
-    print("tokens  touched  GB     routed ms  graph ms  layer graph ms  bytes roof ms  ratio  TFLOP/s  of bf16")
+    print(
+        "tokens  touched  GB     routed ms  graph ms  layer graph ms  bytes roof ms  ratio  TFLOP/s  of bf16  "
+        "largest/mean"
+    )
     for r in report["rows"]:
         print(
             f"{r['tokens']:6d}  {r['experts_touched']:7.1f}  {r['touched_gb']:5.2f}  {r['routed_ms']:9.4f}  "
             f"{r['routed_graph_ms']:8.4f}  {r['layer_graph_ms']:14.4f}  {r['bytes_roofline_ms']:13.4f}  "
-            f"{r['bytes_ratio_graph']:5.2f}  {r['routed_tflops']:7.1f}  {r['flops_fraction_graph']:6.1%}"
+            f"{r['bytes_ratio_graph']:5.2f}  {r['routed_tflops']:7.1f}  {r['flops_fraction_graph']:6.1%}  "
+            f"{r['largest_over_mean']:12.2f}"
         )
     for tokens, kernels in report["profile"].items():
         kernels = dict(kernels)
@@ -233,6 +257,8 @@ def main(argv: list[str]) -> int:
             tiles = f"bm {p['bm']} weight rows {p['weight_rows']} bk {p['bk']} warps {p['warps']} stages {p['stages']}"
             tiles += (" tma" if p["tma"] else "") + (f" rest bm {p['rest']['bm']}" if p["rest"] else "")
             print(f"sweep {tokens:5d} tokens, {tiles}: {run.get('routed_graph_ms', run.get('error'))}")
+    if args.skew:
+        print(f"inputs skewed by a shared direction of {args.skew} standard deviations (--skew)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
