@@ -38,6 +38,11 @@ PLANS = [
         (64, 16, 8, 2, False),
         (64, 32, 8, 1, True),
         (64, 64, 8, 1, True),
+        # 16 warps: twice the warps an SM (still one program), the accumulator at 64 registers a thread (offline, sm_90,
+        # the 8K CSA prefill's kernel: 128 registers and 432 / 128 bytes of spill stack at 64 / 32 keys, against
+        # 255 and 296 at 8 warps and 64 keys)
+        (64, 64, 16, 1, True),
+        (64, 32, 16, 1, True),
         (32, 16, 4, 2, False),
         (16, 32, 4, 2, False),
         (16, 32, 4, 1, False),

@@ -28,24 +28,28 @@ results = []
 for rows in (256 * 100, 8192 * 6):  # 100 rows an expert (the 128-row tier), an 8K prefill (the 256-row tier)
     for gated, n, k in ((True, 2048, 4096), (False, 4096, 2048)):
         plan = moe.gemm_plan(rows, 256, n, k, gated, True, 2, sms, smem, tma, registers_hold_operands=registers)
-        def t(dtype):
-            return torch.empty(1, dtype=dtype)
-        a = t(torch.bfloat16)
-        if plan.tma:
-            a = TensorDescriptor.from_tensor(torch.empty(64, k, dtype=torch.bfloat16), [plan.bm, plan.bk])
-        args = dict(
-            a_ptr=a, stride_a=k, order_ptr=t(torch.int32), bounds_ptr=t(torch.int32), gate_ptr=t(torch.int32),
-            up_ptr=t(torch.int32), gate_scale_ptr=t(torch.uint8), up_scale_ptr=t(torch.uint8), stride_we=n * k // 8,
-            stride_wn=k // 8, stride_se=n * k // 32, stride_sn=k // 32, route_w_ptr=t(torch.float32),
-            out_ptr=t(torch.bfloat16), stride_out=n, n_experts=256, k_slots=6, K=k, N=n, limit=7.0,
-        )
-        bn = plan.weight_rows // 2 if gated else plan.weight_rows
-        constexprs = dict(
-            E_PAD=256, BM=plan.bm, BN=bn, BK=plan.bk, MXFP4=True, GATED=gated, ROUND_BF16=True, DOT=tl.bfloat16,
-            PRECISION="tf32", PTX=True, TMA_A=plan.tma, PDL=arch >= 90,
-        )
-        compiled = compile_kernel(moe._grouped_gemm_kernel, args, constexprs, arch, plan.warps, plan.stages)
-        results.append(dict(rows=rows, gated=gated, plan=repr(plan), **report(compiled)))
+        wide, rest = moe._split(plan)
+        for launch, part in moe._launches(plan):  # a prefill pass: the wide tiles' launch and the rest's
+            def t(dtype):
+                return torch.empty(1, dtype=dtype)
+            a = t(torch.bfloat16)
+            if launch.tma:
+                a = TensorDescriptor.from_tensor(torch.empty(64, k, dtype=torch.bfloat16), [launch.bm, launch.bk])
+            args = dict(
+                a_ptr=a, stride_a=k, order_ptr=t(torch.int32), bounds_ptr=t(torch.int32), gate_ptr=t(torch.int32),
+                up_ptr=t(torch.int32), gate_scale_ptr=t(torch.uint8), up_scale_ptr=t(torch.uint8),
+                stride_we=n * k // 8, stride_wn=k // 8, stride_se=n * k // 32, stride_sn=k // 32,
+                route_w_ptr=t(torch.float32), out_ptr=t(torch.bfloat16), stride_out=n, n_experts=256, k_slots=6,
+                K=k, N=n, limit=7.0,
+            )
+            bn = launch.weight_rows // 2 if gated else launch.weight_rows
+            constexprs = dict(
+                E_PAD=256, BM=launch.bm, BN=bn, BK=launch.bk, MXFP4=True, GATED=gated, ROUND_BF16=True,
+                DOT=tl.bfloat16, PRECISION="tf32", PTX=True, TMA_A=launch.tma, PDL=arch >= 90, PART=part,
+                WIDE_ROWS=wide, REST_ROWS=rest,
+            )
+            compiled = compile_kernel(moe._grouped_gemm_kernel, args, constexprs, arch, launch.warps, launch.stages)
+            results.append(dict(rows=rows, gated=gated, part=part, plan=repr(launch), **report(compiled)))
 print(json.dumps(results))
 """
 
@@ -200,10 +204,12 @@ def _compiled(script: str, *args) -> list[dict]:
     ids=["sm_120", "sm_80", "sm_90"],
 )
 def test_moe_prefill_plans_do_not_spill(arch, sms, smem, tma, registers):
-    """The routed experts' wide tiles as each device gets them (RTX PRO 6000 / GB10, A100: mma.sync, both operands
-    in registers; H200: wgmma): within the registers (a spill stack of at most 8 bytes, ptxas's own frame on
-    sm_120) and the device's shared memory."""
-    for result in _compiled(_MOE_PLANS, [arch, sms, smem, tma, registers]):
+    """The routed experts' wide tiles (and a prefill pass's rest launch) as each device gets them (RTX PRO 6000 /
+    GB10, A100: mma.sync, both operands in registers; H200: wgmma): within the registers (a spill stack of at most
+    8 bytes, ptxas's own frame on sm_120) and the device's shared memory."""
+    results = _compiled(_MOE_PLANS, [arch, sms, smem, tma, registers])
+    assert {r["part"] for r in results if r["rows"] == 8192 * 6} == {"wide", "rest"}  # the prefill's two launches
+    for result in results:
         assert result["stack"] <= 8 and result["shared"] <= smem, result
 
 
