@@ -527,7 +527,7 @@ def _fitted(plan: GemmPlan, key: tuple, compile_plan, shared_memory: int, mxfp4:
     key = (plan, *key)
     if key not in _FITTED:
         fitted = _fitted_launch(plan, "wide" if plan.rest else "all", plan, compile_plan, shared_memory, mxfp4)
-        if plan.rest:  # one K step for both launches (their activations' column order), the smaller one fitted
+        if plan.rest:  # one K step for both launches (their activations' column order): the smaller of the two
             rest = _fitted_launch(
                 replace(plan.rest, bk=min(plan.rest.bk, fitted.bk)), "rest", plan, compile_plan, shared_memory, mxfp4
             )
