@@ -208,7 +208,8 @@ def main(argv: list[str]) -> int:
         type=float,
         default=0.0,
         help="the inputs of a batch share one random direction this many standard deviations long (a skewed "
-        "routing, as a random model's prompt gives; the report prints the largest expert's rows over the mean)",
+        "routing, as a random model's prompt gives; the report prints the largest expert's rows over the mean: "
+        "0.4 gives Flash's router at 8K tokens ~6-8x, as 16 dummy Flash layers' 8K prefill showed)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
