@@ -22,6 +22,7 @@ cd "$(dirname "$0")/.."
 R=${RESULTS:-/tmp/detached}
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 DS4_CACHE=/tmp/ds4-cache PYTHONFAULTHANDLER=1  # a stage out of time dumps its stacks
+ls .whl/*.whl > /dev/null 2>&1 || echo "no wheels in .whl (carry it): tests needing xgrammar, uvicorn or the tokenizer fail" >> "$R/summary.txt"
 . tools/install_device_wheels.sh > /dev/null 2>&1
 stage() {  # name timeout command... (LIMIT_<name> overrides the timeout)
   local name=$1 limit=$2 override="LIMIT_$1"
