@@ -19,8 +19,8 @@ cores and the blocks' sums in fp32: no conversion of the streams, half the MMA i
 which fp16 streams keep (exact in TF32; its low x low product dropped, the weight's rest rounded to TF32: about
 2^-22 of a product). fp32 streams keep IEEE fp32 FMAs (an fp32 model agrees with its CPU run up to the order of the
 sums). hc_pre at 8192 bf16 tokens (`ds4 bench kernels --only mhc`): H200, tf32x3, 0.380 ms (23c2fb5); H100,
-bf16x3, 0.255 ms with one tensor-core sum over all of K (e923bad; its gates and output up to 2.7e-5 off the fp32
-reference: the per-block sums since, not yet timed).
+bf16x3, 0.262 ms with a tensor-core sum a K block (d367be9), 0.255 ms with one over all of K (e923bad, whose output
+was up to 2.7e-5 off the fp32 reference).
 A decode step's hc_post, the hc_pre after it and that sub-layer's RMSNorm (`hc_post_pre`, up to POST_PRE_TOKENS
 tokens) are one launch: each program expands a block of channels and writes that block's projection row (fp32
 FMAs: too few tokens for an MMA), and the last program to arrive (an arrival counter) runs the collapse from the
