@@ -246,6 +246,32 @@ def test_interpreted_two_launch_plans_split_each_expert_into_wide_tiles_and_a_re
             kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (mismatched, mismatched))
 
 
+@pytest.mark.parametrize("loads", ["tight", "random"])
+def test_interpreted_two_launch_grids_cover_every_tile(kernels, loads):
+    """The launches' grids are bounds computed without reading the routing: at their tightest (every expert a
+    remainder of one row more than the rest tiles take: one wide tile each, as many as the bound) and under a random
+    skewed load, every row is computed (the slots start as garbage), as by the one-launch plan."""
+    gen = torch.Generator().manual_seed(11)
+    e, d, i, k = 16, 64, 64, 2
+    if loads == "tight":
+        counts = torch.full((e,), 17)
+    else:
+        counts = (torch.rand(e, generator=gen) ** 3 * 80).long()
+        counts[0] += counts.sum() % 2  # whole tokens
+    slots = torch.repeat_interleave(torch.arange(e), counts)
+    slots = slots[torch.randperm(slots.numel(), generator=gen)]
+    t = slots.numel() // k
+    indices = slots.view(t, k)
+    experts = _packed(_dense(e, d, i, gen))
+    x = torch.randn(t, d, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(t, k, generator=gen)
+    rest = kernels.GemmPlan(bm=16, weight_rows=64, bk=64, warps=4, stages=2)
+    two = kernels.GemmPlan(bm=32, weight_rows=64, bk=64, warps=4, stages=2, rest=rest)
+    one = kernels.GemmPlan(bm=32, weight_rows=64, bk=64, warps=4, stages=2)
+    got = kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (two, two))
+    assert torch.equal(got, kernels.routed_experts_triton(x, weights, indices, experts, 10.0, (one, one)))
+
+
 def test_interpreted_kernels_equal_the_reference_dequantized(kernels):
     gen = torch.Generator().manual_seed(5)
     e, d, i, t, k = 5, 96, 80, 6, 2
