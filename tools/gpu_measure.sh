@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
 # The measurements the open issues ask of one H200, in order of need, for tools/gpu_detached.sh (it sets RESULTS):
 #   bash tools/gpu_detached.sh start tools/gpu_measure.sh     then, in the next call, `collect`
-# Stages in the order STAGES names them (default: all but ncu, ncu_attention and moe_skew, in this order): model4
-# (4 Flash layers with transformers beside them), tests (every gpu-marked test, several processes with
-# pytest-xdist), model20 (20 Flash layers, prefill to 64K), model20_serial (its decode without the side-stream
-# overlaps, `--serial`), engine and engine_sync (the engine's host time per step, async decode on and off, each with
-# its costliest host functions), attention (with its plan sweep), moe (with its tile sweep; moe_skew: the 8K
-# prefill's under a skewed routing like the dummy model's), linear (the FP8 linear with its tile sweep), mhc (the
-# mHC kernels with the prefill projection's tile sweep), ncu (tools/ncu_decode.sh's Nsight Compute lines for the
-# decode step's largest kernels, NCU_LAYERS layers), ncu_attention (tools/ncu_attention.sh on the 8K CSA prefill's
-# attention plans). Each
-# writes its log and JSON under $RESULTS and a line to $RESULTS/summary.txt; a stage that fails or runs out of its
-# time does not stop the others. With the trees of
-# tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected
-# after the tests stage (tools/gpu_bisect.sh; LIMIT_bisect seconds each). TESTS names the test
-# paths (default: all of tests/); COMPARE= (empty) leaves transformers out of model4; LAYERS the model stages' layers
-# (default 20; 16 on a card of less than 100 GiB); LIMIT_<stage>=S sets a stage's time limit in seconds.
+# Stages in the order STAGES names them (default: all but ncu, ncu_attention and moe_skew, in this order): model4 (4
+# Flash layers with transformers beside them), tests (every gpu-marked test, several processes with pytest-xdist),
+# model20 (20 Flash layers, prefill to 64K), model20_serial (its decode without the side-stream overlaps, `--serial`),
+# model20_nopdl (without programmatic dependent launch, `--no-pdl`), engine and engine_sync (the engine's host time
+# per step, async decode on and off, each with its costliest host functions), attention (with its plan sweep), moe
+# (with its tile sweep; moe_skew: the 8K prefill's under a skewed routing like the dummy model's), linear (the FP8
+# linear with its tile sweep), mhc (the mHC kernels with the prefill projection's tile sweep), ncu
+# (tools/ncu_decode.sh's Nsight Compute lines for the decode step's largest kernels, NCU_LAYERS layers), ncu_attention
+# (tools/ncu_attention.sh on the 8K CSA prefill's attention plans). Each writes its log and JSON under $RESULTS and a
+# line to $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. With the trees of
+# tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected after the
+# tests stage (tools/gpu_bisect.sh; LIMIT_bisect seconds each). TESTS names the test paths (default: all of tests/);
+# COMPARE= (empty) leaves transformers out of model4; LAYERS the model stages' layers (default 20; 16 on a card of
+# less than 100 GiB); LIMIT_<stage>=S sets a stage's time limit in seconds.
 # Needs the wheels in .whl (tools/fetch_device_wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +55,7 @@ run_stage() {
     tests) stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" ${TESTS:-tests}
       bisect_failures ;;
     model20) stage model20 600 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json" ;;
+    model20_nopdl) stage model20_nopdl 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --no-pdl --json "$R/model20_nopdl.json" ;;
     model20_serial) stage model20_serial 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --serial --json "$R/model20_serial.json" ;;
     engine) stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json" ;;
     engine_sync) stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json" ;;

@@ -152,12 +152,12 @@ def _fp8_linear_at_m1(arch: int, n: int = 32768, k: int = 1024, groups: int = 1,
         w_ptr=tensor(torch.float8_e4m3fn), w_stride=k, ws_ptr=tensor(torch.float32), ws_stride=-(-k // 128),
         out_ptr=tensor(torch.bfloat16), out_stride=n, part_ptr=tensor(torch.float32), part_split_stride=n,
         part_stride=n, arrivals_ptr=tensor(torch.int32), rows_per_group=n // groups, K=k,
-        chunks_per_split=plan.chunks_per_split, splits=plan.splits,
+        chunks_per_split=plan.chunks_per_split, splits=plan.splits, early_chunks=2,
     )  # fmt: skip
     constexprs = dict(
         QUANTIZE_X=groups == 1, SWIGLU=False, ROW_SCALES=False, SPLIT=plan.splits > 1, BLOCK_N=plan.block_n,
         BLOCK_K=plan.block_k, WARPS=plan.num_warps, RUN=fp8_linear.fma_weight_run(plan, 2), STAGES=plan.num_stages,
-        PREFETCH=plan.prefetch,
+        PREFETCH=plan.prefetch, PDL=arch >= 90,
     )  # fmt: skip
     compiled = compile_kernel(fp8_linear._fp8_gemv_kernel, args, constexprs, arch, plan.num_warps, plan.num_stages)
     return report(compiled)

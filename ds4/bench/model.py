@@ -49,6 +49,7 @@ from ds4.bench import ceilings, roofline
 from ds4.bench.driver import choose_model, shrink, step, timed_steps
 from ds4.bench.profile import FAMILIES, profile_families
 from ds4.bench.report import environment, int_list, progress, sync, write_json
+from ds4.kernels import _device as device_facts
 from ds4.model import side_stream
 
 GB = 1e9
@@ -97,6 +98,12 @@ def main(argv: list[str]) -> int:
         "without those overlaps, to time what they give",
     )
     parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="every kernel starts after the one before it ends (no programmatic dependent launch, sm_90+): the step "
+        "without those overlaps, to time what they give",
+    )
+    parser.add_argument(
         "--nsight",
         action="store_true",
         help="also run one eager decode step a batch size between cudaProfilerStart and Stop, for Nsight Compute "
@@ -110,6 +117,9 @@ def main(argv: list[str]) -> int:
     if args.serial:  # before the model is built (its side stream reads it once); ranks' processes inherit it
         os.environ["DS4_SIDE_STREAM"] = "0"
         side_stream.OVERLAP = False
+    if args.no_pdl:  # read at launch; ranks' processes inherit it
+        os.environ["DS4_PDL"] = "0"
+        device_facts.DEPENDENT_LAUNCH = False
     if min(args.batch_sizes) < 1 or min(args.prefill_lengths) < 1 or args.context < 1 or args.decode_steps < 1:
         parser.error("--batch-sizes, --prefill-lengths, --context and --decode-steps must be positive")
     result = run(args)
@@ -213,6 +223,7 @@ def run(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size,
         "expert_parallel": args.enable_expert_parallel,
         "side_stream": side_stream.OVERLAP,
+        "dependent_launch": device_facts.DEPENDENT_LAUNCH,
         "context": args.context,
         "dtype": str(dtype),
         "kv_cache_dtype": model.kv_cache_dtype,
@@ -669,7 +680,8 @@ def table(result: dict) -> str:
         f"ds4 bench model: {result['config']}, {result['layers']} of {result['full_layers']} layers "
         f"({', '.join(result['layer_kinds'])}), {result['load_format']} weights, {result['dtype']}, "
         f"context {result['context']}, on {result['device']}"
-        + ("" if result.get("side_stream", True) else " (--serial: no side-stream overlaps)"),
+        + ("" if result.get("side_stream", True) else " (--serial: no side-stream overlaps)")
+        + ("" if result.get("dependent_launch", True) else " (--no-pdl: no programmatic dependent launch)"),
         _ceilings_line(result["ceilings"]),
         f"weights: resident {w['resident_gb']:.2f} GB, checkpoint {w['checkpoint_gb']:.2f} GB "
         f"({w['ratio']:.2f}x); per layer resident / checkpoint GB: "

@@ -6,6 +6,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 # The interpreter runs programs one after another on the CPU: few, large programs are fastest there.
 _INTERPRETER_SMS = 4
@@ -105,11 +107,42 @@ def mma_is_warpgroup(device: torch.device) -> bool:
     return _capability(device)[0] == 9
 
 
+# False: every kernel starts after the one before it ends (DS4_PDL=0, `ds4 bench model --no-pdl`), to time a step
+# without programmatic dependent launch or rule it out.
+DEPENDENT_LAUNCH = os.environ.get("DS4_PDL", "1") != "0"
+
+
 def launches_dependents_early(device: torch.device) -> bool:
     """True when a kernel may start before the one it depends on ends (programmatic dependent launch, sm_90+)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not DEPENDENT_LAUNCH:
         return False
     return _capability(device)[0] >= 9
+
+
+@functools.cache
+def _cuda_l2_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).L2_cache_size
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    """Bytes of the device's L2 cache (0 for the interpreter: nothing to prefetch into)."""
+    if device.type != "cuda":
+        return 0
+    return _cuda_l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def prefetch_to_l2(pointers):
+    """Asks the L2 cache for the lines holding `pointers` (valid addresses): a hint nothing waits for, so that
+    loads issued later find them there. CUDA only: the interpreter has no PTX."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+        "=r,l",
+        [pointers.to(tl.int64)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 def _patch_interpreter_scalars() -> None:

@@ -29,7 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import ARRIVAL_COUNTERS, arrival_counters, has_blockwise_fp8_gemm, interpreting, num_sms
+from ds4.kernels._device import (
+    ARRIVAL_COUNTERS,
+    arrival_counters,
+    has_blockwise_fp8_gemm,
+    interpreting,
+    l2_cache_bytes,
+    launches_dependents_early,
+    num_sms,
+    prefetch_to_l2,
+)
 from ds4.kernels.fp8_kv import pow2_ceil
 from ds4.kernels.norm_rope import rounded
 from ds4.kernels.swiglu import clamped_swiglu, swiglu, swiglu_to
@@ -74,6 +83,9 @@ PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 
 # partials in flight while the last program of a tile sums them (read one after another, each was a latency on the
 # launch's critical path)
 PARTIAL_STAGES = tl.constexpr(3)
+# M = 1 launched early (programmatic dependent launch): the weights asked into L2 while the launch before ends take at
+# most this fraction of the cache (decode's latency-bound launches leave the memory idle; more would evict itself)
+EARLY_L2_SHARE = 2
 CUBLAS_ROWS = 16  # rows padded to a multiple of this for cuBLAS
 DEQUANTIZED_PIECE_BYTES = 256 << 20  # fp32 rows at a time where both operands are dequantised (no blockwise recipe)
 SMEM_RESERVE = 8 << 10  # shared memory left to the compiler's own scratch (barriers, the epilogue)
@@ -298,6 +310,7 @@ def _fp8_linear_kernel(
         "rows_per_group",
         "chunks_per_split",
         "splits",
+        "early_chunks",
     ]
 )
 def _fp8_gemv_kernel(
@@ -320,6 +333,7 @@ def _fp8_gemv_kernel(
     K,
     chunks_per_split,
     splits,
+    early_chunks,
     QUANTIZE_X: tl.constexpr,
     SWIGLU: tl.constexpr,
     ROW_SCALES: tl.constexpr,
@@ -330,6 +344,7 @@ def _fp8_gemv_kernel(
     RUN: tl.constexpr,
     STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: BLOCK_N output rows of one group x one row of x x one split of the K chunks, by FMA. Each warp
     owns BLOCK_N / WARPS rows; a lane reads RUN contiguous columns of each (x's width a thread, so that the weight
@@ -339,7 +354,9 @@ def _fp8_gemv_kernel(
     all computing); 1: straight into registers, with PREFETCH the next chunk's weights loaded before this chunk's
     products (two chunks in registers: a warp's loads stay in flight while it multiplies). Rows past the group's
     end read its last row and are stored nowhere, so no weight load is masked by row. Scales and SwiGLU as
-    _fp8_linear_kernel."""
+    _fp8_linear_kernel. PDL (launched early, see launches_dependents_early): the weights of this program's first
+    `early_chunks` chunks are asked into L2 before it waits for the previous launch to end (x is its output),
+    and the next launch may start as soon as every program of this one has."""
     ROWS: tl.constexpr = BLOCK_N // WARPS
     GROUPS: tl.constexpr = BLOCK_K // 128
     RUNS: tl.constexpr = BLOCK_K // RUN
@@ -358,6 +375,12 @@ def _fp8_gemv_kernel(
     scale_row = (group * rows_per_group + (tile % tiles_per_group) * BLOCK_N) // 128
     chunk_start = split * chunks_per_split
     chunk_end = tl.minimum(chunk_start + chunks_per_split, tl.cdiv(K, BLOCK_K))
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        lines = tl.arange(0, BLOCK_K // 128)[None, None, :] * 128  # a 128-byte line of e4m3 weights each
+        for chunk in range(chunk_start, tl.minimum(chunk_start + early_chunks, chunk_end)):
+            prefetch_to_l2(w_rows + tl.minimum(chunk * BLOCK_K + lines, K - 1))
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((WARPS, ROWS, RUNS), dtype=tl.float32)
     if PREFETCH:
         w_next = tl.load(w_rows + chunk_start * BLOCK_K + w_col, mask=chunk_start * BLOCK_K + col < K, other=0.0)
@@ -477,6 +500,13 @@ def fma_weight_run(plan: LinearPlan, x_bytes: int) -> int:
     return max(1, min(16 // x_bytes, plan.block_k // 32))
 
 
+def chunks_asked_early(plan: LinearPlan, grid: tuple[int, int, int], l2_bytes: int) -> int:
+    """K chunks of its weights each program of the M = 1 kernel asks into L2 before the previous launch ends: as many
+    as its split has, while all programs' together take at most 1/EARLY_L2_SHARE of the L2 cache."""
+    chunk_bytes = plan.block_n * plan.block_k * grid[0] * grid[1] * grid[2]
+    return min(plan.chunks_per_split, l2_bytes // EARLY_L2_SHARE // chunk_bytes)
+
+
 def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | None, up=None, limit=0.0):
     m = x.shape[0]
     n, k = weight.shape
@@ -525,12 +555,14 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
         )
     else:
         run = fma_weight_run(plan, x.element_size())
+        pdl = launches_dependents_early(x.device)
         _fp8_gemv_kernel[grid](
             *args,
             rows,
             k,
             plan.chunks_per_split,
             plan.splits,
+            chunks_asked_early(plan, grid, l2_cache_bytes(x.device)) if pdl else 0,
             **common,
             BLOCK_N=plan.block_n,
             BLOCK_K=plan.block_k,
@@ -538,6 +570,8 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
             RUN=run,
             STAGES=plan.num_stages,
             PREFETCH=plan.prefetch,
+            PDL=pdl,
+            launch_pdl=pdl,
             **launch,
         )
     return out

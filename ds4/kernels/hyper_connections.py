@@ -38,7 +38,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import arrival_counters, interpreting, num_sms, shared_memory_per_block
+from ds4.kernels._device import (
+    arrival_counters,
+    interpreting,
+    launches_dependents_early,
+    num_sms,
+    shared_memory_per_block,
+)
 from ds4.kernels.norm_rope import rounded
 from ds4.kernels.rmsnorm import inverse_rms, rms_norm
 
@@ -404,6 +410,7 @@ def _post_project_kernel(
     SPLIT_BLOCK: tl.constexpr,
     COLLAPSE_D: tl.constexpr,
     ROW_NORM: tl.constexpr,
+    LAUNCH_NEXT: tl.constexpr,
 ):
     """hc_post, then the next hc_pre, in one launch for a few tokens (T <= BLOCK_T, one program a block of
     BLOCK_D channels): new[t, k, block] = post[t, k] * out[t, block] + sum_j comb[t, j, k] h[t, j, block] (stored
@@ -411,7 +418,11 @@ def _post_project_kernel(
     tokens for an MMA tile) and its sum of squares, as the projection kernel's split rows; the last program to
     arrive (a counter, reset for the next launch) runs the collapse of the tokens, one at a time, from the rows and
     streams the others wrote, and the sub-layer's RMSNorm (x_weight_ptr, norm_eps) of each collapsed row (ROW_NORM, a
-    row of at most COLLAPSE_D: in registers as it is collapsed; else from the stored row)."""
+    row of at most COLLAPSE_D: in registers as it is collapsed; else from the stored row). LAUNCH_NEXT: the next
+    launch may start once every program has (programmatic dependent launch: a kernel that waits for this one's
+    end), so that its prologue (an FP8 linear's weights asked into L2) overlaps the serial collapse."""
+    if LAUNCH_NEXT:
+        tl.extra.cuda.gdc_launch_dependents()
     block = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
@@ -635,7 +646,7 @@ def hc_post_pre_triton(
         arrival_counters(dev), scale, base, x, x.stride(0), x_weight, next_post, next_comb, tokens, d, k, iters,
         hc_eps, norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=POST_PRE_TOKENS, BLOCK_D=block_d,
         SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=collapse_d, ROW_NORM=d <= collapse_d,
-        num_warps=WARPS,
+        LAUNCH_NEXT=launches_dependents_early(dev), num_warps=WARPS,
     )  # fmt: skip
     return new, x, next_post, next_comb
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4.kernels._device import launches_dependents_early
+
 # Chosen settings: elements of a program's tile (rows x the row length rounded up to a power of two) and the
 # elements each thread holds.
 ROW_TILE = 4096
@@ -47,7 +49,12 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     RUN: tl.constexpr,
+    LAUNCH_NEXT: tl.constexpr,
 ):
+    """ROWS rows a program. LAUNCH_NEXT: the next launch may start once every program has (programmatic dependent
+    launch: a kernel that waits for this one's end)."""
+    if LAUNCH_NEXT:
+        tl.extra.cuda.gdc_launch_dependents()
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     # Columns in contiguous runs of RUN (the same columns), so that the rows and the weight load RUN values a
     # thread alike: an fp32 weight's 16-byte loads hold half as many values as bf16 rows' and the weight, loaded
@@ -88,6 +95,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
             ROWS=per_program,
             BLOCK_D=block_d,
             RUN=min(block_d, VECTOR_BYTES // widest),
+            LAUNCH_NEXT=launches_dependents_early(x.device),
             num_warps=warps,
         )
     return y.view(x.shape)

@@ -31,6 +31,7 @@ from triton.runtime.errors import OutOfResources
 from ds4.kernels._device import (
     has_fp8,
     interpreting,
+    launches_dependents_early,
     mma_is_warpgroup,
     mma_operands_in_registers,
     num_sms,
@@ -390,6 +391,7 @@ def _sparse_attention_kernel(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     EXCHANGE: tl.constexpr,
+    LAUNCH_NEXT: tl.constexpr,
 ):
     # One program: one token, BLOCK_H of its heads (the MMA's M) and one split of its key tiles (the three lists'
     # tiles counted end to end), with an online softmax in the log2 domain whose running max starts at the sink
@@ -398,7 +400,10 @@ def _sparse_attention_kernel(
     # SPLIT: the running max, denominator and numerator go to part_ptr for _combine_splits, else the output.
     # ROTARY: q is the projection's; its heads are finished here and the output turned back (RotaryQueries).
     # EXCHANGE: each tile's probabilities and rescale factors reach the PV product through this program's slot of
-    # exchange_ptr (see AttentionPlan.exchange).
+    # exchange_ptr (see AttentionPlan.exchange). LAUNCH_NEXT: the next launch may start once every program has
+    # (programmatic dependent launch: a kernel that waits for this one's end).
+    if LAUNCH_NEXT:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -479,10 +484,13 @@ def _combine_splits(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LAUNCH_NEXT: tl.constexpr,
 ):
     # One program: one token's BLOCK_H heads, BLOCK_D of the dims; the splits' softmax pieces rescaled to their
     # common maximum, their reads running ahead of the sums. ROTARY: the output turned back (BLOCK_D a multiple of
-    # 2 * HALF, so that the angles tile it).
+    # 2 * HALF, so that the angles tile it). LAUNCH_NEXT: as _sparse_attention_kernel's.
+    if LAUNCH_NEXT:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_in = heads < n_heads
@@ -726,6 +734,7 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
         BLOCK_N=plan.block_n,
         STAGES=1 if plan.exchange else plan.stages,
         EXCHANGE=plan.exchange,
+        LAUNCH_NEXT=launches_dependents_early(q.device),
         num_warps=plan.num_warps,
     )
     if splits > 1:
@@ -746,4 +755,5 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
             HALF=half,
             BLOCK_H=_COMBINE_BLOCK_H,
             BLOCK_D=block_d,
+            LAUNCH_NEXT=launches_dependents_early(q.device),
         )
