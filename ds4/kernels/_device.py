@@ -124,11 +124,19 @@ def _cuda_l2_bytes(index: int) -> int:
     return torch.cuda.get_device_properties(index).L2_cache_size
 
 
-def l2_cache_bytes(device: torch.device) -> int:
-    """Bytes of the device's L2 cache (0 for the interpreter: nothing to prefetch into)."""
+# A launch started early (programmatic dependent launch) asks at most this share of the L2 cache for the weights it
+# will read: decode's latency-bound launches leave the memory idle, and more would evict what it asked for first.
+EARLY_L2_SHARE = 0.5
+
+
+def early_prefetch_bytes(device: torch.device) -> int:
+    """Bytes of weights a launch started early may ask into L2 while the launch before it ends (0 for the
+    interpreter: no cache to ask)."""
     if device.type != "cuda":
         return 0
-    return _cuda_l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
+    return int(
+        _cuda_l2_bytes(device.index if device.index is not None else torch.cuda.current_device()) * EARLY_L2_SHARE
+    )
 
 
 @triton.jit

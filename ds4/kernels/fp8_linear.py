@@ -32,9 +32,9 @@ import triton.language as tl
 from ds4.kernels._device import (
     ARRIVAL_COUNTERS,
     arrival_counters,
+    early_prefetch_bytes,
     has_blockwise_fp8_gemm,
     interpreting,
-    l2_cache_bytes,
     launches_dependents_early,
     num_sms,
     prefetch_to_l2,
@@ -83,9 +83,6 @@ PARTIAL_SHARE = 2  # K splits keep their fp32 partials (written and read) under 
 # partials in flight while the last program of a tile sums them (read one after another, each was a latency on the
 # launch's critical path)
 PARTIAL_STAGES = tl.constexpr(3)
-# M = 1 launched early (programmatic dependent launch): the weights asked into L2 while the launch before ends take at
-# most this fraction of the cache (decode's latency-bound launches leave the memory idle; more would evict itself)
-EARLY_L2_SHARE = 2
 CUBLAS_ROWS = 16  # rows padded to a multiple of this for cuBLAS
 DEQUANTIZED_PIECE_BYTES = 256 << 20  # fp32 rows at a time where both operands are dequantised (no blockwise recipe)
 SMEM_RESERVE = 8 << 10  # shared memory left to the compiler's own scratch (barriers, the epilogue)
@@ -500,11 +497,11 @@ def fma_weight_run(plan: LinearPlan, x_bytes: int) -> int:
     return max(1, min(16 // x_bytes, plan.block_k // 32))
 
 
-def chunks_asked_early(plan: LinearPlan, grid: tuple[int, int, int], l2_bytes: int) -> int:
+def chunks_asked_early(plan: LinearPlan, grid: tuple[int, int, int], budget: int) -> int:
     """K chunks of its weights each program of the M = 1 kernel asks into L2 before the previous launch ends: as many
-    as its split has, while all programs' together take at most 1/EARLY_L2_SHARE of the L2 cache."""
+    as its split has, all programs' together at most `budget` bytes (early_prefetch_bytes)."""
     chunk_bytes = plan.block_n * plan.block_k * grid[0] * grid[1] * grid[2]
-    return min(plan.chunks_per_split, l2_bytes // EARLY_L2_SHARE // chunk_bytes)
+    return min(plan.chunks_per_split, budget // chunk_bytes)
 
 
 def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | None, up=None, limit=0.0):
@@ -562,7 +559,7 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
             k,
             plan.chunks_per_split,
             plan.splits,
-            chunks_asked_early(plan, grid, l2_cache_bytes(x.device)) if pdl else 0,
+            chunks_asked_early(plan, grid, early_prefetch_bytes(x.device)) if pdl else 0,
             **common,
             BLOCK_N=plan.block_n,
             BLOCK_K=plan.block_k,

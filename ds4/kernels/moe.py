@@ -53,11 +53,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ds4.kernels._device import (
+    early_prefetch_bytes,
     has_tma,
     interpreting,
     launches_dependents_early,
     mma_operands_in_registers,
     num_sms,
+    prefetch_to_l2,
     shared_memory_per_block,
 )
 from ds4.kernels.fp8_linear import act_quant as fp8_act_quant
@@ -282,7 +284,7 @@ def mma_columns(bk: int) -> torch.Tensor:
     return torch.stack((first, first + 4), dim=1).flatten()
 
 
-@triton.jit(do_not_specialize=["n_experts", "k_slots", "K", "N"])
+@triton.jit(do_not_specialize=["n_experts", "k_slots", "K", "N", "early_steps"])
 def _grouped_gemm_kernel(
     a_ptr,
     stride_a,
@@ -304,6 +306,7 @@ def _grouped_gemm_kernel(
     K,
     N,
     limit,
+    early_steps,
     E_PAD: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -326,8 +329,9 @@ def _grouped_gemm_kernel(
     TMA_A: a_ptr is a TMA descriptor of activations already in expert order (row = sorted row, [BM, BK] boxes):
     tiles of whole rows arrive by one copy instruction, and the rows past the expert's (another expert's, or
     zeros past the end) are computed and not stored.
-    PDL: launched early; the routing (from launches before the previous one) is read at once, `a` after the
-    previous launch ends.
+    PDL: launched early; the routing (from launches before the previous one) is read at once, and the weights of
+    the first `early_steps` K steps asked into L2 (a line a weight row and step), `a` read after the previous
+    launch ends.
     PART "all": every row of an expert in BM-row tiles. A pass of two launches (`GemmPlan.rest`): "wide" (BM =
     WIDE_ROWS) takes an expert's whole tiles and one more for a remainder of more than REST_ROWS rows; "rest" (BM =
     REST_ROWS) a remainder of up to REST_ROWS rows past the whole tiles, in one tile."""
@@ -378,6 +382,8 @@ def _grouped_gemm_kernel(
         s_at = s_rows[:, None] + tl.arange(0, BK // 32)[None, :]
     acc = tl.zeros((WROWS, BM), tl.float32)
     if PDL:
+        for step in range(0, early_steps):
+            prefetch_to_l2(tl.where(col_ok, w_rows, gate_ptr) + step * WK)
         tl.extra.cuda.gdc_wait()
     for k0 in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
         if TMA_A:
@@ -608,6 +614,10 @@ def _grouped_gemm(
     else:
         row_tiles = (rows + touched * (plan.bm - 1)) // plan.bm
     grid = (triton.cdiv(n, bn), row_tiles)
+    pdl = launches_dependents_early(a.device)
+    # weight bytes a K step of all programs reads (surplus programs ask for none)
+    step_bytes = grid[0] * grid[1] * plan.weight_rows * (plan.bk // 2 if mxfp4 else plan.bk * w.element_size())
+    early_steps = min(k_dim // plan.bk, early_prefetch_bytes(a.device) // step_bytes) if pdl else 0
     launch = functools.partial(_grouped_gemm_kernel.warmup, grid=grid) if compile_only else _grouped_gemm_kernel[grid]
     return launch(
         TensorDescriptor.from_tensor(a, [plan.bm, plan.bk]) if plan.tma else a,
@@ -630,6 +640,7 @@ def _grouped_gemm(
         k_dim,
         n,
         float(limit),
+        early_steps,
         E_PAD=triton.next_power_of_2(n_experts),
         BM=plan.bm,
         BN=bn,
@@ -641,13 +652,13 @@ def _grouped_gemm(
         PRECISION="ieee" if dot == tl.float32 else "tf32",
         PTX=not interpreting(),
         TMA_A=plan.tma,
-        PDL=launches_dependents_early(a.device),
+        PDL=pdl,
         PART=part,
         WIDE_ROWS=split[0],
         REST_ROWS=split[1],
         num_warps=plan.warps,
         num_stages=plan.stages,
-        launch_pdl=launches_dependents_early(a.device),
+        launch_pdl=pdl,
     )
 
 

@@ -40,7 +40,7 @@ for rows in (256 * 100, 8192 * 6):  # 100 rows an expert (the 128-row tier), an 
                 up_ptr=t(torch.int32), gate_scale_ptr=t(torch.uint8), up_scale_ptr=t(torch.uint8),
                 stride_we=n * k // 8, stride_wn=k // 8, stride_se=n * k // 32, stride_sn=k // 32,
                 route_w_ptr=t(torch.float32), out_ptr=t(torch.bfloat16), stride_out=n, n_experts=256, k_slots=6,
-                K=k, N=n, limit=7.0,
+                K=k, N=n, limit=7.0, early_steps=2,
             )
             bn = launch.weight_rows // 2 if gated else launch.weight_rows
             constexprs = dict(
