@@ -21,6 +21,8 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
+from ds4.kernels import _device as device_facts
+
 FAMILIES = ("GEMMs", "MoE", "attention", "indexer", "top-k", "mHC", "compressor", "norms", "communication", "other")
 _PREFIX = "ds4::"
 
@@ -131,13 +133,25 @@ def profile_families(
 ) -> dict[str, float]:
     """Milliseconds per family of one call of run (device time on CUDA, CPU time otherwise), plus "total".
     by_kernel, if given, receives each family's milliseconds by kernel (CPU: op) name; launches, the number of
-    kernels (CPU: ops) per family: a family of many small kernels is launch-bound at decode sizes."""
+    kernels (CPU: ops) per family: a family of many small kernels is launch-bound at decode sizes. Each kernel
+    launches after the one before it ends (no programmatic dependent launch): one launched early would count its
+    wait for the one before as its own time."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with family_ranges(model), profile(activities=activities) as prof:
+    with family_ranges(model), _launches_in_order(), profile(activities=activities) as prof:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return summarise(prof.events(), device.type == "cuda", by_kernel, launches)
+
+
+@contextlib.contextmanager
+def _launches_in_order() -> Iterator[None]:
+    early = device_facts.DEPENDENT_LAUNCH
+    device_facts.DEPENDENT_LAUNCH = False
+    try:
+        yield
+    finally:
+        device_facts.DEPENDENT_LAUNCH = early
 
 
 def summarise(
