@@ -617,7 +617,7 @@ def _grouped_gemm(
     pdl = launches_dependents_early(a.device)
     # weight bytes a K step of all programs reads (surplus programs ask for none)
     step_bytes = grid[0] * grid[1] * plan.weight_rows * (plan.bk // 2 if mxfp4 else plan.bk * w.element_size())
-    early_steps = min(k_dim // plan.bk, early_prefetch_bytes(a.device) // step_bytes) if pdl else 0
+    early_steps = min(k_dim // plan.bk, early_prefetch_bytes(a.device) // max(1, step_bytes)) if pdl else 0
     launch = functools.partial(_grouped_gemm_kernel.warmup, grid=grid) if compile_only else _grouped_gemm_kernel[grid]
     return launch(
         TensorDescriptor.from_tensor(a, [plan.bm, plan.bk]) if plan.tma else a,
