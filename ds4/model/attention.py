@@ -134,12 +134,16 @@ class Attention(nn.Module):
             with side.fork(t):
                 compressed = self.compressions(x)  # kv and score of the compressor (the indexer's, its weights)
                 self.compressor(*compressed[:2], step, cache.compressor, cache.compressed, snapshot)
-        q_a, kv = self.q_a_and_kv(x)
+        q_a, projected = self.q_a_and_kv(x)
+        # The step's entries in the form the cache stores (FP8 rounds them as the reference does), beside the query
+        # path: at decode a latency-bound launch of its own (after the compressor's work on the side stream). The
+        # projection stays referenced past the join (a local), so that the main stream cannot reuse its memory while
+        # the side stream reads it.
+        with side.fork(t):
+            kv = norm_rope(projected, pos, self._form(self.kv_norm.weight, self.fp8_kv), ring_copy)
         qr = rms_norm(q_a, self.q_norm.weight, self.eps)
         q, index_q = self.queries(qr) if self.kind == CSA else (self.wq_b(qr), None)
         q = q.view(t, self.heads, self.head_dim)  # finished (norm, RoPE) by sparse_attention
-        # Entries (window and compressed) in the form the cache stores: FP8 rounds them as the reference does.
-        kv = norm_rope(kv, pos, self._form(self.kv_norm.weight, self.fp8_kv), ring_copy)
         side.join()
 
         key_sets = self._window_keys(kv, step)

@@ -8,8 +8,8 @@ are captured as the graph's edges. Elsewhere a no-op: the work runs where it is 
 Kernels that share a device-wide resource (ds4.kernels._device.arrival_counters) must not run on both streams at
 once, and the side stream's work may make a batch's shared values (ForwardBatch.shared) that the main stream
 reads only after the join: the side stream's work is chosen so (the shared expert's linears beside the router
-and the routed experts, whose kernels use no counters; a layer's compressor, which uses none, beside its query
-projections)."""
+and the routed experts, whose kernels use no counters; a layer's compressor and its attention entries' norm and
+RoPE, which use none, beside its query projections)."""
 
 from __future__ import annotations
 
