@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds4.bench.profile import FAMILIES, family_ranges, summarise
+from ds4.bench.profile import FAMILIES, family_ranges, profile_families, summarise
 from ds4.cli import main
 
 
@@ -149,6 +149,42 @@ def test_bench_model_serial_times_the_step_without_the_side_stream(tmp_path, mon
     assert json.loads(out.read_text())["side_stream"] is False
     assert os.environ["DS4_SIDE_STREAM"] == "0"
     assert side_stream.SideStream(torch.device("cuda")).stream is None
+
+
+def test_bench_model_no_pdl_launches_every_kernel_in_order(tmp_path, monkeypatch):
+    """--no-pdl: no launch starts before the one before it ends (in this process and in the ranks' processes, which
+    inherit DS4_PDL), and the report says so."""
+    from ds4.kernels import _device
+
+    monkeypatch.setattr(_device, "DEPENDENT_LAUNCH", True)
+    monkeypatch.setenv("DS4_PDL", "1")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "model", "--load-format", "dummy", "--device", "cpu", "--context", "8", "--no-profile"]
+    argv += ["--batch-sizes", "1", "--prefill-lengths", "8", "--decode-steps", "1", "--no-pdl", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["dependent_launch"] is False
+    assert os.environ["DS4_PDL"] == "0"
+    assert _device.DEPENDENT_LAUNCH is False
+
+
+def test_profiles_launch_in_order_and_restore_the_setting(monkeypatch):
+    """A profiled run sees dependent launch off (a kernel launched early would count its wait as its own time);
+    the setting is back as it was afterwards, also when the run raises."""
+    from ds4.kernels import _device
+
+    monkeypatch.setattr(_device, "DEPENDENT_LAUNCH", True)
+    model = torch.nn.Linear(2, 2)
+    model.compute_logits = lambda hidden: hidden
+    seen = []
+    profile_families(model, lambda: seen.append(_device.DEPENDENT_LAUNCH), torch.device("cpu"))
+    assert seen == [False] and _device.DEPENDENT_LAUNCH is True
+
+    def failing():
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError):
+        profile_families(model, failing, torch.device("cpu"))
+    assert _device.DEPENDENT_LAUNCH is True
 
 
 def test_routing_balance_counts_the_rows_each_expert_gets():

@@ -173,6 +173,18 @@ def test_plans_fit_shared_memory_and_fill_the_device(fp8):
     assert fp8.linear_plan(1, 32768, 1, 1024, 2, sms=132, smem=227 << 10).splits == 1
 
 
+def test_weights_asked_early_stay_within_the_budget_and_the_split(fp8):
+    """The M = 1 kernel launched early asks for its first chunks: all programs' chunks together within the budget
+    (wo_b at M = 1: 64 rows x 256 columns a chunk, 448 programs, 7.3 MB a chunk of all), never past its split."""
+    plan = fp8.linear_plan(1, 4096, 1, 8192, 2, sms=132, smem=227 << 10)
+    grid = (4096 // plan.block_n, 1, plan.splits)
+    per_chunk = plan.block_n * plan.block_k * grid[0] * grid[2]
+    for budget in (0, per_chunk - 1, per_chunk, 3 * per_chunk + 5, 1 << 40):
+        chunks = fp8.chunks_asked_early(plan, grid, budget)
+        assert chunks * per_chunk <= budget and chunks <= plan.chunks_per_split
+        assert chunks == plan.chunks_per_split or (chunks + 1) * per_chunk > budget  # as many as fit
+
+
 def test_auto_takes_triton_at_decode_sizes_and_cublas_where_it_is_faster(fp8):
     assert fp8.prefers_triton(1, 32768, 1024, 1, True)  # M = 1: the Triton kernel at every size
     assert fp8.prefers_triton(16, 1536, 4096, 1, True)  # 6 MB of weight (attention's wq_a + wkv)
