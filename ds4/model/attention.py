@@ -225,8 +225,10 @@ class Attention(nn.Module):
         ring = step.cache.window
         if not step.decode_only or ring.shape[1] < self.window + step.batch.tokens_per_request - 1:
             return None
-        _, (slots, rows) = step.ring_writes(ring.shape[1])
-        return ring, slots.long() * ring.shape[1] + rows
+        size = ring.shape[1]
+        _, (slots, rows) = step.ring_writes(size)
+        # Every layer's rings have the same rows: their flat rows are made once a step (three launches fewer a layer).
+        return ring, step.batch.shared(("flat ring rows", size), lambda: slots.long() * size + rows)
 
     def _store_window(self, kv: torch.Tensor, step: LayerStep) -> None:
         """Each request's ring takes its last tokens at position % rows: every token writes its ring row with the
