@@ -135,36 +135,29 @@ def test_collectives_run_in_the_communication_range_and_are_restored_after():
     assert Parallel.all_reduce is original
 
 
-def test_bench_model_serial_times_the_step_without_the_side_stream(tmp_path, monkeypatch):
-    """--serial: the side stream's work runs on the main stream (no CUDA stream is made for it, in this process and
-    in the ranks' processes, which inherit DS4_SIDE_STREAM), and the report says so."""
-    from ds4.model import side_stream
+@pytest.mark.parametrize(
+    "flag,module,setting,variable,key",
+    [
+        ("--serial", "ds4.model.side_stream", "OVERLAP", "DS4_SIDE_STREAM", "side_stream"),
+        ("--no-pdl", "ds4.kernels._device", "DEPENDENT_LAUNCH", "DS4_PDL", "dependent_launch"),
+    ],
+)
+def test_bench_model_times_the_step_without_an_overlap(tmp_path, monkeypatch, flag, module, setting, variable, key):
+    """--serial: the side stream's work runs on the main stream; --no-pdl: no launch starts before the one before it
+    ends. Each in this process and in the ranks' processes (which inherit the variable), and the report says so."""
+    import importlib
 
-    monkeypatch.setattr(side_stream, "OVERLAP", True)
-    monkeypatch.setenv("DS4_SIDE_STREAM", "1")
+    holder = importlib.import_module(module)
+    monkeypatch.setattr(holder, setting, True)
+    monkeypatch.setenv(variable, "1")
     out = tmp_path / "bench.json"
     argv = ["bench", "model", "--load-format", "dummy", "--device", "cpu", "--context", "8", "--no-profile"]
-    argv += ["--batch-sizes", "1", "--prefill-lengths", "8", "--decode-steps", "1", "--serial", "--json", str(out)]
+    argv += ["--batch-sizes", "1", "--prefill-lengths", "8", "--decode-steps", "1", flag, "--json", str(out)]
     assert main(argv) == 0
-    assert json.loads(out.read_text())["side_stream"] is False
-    assert os.environ["DS4_SIDE_STREAM"] == "0"
-    assert side_stream.SideStream(torch.device("cuda")).stream is None
-
-
-def test_bench_model_no_pdl_launches_every_kernel_in_order(tmp_path, monkeypatch):
-    """--no-pdl: no launch starts before the one before it ends (in this process and in the ranks' processes, which
-    inherit DS4_PDL), and the report says so."""
-    from ds4.kernels import _device
-
-    monkeypatch.setattr(_device, "DEPENDENT_LAUNCH", True)
-    monkeypatch.setenv("DS4_PDL", "1")
-    out = tmp_path / "bench.json"
-    argv = ["bench", "model", "--load-format", "dummy", "--device", "cpu", "--context", "8", "--no-profile"]
-    argv += ["--batch-sizes", "1", "--prefill-lengths", "8", "--decode-steps", "1", "--no-pdl", "--json", str(out)]
-    assert main(argv) == 0
-    assert json.loads(out.read_text())["dependent_launch"] is False
-    assert os.environ["DS4_PDL"] == "0"
-    assert _device.DEPENDENT_LAUNCH is False
+    assert json.loads(out.read_text())[key] is False
+    assert os.environ[variable] == "0" and getattr(holder, setting) is False
+    if flag == "--serial":
+        assert holder.SideStream(torch.device("cuda")).stream is None  # no CUDA stream is made for it
 
 
 def test_profiles_launch_in_order_and_restore_the_setting(monkeypatch):
