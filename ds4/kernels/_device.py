@@ -18,6 +18,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device (the current one where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -27,7 +32,7 @@ def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (a small fixed number for the CPU interpreter)."""
     if device.type != "cuda":
         return _INTERPRETER_SMS
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sms(cuda_index(device))
 
 
 @functools.cache
@@ -39,7 +44,7 @@ def shared_memory_per_block(device: torch.device) -> int:
     """Bytes of shared memory one program may use on `device` (the interpreter has no such limit)."""
     if device.type != "cuda":
         return 1 << 20
-    return _cuda_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_shared_memory(cuda_index(device))
 
 
 @functools.cache
@@ -49,7 +54,7 @@ def _cuda_capability(index: int) -> tuple[int, int]:
 
 def _capability(device: torch.device) -> tuple[int, int]:
     """The compute capability of a CUDA device (its index, or the current one)."""
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_capability(cuda_index(device))
 
 
 def has_fp8(device: torch.device) -> bool:
@@ -134,9 +139,7 @@ def early_prefetch_bytes(device: torch.device) -> int:
     interpreter: no cache to ask)."""
     if device.type != "cuda":
         return 0
-    return int(
-        _cuda_l2_bytes(device.index if device.index is not None else torch.cuda.current_device()) * EARLY_L2_SHARE
-    )
+    return int(_cuda_l2_bytes(cuda_index(device)) * EARLY_L2_SHARE)
 
 
 @triton.jit

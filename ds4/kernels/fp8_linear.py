@@ -32,6 +32,7 @@ import triton.language as tl
 from ds4.kernels._device import (
     ARRIVAL_COUNTERS,
     arrival_counters,
+    cuda_index,
     early_prefetch_bytes,
     has_blockwise_fp8_gemm,
     interpreting,
@@ -437,7 +438,7 @@ def shared_memory_per_block(device: torch.device) -> int:
     """Bytes of shared memory one program may use on `device` (opt-in maximum; generous for the interpreter)."""
     if device.type != "cuda":
         return 227 << 10
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 

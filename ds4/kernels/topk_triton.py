@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import launches_dependents_early, num_sms
+from ds4.kernels._device import cuda_index, launches_dependents_early, num_sms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ def settings_for(device: torch.device) -> Settings:
     early launch or stagger there."""
     if device.type != "cuda":
         return Settings(sms=num_sms(device))
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     return _cuda_settings(index, num_sms(device), launches_dependents_early(device))
 
 
