@@ -352,6 +352,37 @@ def sweep_mhc_projection(tokens: int, device: str = "cuda") -> list[dict]:
     return runs
 
 
+# hc_post+pre at decode sizes under --all-tiles: Sinkhorn iterations (20 = the model's; 1 = the serial tail without
+# most of its steps), channels a program (None: the plan's) and channels a step of the last program's collapse
+MHC_POST_PRE_SWEEP = [(i, b, c) for i in (20, 1) for b in (None, 64, 128) for c in (4096, 1024)]
+
+
+def sweep_mhc_post_pre(tokens: int, device: str = "cuda") -> list[dict]:
+    """The fused decode launch (hc_post, hc_pre, RMSNorm) at Flash shapes for each setting of MHC_POST_PRE_SWEEP,
+    graph-replayed over 64 sets of inputs (their bytes from memory, as in a step)."""
+    hc, d, mix = MHC_HC, MHC_HIDDEN, (2 + MHC_HC) * MHC_HC
+    g = torch.Generator(device=device).manual_seed(0)
+    sets = []
+    for _ in range(64):
+        h = torch.randn(tokens, hc, d, device=device, generator=g).to(torch.bfloat16)
+        out = torch.randn(tokens, d, device=device, generator=g).to(torch.bfloat16)
+        fn = torch.randn(mix, hc * d, device=device, generator=g) * (hc * d) ** -0.5
+        scale, base = torch.rand(3, device=device, generator=g) + 0.5, torch.randn(mix, device=device, generator=g)
+        _, post, comb = mhc.hc_pre_reference(h, fn, scale, base, hc, MHC_ITERS, 1e-6, 1e-6)
+        sets.append((out, h, post, comb, fn, scale, base, torch.ones(d, device=device)))
+    runs = []
+    for iters, block_d, collapse_d in MHC_POST_PRE_SWEEP:
+
+        def calls(iters=iters, block_d=block_d, collapse_d=collapse_d):
+            for args in sets:
+                mhc.hc_post_pre_triton(*args, hc, iters, 1e-6, 1e-6, block_d=block_d, collapse_d=collapse_d)
+
+        row = {"tokens": tokens, "iters": iters, "block_d": block_d, "collapse_d": collapse_d}
+        row["ms"] = graph_ms(calls) / len(sets)
+        runs.append(row)
+    return runs
+
+
 def compiled_resources(kernels: dict) -> list[dict]:
     """Registers, spills and shared memory of every compiled variant of the given Triton kernels."""
     found = []
@@ -496,6 +527,7 @@ def main(argv: list[str]) -> int:
         sections.append(("mhc", lambda: [row for t in MHC_TOKENS for row in bench_mhc(t, bandwidth)]))
         if args.all_tiles:
             sections.append(("mhc_projection_sweep", lambda: [r for t in (64, 8192) for r in sweep_mhc_projection(t)]))
+            sections.append(("mhc_post_pre_sweep", lambda: [r for t in (1, 4) for r in sweep_mhc_post_pre(t)]))
     for name, run in sections:  # each section is printed and saved as it lands, so a timeout keeps the rest
         report[name] = run()
         print(name, json.dumps(report[name]), flush=True)
