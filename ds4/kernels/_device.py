@@ -124,6 +124,16 @@ def launches_dependents_early(device: torch.device) -> bool:
     return _capability(device)[0] >= 9
 
 
+@triton.jit
+def dependent_launch_start(PDL: tl.constexpr):
+    """First thing a kernel launched early (PDL: `launch_pdl=True`, where launches_dependents_early) does: let the
+    launch after it start too, then wait until the launch before it has ended and its writes are visible. Nothing
+    the kernel reads or writes comes before, so an early start only overlaps its launch with the one before."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
 @functools.cache
 def _cuda_l2_bytes(index: int) -> int:
     return torch.cuda.get_device_properties(index).L2_cache_size

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ds4.kernels._device import dependent_launch_start, launches_dependents_early
+
 _HALF = (torch.bfloat16, torch.float16)
 GEMV_TOKENS = 2
 GEMV_TILE = 8192
@@ -36,9 +38,13 @@ def fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["T", "N", "K"])
-def _gemv_kernel(x_ptr, stride_x, w_ptr, stride_w, out_ptr, stride_out, T, N, K, BT: tl.constexpr, BK: tl.constexpr):
+def _gemv_kernel(
+    x_ptr, stride_x, w_ptr, stride_w, out_ptr, stride_out, T, N, K, BT: tl.constexpr, BK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
     """out[t, n] = sum over k of fp32(x[t, k]) * fp32(w[n, k]) for BT tokens and weight row n, fp32 products and
-    sums."""
+    sums. PDL: launched early."""
+    dependent_launch_start(PDL)
     n = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
     t_ok = t < T
@@ -63,5 +69,9 @@ def fp32_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         bt = min(GEMV_TOKENS, triton.next_power_of_2(t))
         grid = (n, triton.cdiv(t, bt))
         bk = min(GEMV_TILE // bt, k & -k)
-        _gemv_kernel[grid](x, x.stride(0), weight, weight.stride(0), out, out.stride(0), t, n, k, BT=bt, BK=bk)
+        pdl = launches_dependents_early(x.device)
+        _gemv_kernel[grid](
+            x, x.stride(0), weight, weight.stride(0), out, out.stride(0), t, n, k, BT=bt, BK=bk, PDL=pdl,
+            launch_pdl=pdl,
+        )  # fmt: skip
     return out

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4.kernels._device import dependent_launch_start, launches_dependents_early
 from ds4.kernels.fp8_kv import pow2_ceil
 
 E2M1_MAX = 6.0
@@ -165,7 +166,9 @@ def _rotate_fp4_kernel(
     LOG_N: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_launch_start(PDL)  # PDL: launched early
     # Strides in 4-element units: rows load and store 4 elements at a time, the layout of the rotation's
     # gathers (wider loads would be converted to it through shared memory, and back for the stores).
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -187,6 +190,7 @@ def rotate_fp4_triton(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         per_program = max(1, ROTATE_TILE // n)
+        pdl = launches_dependents_early(x.device)
         _rotate_fp4_kernel[(triton.cdiv(rows.shape[0], per_program),)](
             rows,
             rows.stride(0) // 4,
@@ -197,6 +201,8 @@ def rotate_fp4_triton(x: torch.Tensor) -> torch.Tensor:
             LOG_N=n.bit_length() - 1,
             BLOCK=FP4_BLOCK,
             ROWS=per_program,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return y.view(x.shape)
 

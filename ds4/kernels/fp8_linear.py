@@ -33,6 +33,7 @@ from ds4.kernels._device import (
     ARRIVAL_COUNTERS,
     arrival_counters,
     cuda_index,
+    dependent_launch_start,
     early_prefetch_bytes,
     has_blockwise_fp8_gemm,
     interpreting,
@@ -175,9 +176,12 @@ def _mma(a, b, DOT_F32: tl.constexpr):
 
 # K stays specialised (its divisibility by 16), so that the column mask keeps the accesses wide.
 @triton.jit(do_not_specialize=["M", "M_OUT"])
-def _act_quant_kernel(x_ptr, x_stride, q_ptr, q_stride, scale_ptr, scale_stride, M, M_OUT, K, ROWS: tl.constexpr):
+def _act_quant_kernel(
+    x_ptr, x_stride, q_ptr, q_stride, scale_ptr, scale_stride, M, M_OUT, K, ROWS: tl.constexpr, PDL: tl.constexpr
+):
     """One program: ROWS rows x one 128-column group; scales are written K-group-major ([K/128, M_OUT]).
-    Output rows M..M_OUT-1 (padding) quantise zeros."""
+    Output rows M..M_OUT-1 (padding) quantise zeros. PDL: launched early."""
+    dependent_launch_start(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     out = (rows[:, None] < M_OUT) & (cols[None, :] < K)
@@ -255,11 +259,13 @@ def _fp8_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: BLOCK_N output rows of one group x BLOCK_M rows of x x one split of the K chunks (BLOCK_K
     columns each), accumulated by tl.dot in fp32 [BLOCK_N, BLOCK_M] (bf16 operands, or fp32 when DOT_F32). Each
     128-group's weight scale multiplies the activations (exact), or with ROW_SCALES (a tile that crosses 128-row
-    scale blocks) the weight. SWIGLU: x is a gate and up_ptr its up (see _swiglu_input)."""
+    scale blocks) the weight. SWIGLU: x is a gate and up_ptr its up (see _swiglu_input). PDL: launched early."""
+    dependent_launch_start(PDL)
     GROUPS: tl.constexpr = BLOCK_K // 128
     tile, m_tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tiles_per_group = tl.cdiv(rows_per_group, BLOCK_N)
@@ -535,6 +541,7 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
     ]
     common = dict(QUANTIZE_X=quantize_x, SWIGLU=up is not None, ROW_SCALES=row_scales, SPLIT=split)
     launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages)
+    pdl = launches_dependents_early(x.device)
     if plan.use_dot:
         dot_f32 = interpreting() or x.dtype == torch.float32
         _fp8_linear_kernel[grid](
@@ -549,11 +556,12 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
             BLOCK_M=plan.block_m,
             BLOCK_N=plan.block_n,
             BLOCK_K=plan.block_k,
+            PDL=pdl,
+            launch_pdl=pdl,
             **launch,
         )
     else:
         run = fma_weight_run(plan, x.element_size())
-        pdl = launches_dependents_early(x.device)
         _fp8_gemv_kernel[grid](
             *args,
             rows,
@@ -584,7 +592,11 @@ def act_quant_triton(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Te
     groups = triton.cdiv(k, QUANT_BLOCK)
     scale_t = torch.empty(groups, rows, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, ACT_QUANT_ROWS), groups)
-    _act_quant_kernel[grid](x, x.stride(0), q, q.stride(0), scale_t, scale_t.stride(0), m, rows, k, ROWS=ACT_QUANT_ROWS)
+    pdl = launches_dependents_early(x.device)
+    _act_quant_kernel[grid](
+        x, x.stride(0), q, q.stride(0), scale_t, scale_t.stride(0), m, rows, k, ROWS=ACT_QUANT_ROWS, PDL=pdl,
+        launch_pdl=pdl,
+    )  # fmt: skip
     return q, scale_t.t()
 
 

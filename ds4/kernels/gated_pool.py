@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4.kernels._device import dependent_launch_start, launches_dependents_early
 from ds4.kernels.norm_rope import EntryForm, finish_entries, pair_block, rounded
 
 # Chosen settings: scores (and as many values) a program pools at a time (a window's span x a block of channels,
@@ -100,7 +101,9 @@ def _pooled_entries_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
     RUN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_launch_start(PDL)  # PDL: launched early
     n = tl.program_id(0).to(tl.int64)
     width = (2 if OVERLAP else 1) * head_dim
     j = tl.arange(0, SPAN)
@@ -198,6 +201,7 @@ def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=N
     if n:
         pooled = torch.empty(n, head_dim, dtype=form.dtype, device=kv.device)
         block_c = max(MIN_CHANNELS, min(triton.next_power_of_2(head_dim), POOL_TILE // triton.next_power_of_2(span)))
+        pdl = launches_dependents_early(kv.device)
         _pooled_entries_kernel[(n,)](
             ring_kv,
             ring_score,
@@ -227,7 +231,9 @@ def pooled_entries_triton(ring, fresh, ape, rows, index, form: EntryForm, pool=N
             BLOCK_C=block_c,
             BLOCK_P=pair_block(head_dim),
             RUN=channel_run(block_c),
+            PDL=pdl,
             num_warps=WARPS,
+            launch_pdl=pdl,
         )
     return None if pool is not None else out
 

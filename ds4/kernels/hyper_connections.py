@@ -24,7 +24,8 @@ was up to 2.7e-5 off the fp32 reference).
 A decode step's hc_post, the hc_pre after it and that sub-layer's RMSNorm (`hc_post_pre`, up to POST_PRE_TOKENS
 tokens) are one launch: each program expands a block of channels and writes that block's projection row (fp32
 FMAs: too few tokens for an MMA), and the last program to arrive (an arrival counter) runs the collapse from the
-rows and streams the others wrote, then the norm; more tokens take the launches of each.
+rows and streams the others wrote, then the norm, while the one before it computes the next gates (the Sinkhorn
+steps) from the same rows; more tokens take the launches of each.
 Shapes are launch arguments and nothing waits on the host: the launches are CUDA-graph capturable. hc must be a
 power of two (the real models' 4; other values take the reference).
 """
@@ -40,9 +41,11 @@ import triton.language as tl
 
 from ds4.kernels._device import (
     arrival_counters,
+    dependent_launch_start,
     interpreting,
     launches_dependents_early,
     num_sms,
+    prefetch_to_l2,
     shared_memory_per_block,
 )
 from ds4.kernels.norm_rope import rounded
@@ -132,8 +135,11 @@ def _projection_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     PARTS_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """part[split, t, :MIX] = flat(h)[t, K slice] @ fn[:, K slice].T, part[split, t, MIX] = sum of squares."""
+    """part[split, t, :MIX] = flat(h)[t, K slice] @ fn[:, K slice].T, part[split, t, MIX] = sum of squares. PDL:
+    launched early (`dependent_launch_start`)."""
+    dependent_launch_start(PDL)
     split = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, MIX_PAD)
@@ -193,6 +199,39 @@ def _streams(h_ptr, h_stride, t, t_ok, i, chunk, D, BLOCK_D: tl.constexpr, CACHE
 
 
 @triton.jit
+def _mixing_gates(
+    part_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, t_ok, T, K, splits, iters, hc_eps, norm_eps,
+    HC: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOKENS: tl.constexpr,
+    CACHE: tl.constexpr,
+):  # fmt: skip
+    """post[t] and comb[t] of the tokens t [TOKENS] (int64) from their split projection rows (hc_split_sinkhorn of
+    the rows' sums times their RMS factor). CACHE: as _collapse_tokens's."""
+    i = tl.arange(0, HC)
+    jk = tl.arange(0, HC * HC)
+    post_scale = tl.load(scale_ptr + 1)
+    post_base = tl.load(base_ptr + HC + i)[None, :]
+    comb_scale = tl.load(scale_ptr + 2)
+    comb_base = tl.reshape(tl.load(base_ptr + 2 * HC + jk), (HC, HC))[None, :, :]
+    split = tl.arange(0, SPLIT_BLOCK)
+    row = part_ptr + ((split * T).to(tl.int64)[:, None] + t[None, :]) * MIX_PAD
+    ok = (split < splits)[:, None] & t_ok[None, :]
+    squares = tl.load(row + MIX, mask=ok, other=0.0, cache_modifier=CACHE)
+    post_mix = _split_rows(row, ok, HC + i, CACHE)
+    logits = _split_rows(row, ok, 2 * HC + jk, CACHE)
+    norm = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + norm_eps)[:, None]
+    post = 2.0 * tl.sigmoid(tl.sum(post_mix, 0) * norm * post_scale + post_base)
+    tl.store(post_ptr + t[:, None] * HC + i[None, :], post, mask=t_ok[:, None])
+    mix = tl.reshape(tl.sum(logits, 0) * norm, (TOKENS, HC, HC)) * comb_scale + comb_base
+    e = tl.exp(mix - tl.max(mix, axis=2)[:, :, None])
+    comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
+    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    for _ in range(1, iters):
+        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    tl.store(comb_ptr + t[:, None] * HC * HC + jk[None, :], tl.reshape(comb, (TOKENS, HC * HC)), mask=t_ok[:, None])
+
+
+@triton.jit
 def _collapse_tokens(
     h_ptr,
     h_stride,
@@ -231,18 +270,11 @@ def _collapse_tokens(
     loads' cache modifier (".cg" for rows that other programs of the launch wrote). NORM (a row in one chunk): x
     stored as the RMSNorm (weights norm_w_ptr, eps norm_eps) of its values rounded to x's dtype, as rms_norm of
     the stored row, without storing and reading it back."""
-    mixes = part == 0
     i = tl.arange(0, HC)
-    jk = tl.arange(0, HC * HC)
     # Whatever does not wait on the gates is read first, the first chunk of streams included: a token's programs
     # are few and short, so their time is that of the reads one after another.
     scale = tl.load(scale_ptr)
     base = tl.load(base_ptr + i)[None, :]
-    if MIXING:
-        post_scale = tl.load(scale_ptr + 1, mask=mixes, other=0.0)
-        post_base = tl.load(base_ptr + HC + i, mask=mixes, other=0.0)[None, :]
-        comb_scale = tl.load(scale_ptr + 2, mask=mixes, other=0.0)
-        comb_base = tl.reshape(tl.load(base_ptr + 2 * HC + jk, mask=mixes, other=0.0), (HC, HC))[None, :, :]
     h = _streams(h_ptr, h_stride, t, t_ok, i, part, D, BLOCK_D, CACHE)
     # A token's projection is the sum of its split rows (at most the SM count: one step), each gate's columns
     # summed apart (no picking out of a row of all the columns).
@@ -251,9 +283,6 @@ def _collapse_tokens(
     ok = (split < splits)[:, None] & t_ok[None, :]
     squares = tl.load(row + MIX, mask=ok, other=0.0, cache_modifier=CACHE)
     pre_mix = _split_rows(row, ok, i, CACHE)
-    if MIXING:
-        post_mix = _split_rows(row, ok & mixes, HC + i, CACHE)
-        logits = _split_rows(row, ok & mixes, 2 * HC + jk, CACHE)
     norm = 1.0 / tl.sqrt(tl.sum(squares, 0) / K + norm_eps)[:, None]
     pre = tl.sigmoid(tl.sum(pre_mix, 0) * norm * scale + base) + hc_eps
     for chunk in range(part, chunks, parts):
@@ -267,18 +296,11 @@ def _collapse_tokens(
         h = _streams(h_ptr, h_stride, t, t_ok, i, chunk + parts, D, BLOCK_D, CACHE)
     # The mixing outputs wait for hc_post only: their Sinkhorn steps follow the collapse's stores.
     if MIXING:
-        if mixes:
-            post = 2.0 * tl.sigmoid(tl.sum(post_mix, 0) * norm * post_scale + post_base)
-            tl.store(post_ptr + t[:, None] * HC + i[None, :], post, mask=t_ok[:, None])
-            mix = tl.reshape(tl.sum(logits, 0) * norm, (TOKENS, HC, HC)) * comb_scale + comb_base
-            e = tl.exp(mix - tl.max(mix, axis=2)[:, :, None])
-            comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
-            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-            for _ in range(1, iters):
-                comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-                comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-            out = comb_ptr + t[:, None] * HC * HC + jk[None, :]
-            tl.store(out, tl.reshape(comb, (TOKENS, HC * HC)), mask=t_ok[:, None])
+        if part == 0:
+            _mixing_gates(
+                part_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, t_ok, T, K, splits, iters, hc_eps, norm_eps,
+                HC, MIX, MIX_PAD, SPLIT_BLOCK, TOKENS, CACHE,
+            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "splits", "iters", "chunks", "parts"])
@@ -308,8 +330,10 @@ def _collapse_kernel(
     SPLIT_BLOCK: tl.constexpr,
     TOKENS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """_collapse_tokens for TOKENS tokens and one part of their chunks a program."""
+    """_collapse_tokens for TOKENS tokens and one part of their chunks a program. PDL: launched early."""
+    dependent_launch_start(PDL)
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     t_ok = t < T
     _collapse_tokens(
@@ -332,8 +356,10 @@ def _expand_kernel(
     D,
     HC: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """new[t, k, chunk] = post[t, k] * out[t, chunk] + sum_j comb[t, j, k] * h[t, j, chunk]."""
+    """new[t, k, chunk] = post[t, k] * out[t, chunk] + sum_j comb[t, j, k] * h[t, j, chunk]. PDL: launched early."""
+    dependent_launch_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, HC)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -410,7 +436,8 @@ def _post_project_kernel(
     SPLIT_BLOCK: tl.constexpr,
     COLLAPSE_D: tl.constexpr,
     ROW_NORM: tl.constexpr,
-    LAUNCH_NEXT: tl.constexpr,
+    CONCURRENT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """hc_post, then the next hc_pre, in one launch for a few tokens (T <= BLOCK_T, one program a block of
     BLOCK_D channels): new[t, k, block] = post[t, k] * out[t, block] + sum_j comb[t, j, k] h[t, j, block] (stored
@@ -418,18 +445,24 @@ def _post_project_kernel(
     tokens for an MMA tile) and its sum of squares, as the projection kernel's split rows; the last program to
     arrive (a counter, reset for the next launch) runs the collapse of the tokens, one at a time, from the rows and
     streams the others wrote, and the sub-layer's RMSNorm (x_weight_ptr, norm_eps) of each collapsed row (ROW_NORM, a
-    row of at most COLLAPSE_D: in registers as it is collapsed; else from the stored row). LAUNCH_NEXT: the next
-    launch may start once every program has (programmatic dependent launch: a kernel that waits for this one's
-    end), so that its prologue (an FP8 linear's weights asked into L2) overlaps the serial collapse."""
-    if LAUNCH_NEXT:
-        tl.extra.cuda.gdc_launch_dependents()
+    row of at most COLLAPSE_D: in registers as it is collapsed; else from the stored row); the next gates as
+    CONCURRENT says. PDL: launched early; the
+    next launch may start at once (so that its prologue, an FP8 linear's weights asked into L2, overlaps the serial
+    collapse) and fn's columns of the block are asked into L2 before the wait for the launch before."""
     block = tl.program_id(0)
+    cols = tl.arange(0, MIX_PAD)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        per_stream: tl.constexpr = (BLOCK_D + 31) // 32  # 128-byte lines of fp32 columns
+        line = tl.arange(0, HC * per_stream)
+        at = (line // per_stream) * D + block * BLOCK_D + (line % per_stream) * 32
+        prefetch_to_l2(fn_ptr + tl.where((cols < MIX)[:, None], cols[:, None] * K + at[None, :], 0))
+        tl.extra.cuda.gdc_wait()
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
     t = t.to(tl.int64)
     d = block * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = t_ok[:, None] & (d < D)[None, :]
-    cols = tl.arange(0, MIX_PAD)
     w_ok = (d < D)[:, None] & (cols < MIX)[None, :]
     out = tl.load(out_ptr + t[:, None] * out_stride + d[None, :], mask=ok, other=0.0).to(tl.float32)
     products = tl.zeros((BLOCK_T, BLOCK_D, MIX_PAD), tl.float32)
@@ -459,17 +492,39 @@ def _post_project_kernel(
     acc = tl.where(cols[None, :] == MIX, tl.sum(squares, axis=1)[:, None], tl.sum(products, axis=1))
     tl.store(part_ptr + (block * T + t)[:, None] * MIX_PAD + cols[None, :], acc, mask=t_ok[:, None])
     tl.debug_barrier()  # every thread's stores are made before the release below
-    if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+    programs = tl.num_programs(0)
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == programs - 1
+    # CONCURRENT: the program to arrive before the last computes the next gates (post, comb: Sinkhorn's steps, a
+    # few us of dependent values) once every row is in, while the last collapses; both arrive once more and the
+    # second resets the counter. Else (the interpreter runs programs one after another: a wait would never end)
+    # the last does both.
+    gates = arrived == tl.maximum(programs - 2, 0) if CONCURRENT else last
+    if last:
         chunks = tl.cdiv(D, COLLAPSE_D)
         for token in range(0, T):
             one = token + tl.zeros([1], tl.int64)
             _collapse_tokens(
                 new_ptr, new_stride, part_ptr, scale_ptr, base_ptr, x_ptr, x_stride, next_post_ptr, next_comb_ptr,
-                x_weight_ptr, one, one < T, 0, T, D, K, tl.num_programs(0), iters, chunks, 1, hc_eps, norm_eps, HC,
-                MIX, MIX_PAD, True, SPLIT_BLOCK, 1, COLLAPSE_D, ".cg", ROW_NORM,
+                x_weight_ptr, one, one < T, 0, T, D, K, programs, iters, chunks, 1, hc_eps, norm_eps, HC, MIX, MIX_PAD,
+                False, SPLIT_BLOCK, 1, COLLAPSE_D, ".cg", ROW_NORM,
             )  # fmt: skip
             if not ROW_NORM:
                 _normalize_row(x_ptr, x_stride, token, x_weight_ptr, D, norm_eps, COLLAPSE_D)
+    if gates:
+        seen = arrived + 1
+        while seen < programs:  # the rows of the programs still out
+            seen = tl.atomic_add(arrivals_ptr, 0, sem="acquire", scope="gpu")
+        for token in range(0, T):
+            one = token + tl.zeros([1], tl.int64)
+            _mixing_gates(
+                part_ptr, scale_ptr, base_ptr, next_post_ptr, next_comb_ptr, one, one < T, T, K, programs, iters,
+                hc_eps, norm_eps, HC, MIX, MIX_PAD, SPLIT_BLOCK, 1, ".cg",
+            )  # fmt: skip
+    if gates != last:
+        if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == programs + 1:
+            tl.atomic_xchg(arrivals_ptr, 0)
+    elif last:
         tl.atomic_xchg(arrivals_ptr, 0)
 
 
@@ -531,6 +586,7 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         return x, post, comb
     launch = launch or plan(tokens, k, d, mix_pad, streams.element_size(), num_sms(dev), shared_memory_per_block(dev))
     part = torch.empty(launch.splits, tokens, mix_pad, dtype=torch.float32, device=dev)
+    pdl = launches_dependents_early(dev)
     grid = (triton.cdiv(tokens, launch.block_t), launch.splits)
     _projection_kernel[grid](
         streams,
@@ -546,8 +602,10 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         BLOCK_K=launch.block_k,
         PRECISION=PROJECTION_PRECISION.get(streams.dtype, "ieee"),
         PARTS_F32=interpreting(),
+        PDL=pdl,
         num_warps=WARPS,
         num_stages=launch.stages,
+        launch_pdl=pdl,
     )
     chunks = triton.cdiv(d, launch.block_d)
     parts = min(launch.parts, chunks)
@@ -577,7 +635,9 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         SPLIT_BLOCK=triton.next_power_of_2(launch.splits),
         TOKENS=launch.collapse_tokens,
         BLOCK_D=launch.block_d,
+        PDL=pdl,
         num_warps=WARPS,
+        launch_pdl=pdl,
     )
     return x, post, comb
 
@@ -609,9 +669,11 @@ def hc_post_triton(out, streams, post, comb, block_d: int = CHANNEL_BLOCK) -> to
     new = torch.empty(tokens, hc, d, dtype=streams.dtype, device=streams.device)
     if tokens:
         grid = (tokens, triton.cdiv(d, block_d))
+        pdl = launches_dependents_early(streams.device)
         _expand_kernel[grid](
-            out, out.stride(0), streams, streams.stride(0), post, comb, new, new.stride(0), d, HC=hc, BLOCK_D=block_d
-        )
+            out, out.stride(0), streams, streams.stride(0), post, comb, new, new.stride(0), d, HC=hc, BLOCK_D=block_d,
+            PDL=pdl, launch_pdl=pdl,
+        )  # fmt: skip
     return new
 
 
@@ -639,6 +701,7 @@ def hc_post_pre_triton(
     next_comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=dev)
     part = torch.empty(blocks, tokens, mix_pad, dtype=torch.float32, device=dev)
     post, comb = post.contiguous(), comb.contiguous()
+    pdl = launches_dependents_early(dev)
     # One token tile for every count: the sums' order (the tile's layout) then does not depend on the batch, so a
     # CUDA graph padded to 4 rows gives the eager step of 2 the same bits.
     _post_project_kernel[(blocks,)](
@@ -646,7 +709,8 @@ def hc_post_pre_triton(
         arrival_counters(dev), scale, base, x, x.stride(0), x_weight, next_post, next_comb, tokens, d, k, iters,
         hc_eps, norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=POST_PRE_TOKENS, BLOCK_D=block_d,
         SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=collapse_d, ROW_NORM=d <= collapse_d,
-        LAUNCH_NEXT=launches_dependents_early(dev), num_warps=WARPS,
+        CONCURRENT=not interpreting(),
+        PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return new, x, next_post, next_comb
 

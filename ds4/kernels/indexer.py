@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import has_fp8, interpreting
+from ds4.kernels._device import dependent_launch_start, has_fp8, interpreting, launches_dependents_early
 from ds4.kernels.fp4_act import FP4_BLOCK, ceil_log2, pow2, rotate_fp4, rotate_fp4_reference, round_to
 from ds4.kernels.fp8_kv import pow2_ceil
 from ds4.kernels.rope import apply_rope, apply_rope_reference, turn_row_pairs
@@ -352,10 +352,12 @@ def _indexer_decode_kernel(
     D: tl.constexpr,
     FP8_CVT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program: all rows of one request (1, or 1 + MTP drafts; their heads side by side are the MMA's
     # N = BLOCK_Q * H) held on chip while `tiles_per_program` key tiles stream past them in a pipelined loop.
-    # A decode step has few rows and many keys, so reading the keys is the whole cost.
+    # A decode step has few rows and many keys, so reading the keys is the whole cost. PDL: launched early.
+    dependent_launch_start(PDL)
     request = tl.program_id(0) // chunks
     chunk = tl.program_id(0) % chunks
     row0 = request.to(tl.int64) * rows_per_request
@@ -453,7 +455,9 @@ def _index_queries_kernel(
     ROPE: tl.constexpr,
     HALF: tl.constexpr,
     ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_launch_start(PDL)  # PDL: launched early
     # ROWS (token, head) rows of D channels a program. Strides come in 4-element units: rows then load and
     # store 4 elements at a time, the layout of the rotation's gathers (16-byte accesses would move the tile
     # through shared memory to that layout and back). ROPE: the rows' last HALF channel pairs are turned at their
@@ -476,8 +480,10 @@ def _index_queries_kernel(
 
 @triton.jit(do_not_specialize=["n", "keys_row4", "per_page"])
 def _write_keys_kernel(
-    keys_ptr, keys_row4, slots_ptr, bytes_ptr, words_ptr, n, per_page, D: tl.constexpr, ROWS: tl.constexpr
-):
+    keys_ptr, keys_row4, slots_ptr, bytes_ptr, words_ptr, n, per_page, D: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    dependent_launch_start(PDL)  # PDL: launched early
     # ROWS keys a program: quantised, then their vectors and scales stored where their slots' pages keep them.
     # The keys' row stride comes in 4-element units: 4 elements a load, the layout of the 4-byte vector stores.
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -504,8 +510,10 @@ def _entry_rows_kernel(
     width,
     per_page,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # One token's picks (BLOCK_K of them) a program.
+    # One token's picks (BLOCK_K of them) a program. PDL: launched early.
+    dependent_launch_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = c < k
@@ -675,6 +683,7 @@ def _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys
     warps = _warps(warps, block_s, triton.next_power_of_2(rows_per_request) * _padded_heads(n_heads), q.device)
     chunks = triton.cdiv(triton.cdiv(max_keys, block_s), per_program)
     table = block_table.to(torch.int32)
+    pdl = launches_dependents_early(q.device)
     return _indexer_decode_kernel[(rows // rows_per_request * chunks,)](
         q,
         q.stride(0) // 16,
@@ -700,8 +709,10 @@ def _launch_decode(q, w, cache, block_table, key_end, rows_per_request, max_keys
         D=HEAD_DIM,
         FP8_CVT=has_fp8(q.device),
         DOT_F32=interpreting(),
+        PDL=pdl,
         num_warps=warps,
         num_stages=stages,
+        launch_pdl=pdl,
     )
 
 
@@ -818,6 +829,7 @@ def index_queries(
         inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     if rows:
         per_program = _ROW_TILE // HEAD_DIM
+        pdl = launches_dependents_early(q.device)
         _index_queries_kernel[(triton.cdiv(rows, per_program),)](
             q,
             q.stride(0) // 4,
@@ -838,6 +850,8 @@ def index_queries(
             ROPE=rope is not None,
             HALF=half,
             ROWS=per_program,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return values.view(torch.float8_e4m3fn), scaled
 
@@ -852,6 +866,7 @@ def write_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Ten
     rows = _rows_of(keys)
     if rows.shape[0]:
         per_program = _ROW_TILE // HEAD_DIM
+        pdl = launches_dependents_early(keys.device)
         _write_keys_kernel[(triton.cdiv(rows.shape[0], per_program),)](
             rows,
             rows.stride(0) // 4,
@@ -862,6 +877,8 @@ def write_indexer_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Ten
             per_page,
             D=HEAD_DIM,
             ROWS=per_program,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
 
 
@@ -883,6 +900,7 @@ def entry_rows(
         if picked.stride(1) != 1 or block_tables.stride(1) != 1:
             raise ValueError("entry_rows: picked and block_tables need a contiguous last dim")
         block = min(_PICKS_BLOCK, triton.next_power_of_2(k))
+        pdl = launches_dependents_early(picked.device)
         _entry_rows_kernel[(tokens, triton.cdiv(k, block))](
             picked,
             picked.stride(0),
@@ -895,5 +913,7 @@ def entry_rows(
             block_tables.shape[1],
             per_page,
             BLOCK_K=block,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return out

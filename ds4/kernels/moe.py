@@ -53,6 +53,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ds4.kernels._device import (
+    dependent_launch_start,
     early_prefetch_bytes,
     has_tma,
     interpreting,
@@ -679,9 +680,11 @@ def _check(x: torch.Tensor, experts: ExpertWeights) -> None:
 @triton.jit(do_not_specialize=["k_slots"])
 def _combine_kernel(
     slots_ptr, stride_s, shared_ptr, stride_sh, out_ptr, stride_out, k_slots, N, HAS_SHARED: tl.constexpr,
-    BN: tl.constexpr,
+    BN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = sum of slots[t * k + j] over j in slot order, in fp32, plus shared[t] (combine_reference)."""
+    """out[t] = sum of slots[t * k + j] over j in slot order, in fp32, plus shared[t] (combine_reference). PDL:
+    launched early."""
+    dependent_launch_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = cols < N
@@ -697,9 +700,10 @@ def _combine(slots: torch.Tensor, k: int, shared: torch.Tensor | None, out_dtype
     t, n = slots.shape[0] // k, slots.shape[1]
     out = torch.empty(t, n, dtype=out_dtype, device=slots.device)
     bn = min(_ELEMENTWISE_BLOCK, triton.next_power_of_2(n))
+    pdl = launches_dependents_early(slots.device)
     _combine_kernel[(t, triton.cdiv(n, bn))](
         slots, slots.stride(0), shared if shared is not None else slots, shared.stride(0) if shared is not None else 0,
-        out, out.stride(0), k, n, HAS_SHARED=shared is not None, BN=bn,
+        out, out.stride(0), k, n, HAS_SHARED=shared is not None, BN=bn, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

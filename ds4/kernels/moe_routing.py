@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ds4.kernels._device import launches_dependents_early
+
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it softplus(x) is x
 # Logits a routing program holds (tokens x padded experts) in ROUTE_WARPS warps: more spill registers, and one
@@ -121,10 +123,15 @@ def _route_kernel(
     GROUP: tl.constexpr,
     BOUNDS_PAD: tl.constexpr,
     LOG_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Tokens pid*BT.. : scores, the k experts (tid2eid rows or top-k of score + bias, first index on ties),
     weights, local renumbering. GROUP (one program, every token): also the stable sort of the slots by expert
-    (key expert * SLOTS + slot) and the segment bounds."""
+    (key expert * SLOTS + slot) and the segment bounds. PDL: launched early, it waits for the launch before; it
+    does not let the next one start early, since the grouped GEMMs two launches on read the routes before their
+    own wait (see moe._grouped_gemm_kernel)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     t_ok = t < T
     e = tl.arange(0, E_PAD)
@@ -211,14 +218,15 @@ def route_triton(
     order = torch.empty(t * topk, dtype=torch.int32, device=logits.device)
     bounds = torch.empty(n_local + 1, dtype=torch.int32, device=logits.device)
     hashed = tid2eid is not None
+    pdl = launches_dependents_early(logits.device)
     if t:
         _route_kernel[(triton.cdiv(t, bt),)](
             logits, logits.stride(0), bias if not hashed else logits, tid2eid if hashed else logits,
             tid2eid.stride(0) if hashed else 0, input_ids if hashed else logits, weights, indices, order, bounds,
             t, n_experts, topk, float(route_scale), first, n_local,
             BT=bt, E_PAD=e_pad, K_PAD=k_pad, SCORE=SCORE_FUNCS.index(score_func), HASHED=hashed, GROUP=group,
-            BOUNDS_PAD=triton.next_power_of_2(n_local + 1), LOG_SLOTS=(bt * k_pad).bit_length() - 1,
-            num_warps=ROUTE_WARPS,
+            BOUNDS_PAD=triton.next_power_of_2(n_local + 1), LOG_SLOTS=(bt * k_pad).bit_length() - 1, PDL=pdl,
+            num_warps=ROUTE_WARPS, launch_pdl=pdl,
         )  # fmt: skip
     if not group:
         order, bounds = group_by_expert(indices, n_local)

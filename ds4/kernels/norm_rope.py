@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4.kernels._device import dependent_launch_start, launches_dependents_early
 from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, bf16_bits, kv_entry_bytes, quantize_kv, store_fp8_entries
 from ds4.kernels.rmsnorm import inverse_rms, rms_norm_reference
 from ds4.kernels.rope import apply_rope_reference, turn_row_pairs
@@ -169,8 +170,11 @@ def _norm_rope_kernel(
     ROWS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     COPY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # COPY: each row also to row copy_row_ptr[r] of copy_ptr (rows of y_stride elements).
+    # COPY: each row also to row copy_row_ptr[r] of copy_ptr (rows of y_stride elements). PDL: launched early
+    # (`dependent_launch_start`).
+    dependent_launch_start(PDL)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = r < rows
     pair = tl.arange(0, BLOCK_P)
@@ -225,6 +229,7 @@ def norm_rope_triton(
     if rows.shape[0]:
         block_p = pair_block(d)
         per_program = max(1, ROW_TILE // (2 * block_p))
+        pdl = launches_dependents_early(x.device)
         _norm_rope_kernel[(triton.cdiv(rows.shape[0], per_program),)](
             rows,
             rows.stride(0),
@@ -245,6 +250,8 @@ def norm_rope_triton(
             ROWS=per_program,
             BLOCK_P=block_p,
             COPY=copy is not None,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return y.view(*x.shape[:-1], y.shape[-1])
 

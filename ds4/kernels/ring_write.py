@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4.kernels._device import dependent_launch_start, launches_dependents_early
+
 # Chosen settings: elements (8-byte words where the rows allow) of a row a program copies.
 ROW_BLOCK = 1024
 
@@ -38,7 +40,9 @@ def _write_rings_kernel(
     width,
     TWO: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    dependent_launch_start(PDL)  # PDL: launched early
     i = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < width
@@ -77,6 +81,7 @@ def write_rings_triton(rings: list[Ring], last: torch.Tensor, at: tuple[torch.Te
         ring, values, second_ring, second_values = tensors[:2] + tensors[-2:]
         width = ring.shape[2]
         block = min(ROW_BLOCK, triton.next_power_of_2(width))
+        pdl = launches_dependents_early(ring.device)
         _write_rings_kernel[(last.numel(), triton.cdiv(width, block))](
             ring,
             values,
@@ -90,6 +95,8 @@ def write_rings_triton(rings: list[Ring], last: torch.Tensor, at: tuple[torch.Te
             width,
             TWO=len(rings) == 2,
             BLOCK=block,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
 
 

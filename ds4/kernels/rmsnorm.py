@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4.kernels._device import launches_dependents_early
+from ds4.kernels._device import dependent_launch_start, launches_dependents_early
 
 # Chosen settings: elements of a program's tile (rows x the row length rounded up to a power of two) and the
 # elements each thread holds.
@@ -49,12 +49,10 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     RUN: tl.constexpr,
-    LAUNCH_NEXT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """ROWS rows a program. LAUNCH_NEXT: the next launch may start once every program has (programmatic dependent
-    launch: a kernel that waits for this one's end)."""
-    if LAUNCH_NEXT:
-        tl.extra.cuda.gdc_launch_dependents()
+    """ROWS rows a program. PDL: launched early (`dependent_launch_start`)."""
+    dependent_launch_start(PDL)
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     # Columns in contiguous runs of RUN (the same columns), so that the rows and the weight load RUN values a
     # thread alike: an fp32 weight's 16-byte loads hold half as many values as bf16 rows' and the weight, loaded
@@ -82,6 +80,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
         per_program = max(1, ROW_TILE // block_d)
         widest = max(x.element_size(), weight.element_size() if weight is not None else 1)
         warps = min(16, max(1, per_program * block_d // (32 * ELEMENTS_PER_THREAD)))
+        pdl = launches_dependents_early(x.device)
         _rms_norm_kernel[(triton.cdiv(rows.shape[0], per_program),)](
             rows,
             rows.stride(0),
@@ -95,8 +94,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
             ROWS=per_program,
             BLOCK_D=block_d,
             RUN=min(block_d, VECTOR_BYTES // widest),
-            LAUNCH_NEXT=launches_dependents_early(x.device),
+            PDL=pdl,
             num_warps=warps,
+            launch_pdl=pdl,
         )
     return y.view(x.shape)
 

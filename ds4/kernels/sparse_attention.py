@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ds4.kernels._device import (
+    dependent_launch_start,
     has_fp8,
     interpreting,
     launches_dependents_early,
@@ -391,7 +392,7 @@ def _sparse_attention_kernel(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     EXCHANGE: tl.constexpr,
-    LAUNCH_NEXT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program: one token, BLOCK_H of its heads (the MMA's M) and one split of its key tiles (the three lists'
     # tiles counted end to end), with an online softmax in the log2 domain whose running max starts at the sink
@@ -400,10 +401,8 @@ def _sparse_attention_kernel(
     # SPLIT: the running max, denominator and numerator go to part_ptr for _combine_splits, else the output.
     # ROTARY: q is the projection's; its heads are finished here and the output turned back (RotaryQueries).
     # EXCHANGE: each tile's probabilities and rescale factors reach the PV product through this program's slot of
-    # exchange_ptr (see AttentionPlan.exchange). LAUNCH_NEXT: the next launch may start once every program has
-    # (programmatic dependent launch: a kernel that waits for this one's end).
-    if LAUNCH_NEXT:
-        tl.extra.cuda.gdc_launch_dependents()
+    # exchange_ptr (see AttentionPlan.exchange). PDL: launched early (`dependent_launch_start`).
+    dependent_launch_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -484,13 +483,12 @@ def _combine_splits(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    LAUNCH_NEXT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program: one token's BLOCK_H heads, BLOCK_D of the dims; the splits' softmax pieces rescaled to their
     # common maximum, their reads running ahead of the sums. ROTARY: the output turned back (BLOCK_D a multiple of
-    # 2 * HALF, so that the angles tile it). LAUNCH_NEXT: as _sparse_attention_kernel's.
-    if LAUNCH_NEXT:
-        tl.extra.cuda.gdc_launch_dependents()
+    # 2 * HALF, so that the angles tile it). PDL: as _sparse_attention_kernel's.
+    dependent_launch_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_in = heads < n_heads
@@ -701,6 +699,7 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
     else:
         positions, eps, half = rotary.positions, rotary.form.eps, rotary.form.inv_freq.numel()
         freqs = rotary.form.inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
+    pdl = launches_dependents_early(q.device)
     _sparse_attention_kernel[(t, head_blocks, splits)](
         q,
         q.stride(0),
@@ -734,8 +733,9 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
         BLOCK_N=plan.block_n,
         STAGES=1 if plan.exchange else plan.stages,
         EXCHANGE=plan.exchange,
-        LAUNCH_NEXT=launches_dependents_early(q.device),
+        PDL=pdl,
         num_warps=plan.num_warps,
+        launch_pdl=pdl,
     )
     if splits > 1:
         # with rotary queries a block holds whole tiles of the angles (see _combine_splits)
@@ -755,5 +755,6 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
             HALF=half,
             BLOCK_H=_COMBINE_BLOCK_H,
             BLOCK_D=block_d,
-            LAUNCH_NEXT=launches_dependents_early(q.device),
+            PDL=pdl,
+            launch_pdl=pdl,
         )

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ds4.kernels._device import dependent_launch_start, launches_dependents_early
+
 BLOCK = 1024  # columns a program of `swiglu_to`'s launch takes
 
 
@@ -35,8 +37,9 @@ def clamped_swiglu(gate, up, limit):
 
 # N stays specialised (divisible by 16: a model's widths are), so that the column mask keeps the accesses 16 bytes wide.
 @triton.jit
-def _swiglu_kernel(gate_ptr, up_ptr, stride_in, out_ptr, stride_out, N, limit, BN: tl.constexpr):
-    """out[t] = swiglu(gate[t], up[t], limit), computed in fp32, stored in out's dtype."""
+def _swiglu_kernel(gate_ptr, up_ptr, stride_in, out_ptr, stride_out, N, limit, BN: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = swiglu(gate[t], up[t], limit), computed in fp32, stored in out's dtype. PDL: launched early."""
+    dependent_launch_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     ok = cols < N
@@ -61,5 +64,8 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: tor
     out = torch.empty(t, n, dtype=dtype, device=gate.device)
     bn = min(BLOCK, triton.next_power_of_2(n))
     if t:
-        _swiglu_kernel[(t, triton.cdiv(n, bn))](gate, up, gate.stride(0), out, out.stride(0), n, float(limit), BN=bn)
+        pdl = launches_dependents_early(gate.device)
+        _swiglu_kernel[(t, triton.cdiv(n, bn))](
+            gate, up, gate.stride(0), out, out.stride(0), n, float(limit), BN=bn, PDL=pdl, launch_pdl=pdl
+        )
     return out

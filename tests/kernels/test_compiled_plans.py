@@ -71,7 +71,8 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
             T=tokens, K=4 * 4096, k_blocks_per_split=plan.k_blocks_per_split,
         )
         constexprs = dict(
-            MIX=24, MIX_PAD=32, BLOCK_T=plan.block_t, BLOCK_K=plan.block_k, PRECISION=precision, PARTS_F32=False
+            MIX=24, MIX_PAD=32, BLOCK_T=plan.block_t, BLOCK_K=plan.block_k, PRECISION=precision, PARTS_F32=False,
+            PDL=arch >= 90,
         )
         compiled = compile_kernel(mhc._projection_kernel, args, constexprs, arch, mhc.WARPS, plan.stages)
         results.append(dict(dtype=str(dtype), tokens=tokens, stages=plan.stages, **report(compiled)))
@@ -107,6 +108,8 @@ for rows in (0, 1, 2, 4):  # a prefill chunk, then decode requests of 1 to 4 row
         args.update(query_blocks=128, key_tiles=8)
     kernel = indexer._indexer_decode_kernel if rows else indexer._indexer_logits_kernel
     constexprs = dict(H=64, BLOCK_Q=block_q, BLOCK_S=block_s, PAGE_=64, D=128, FP8_CVT=arch >= 89, DOT_F32=False)
+    if rows:
+        constexprs["PDL"] = arch >= 90
     compiled = compile_kernel(kernel, args, constexprs, arch, warps, stages)
     results.append(dict(rows=rows, warps=warps, **report(compiled)))
 print(json.dumps(results))
@@ -143,7 +146,7 @@ for tokens, split in ((1, True), (8192, False)):  # a decode step of one token, 
     constexprs = dict(
         D=512, DP=512, NOPE=448, ROPE=64, FP8=True, FP8_CVT=arch >= 89, ROW_ALIGN=8, DOT=tl.bfloat16, IEEE=False,
         SPLIT=split, ROTARY=True, HALF=32, BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, STAGES=plan.stages,
-        EXCHANGE=plan.exchange, LAUNCH_NEXT=arch >= 90,
+        EXCHANGE=plan.exchange, PDL=arch >= 90,
     )
     compiled = compile_kernel(sa._sparse_attention_kernel, args, constexprs, arch, plan.num_warps, plan.stages)
     results.append(dict(tokens=tokens, plan=repr(plan), **report(compiled)))
@@ -174,7 +177,9 @@ for m in (1, 4, 16):  # decode rows (the Triton kernel's: cuBLAS takes larger ca
         constexprs = dict(QUANTIZE_X=groups == 1, SWIGLU=False, ROW_SCALES=False, SPLIT=plan.splits > 1)
         if plan.use_dot:
             kernel = fl._fp8_linear_kernel
-            constexprs.update(DOT_F32=False, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k)
+            constexprs.update(
+                DOT_F32=False, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=arch >= 90
+            )
         else:
             kernel = fl._fp8_gemv_kernel
             constexprs.update(

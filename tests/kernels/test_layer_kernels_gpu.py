@@ -61,10 +61,11 @@ def test_hc_pre_and_post_match_reference(tokens, dtype):
     torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 4])
-def test_hc_post_pre_in_one_launch_matches_reference(tokens):
+@pytest.mark.parametrize("tokens, block_d", [(1, None), (2, None), (4, None), (1, D // 2), (2, D)])
+def test_hc_post_pre_in_one_launch_matches_reference(tokens, block_d):
     """A decode step's hc_post, the next hc_pre and its RMSNorm, one launch (the last program to arrive collapses
-    and normalises), twice in a row (the arrival counter resets itself) and under graph replay."""
+    and normalises, the one before it computes the next gates; with one program, that one does both), twice in a
+    row (the arrival counter resets itself) and under graph replay."""
     g = torch.Generator(device="cuda").manual_seed(11 + tokens)
     h = streams(tokens, torch.bfloat16, g)
     out = torch.randn(tokens, D, device="cuda", generator=g).bfloat16()
@@ -72,7 +73,7 @@ def test_hc_post_pre_in_one_launch_matches_reference(tokens):
     comb = torch.rand(tokens, HC, HC, device="cuda", generator=g)
     fn, scale, base = weights((2 + HC) * HC, g)
     norm = torch.rand(D, device="cuda", generator=g) + 0.5
-    args = (out, h, post, comb, fn, scale, base, norm, HC, 20, 1e-6, 1e-6)
+    args = (out, h, post, comb, fn, scale, base, norm, HC, 20, 1e-6, 1e-6, block_d)
     new = mhc.hc_post_reference(out, h, post, comb)
     x, next_post, next_comb = mhc.hc_pre_reference(new, fn, scale, base, HC, 20, 1e-6, 1e-6)
     want = (new, rmsnorm.rms_norm_reference(x, norm, 1e-6), next_post, next_comb)
