@@ -807,6 +807,14 @@ def _grouped_gemm(
     )
 
 
+def _scale_words_aligned(experts: ExpertWeights) -> bool:
+    """Whether a K step's scale bytes of every row start on FP8_MAX_BK / 32 bytes (`_fp8_steps` loads them as one
+    integer): a checkpoint's contiguous scale tensors do."""
+    word = FP8_MAX_BK // MXFP4_GROUP
+    scales = (experts.gate_scale, experts.up_scale, experts.down_scale)
+    return all(s.data_ptr() % word == 0 and s.stride(0) % word == 0 and s.stride(1) % word == 0 for s in scales)
+
+
 def _quantized(x: torch.Tensor, rows: int, plan: GemmPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The buffers act_quant fills for a pass's MXFP4 GEMM: its rows dequantised in bf16, or for an FP8 plan their
     e4m3 bytes and their 128-groups' fp32 scales."""
@@ -900,7 +908,8 @@ def routed_slots_triton(
     order, bounds = groups or group_by_expert(indices, n_experts)
     sms, smem = num_sms(x.device), shared_memory_per_block(x.device)
     a_bytes = 2 if experts.mxfp4 or x.dtype == torch.bfloat16 else 4
-    traits = (sms, smem, has_tma(x.device), mma_operands_in_registers(x.device), mma_is_warpgroup(x.device))
+    fp8 = mma_is_warpgroup(x.device) and experts.mxfp4 and _scale_words_aligned(experts)
+    traits = (sms, smem, has_tma(x.device), mma_operands_in_registers(x.device), fp8)
     plan1, plan2 = plans or (
         gemm_plan(t * k, n_experts, inter, hidden, True, experts.mxfp4, a_bytes, *traits),
         gemm_plan(t * k, n_experts, hidden, inter, False, experts.mxfp4, a_bytes, *traits),
