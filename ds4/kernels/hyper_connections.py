@@ -446,9 +446,9 @@ def _post_project_kernel(
     arrive (a counter, reset for the next launch) runs the collapse of the tokens, one at a time, from the rows and
     streams the others wrote, and the sub-layer's RMSNorm (x_weight_ptr, norm_eps) of each collapsed row (ROW_NORM, a
     row of at most COLLAPSE_D: in registers as it is collapsed; else from the stored row); the next gates as
-    CONCURRENT says. PDL: launched early; the
-    next launch may start at once (so that its prologue, an FP8 linear's weights asked into L2, overlaps the serial
-    collapse) and fn's columns of the block are asked into L2 before the wait for the launch before."""
+    CONCURRENT says. PDL: launched early; the next launch may start at once (so that its prologue, an FP8 linear's
+    weights asked into L2, overlaps the serial collapse) and fn's columns of the block are asked into L2 before the
+    wait for the launch before."""
     block = tl.program_id(0)
     cols = tl.arange(0, MIX_PAD)
     if PDL:

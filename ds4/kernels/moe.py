@@ -419,7 +419,7 @@ def _grouped_gemm_kernel(
     FP8 (MXFP4, BK a multiple of 128): a is act_quant's e4m3 bytes with their 128-groups' scales at a_scale_ptr; each
     scale group of 32 columns is one FP8 MMA of the codes as e4m3 (`_e2m1_e4m3_tile`), its product scaled into a
     128-group's sum by the rows' 2^(s - 121), each 128-group's sum into the accumulator by the activations' scales:
-    a third of the bf16 decoding's instructions a weight byte, which bound decode-sized tiles."""
+    half the bf16 decoding's instructions a weight byte for the codes, which bound decode-sized tiles."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
