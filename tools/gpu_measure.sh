@@ -6,7 +6,8 @@
 # model20 (20 Flash layers, prefill to 64K), model20_serial (its decode without the side-stream overlaps, `--serial`),
 # model20_nopdl (without programmatic dependent launch, `--no-pdl`), engine and engine_sync (the engine's host time
 # per step, async decode on and off, each with its costliest host functions), attention (with its plan sweep), moe
-# (with its tile sweep; moe_skew: the 8K prefill's under a skewed routing like the dummy model's), linear (the FP8
+# (with its tile sweep; moe_skew: the 8K prefill's under a skewed routing like the dummy model's; moe_decode: decode
+# batches alone, the FP8 MMA's plans beside the bf16 decoding's), linear (the FP8
 # linear with its tile sweep), mhc (the mHC kernels with the prefill projection's tile sweep), ncu
 # (tools/ncu_decode.sh's Nsight Compute lines for the decode step's largest kernels, NCU_LAYERS layers), ncu_attention
 # (tools/ncu_attention.sh on the 8K CSA prefill's attention plans). Each writes its log and JSON under $RESULTS and a
@@ -63,6 +64,7 @@ run_stage() {
     engine_sync) stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json" ;;
     attention) stage attention 420 python3 -m ds4.cli bench attention --sweep --json "$R/attention.json" ;;
     moe) stage moe 420 python3 -m ds4.cli bench moe --sweep --json "$R/moe.json" ;;
+    moe_decode) stage moe_decode 240 python3 -m ds4.cli bench moe --tokens 1 8 64 --sweep 1 64 --json "$R/moe_decode.json" ;;
     moe_skew) stage moe_skew 240 python3 -m ds4.cli bench moe --skew 0.4 --tokens 8192 --sweep 8192 --json "$R/moe_skew.json" ;;
     linear) stage linear 300 python3 -m ds4.cli bench linear --sweep --json "$R/linear.json" ;;  # then tools/gemv_pick.py on it
     mhc) stage mhc 240 python3 -m ds4.cli bench kernels --only mhc --all-tiles --json "$R/mhc.json" ;;
