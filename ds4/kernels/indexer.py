@@ -148,12 +148,12 @@ def index_queries_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp8 mode's indexer queries as the logits kernels take them: q [T, H, 128] (after RoPE, or turned here
     when `rope` gives (positions [T], inv_freq)) rotated, MXFP4-rounded and quantised per head (e4m3 [T, H, 128]);
-    the head weights [T, H] times weight_scale and the heads' scales (fp32), which indexer_logits applies after the
-    relu."""
+    the head weights [T, H] (rounded to q's dtype, as weights_proj's output is) times weight_scale and the heads'
+    scales (fp32), which indexer_logits applies after the relu."""
     if rope is not None:
         q = apply_rope_reference(q, *rope)
     values, scale = quantize_rows(rotate_fp4_reference(q))
-    return values, weights.float() * weight_scale * scale
+    return values, weights.to(q.dtype).float() * weight_scale * scale
 
 
 def entry_rows_reference(
@@ -474,7 +474,9 @@ def _index_queries_kernel(
         x = round_to(tl.reshape(tl.join(even, odd), (ROWS, D)), q_ptr.dtype.element_ty)
     values, scale = quantize_e4m3(rotate_fp4(x, ROWS, D, LOG_D, BLOCK, q_ptr.dtype.element_ty))
     tl.store(values_ptr + r[:, None] * (values_row4 * 4) + d, values.to(tl.uint8), mask=ok[:, None])
-    w = tl.load(w_ptr + (r // heads) * w_stride + r % heads, mask=ok, other=0.0).to(tl.float32)
+    w = round_to(
+        tl.load(w_ptr + (r // heads) * w_stride + r % heads, mask=ok, other=0.0).to(tl.float32), q_ptr.dtype.element_ty
+    )
     tl.store(scaled_w_ptr + r, w * weight_scale * scale, mask=ok)
 
 

@@ -96,13 +96,12 @@ class Indexer(nn.Module):
             return torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
         pool = cache.index_keys
         q = q.view(x.shape[0], self.heads, self.head_dim)
-        weights = weights.to(x.dtype)
-        if pool.dtype == torch.uint8:  # RoPE inside the queries' rounding launch
+        if pool.dtype == torch.uint8:  # RoPE, and the weights' rounding to x's dtype, inside the queries' launch
             q, weights = index_queries(q, weights, self.weight_scale, rope=(batch.positions, step.inv_freq))
             top = indexer_topk
         else:
             q = self.finish(apply_rope(q, batch.positions, step.inv_freq)).float()
-            weights = weights.float() * self.weight_scale
+            weights = weights.to(x.dtype).float() * self.weight_scale
             top = self._dense_topk
         # Entries a token sees, the same in every layer of this ratio.
         key_end = batch.shared(

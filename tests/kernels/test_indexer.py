@@ -256,6 +256,19 @@ def test_query_kernel_equals_the_reference_to_the_bit(indexer):
     assert torch.equal(want_values.float() * head_scale[..., None], rounded)
 
 
+def test_query_kernel_rounds_fp32_head_weights_to_the_queries_dtype(indexer):
+    """weights_proj's fp32 product goes in as it is: the launch rounds it to q's dtype (bf16), as the reference
+    model's weights_proj output, before the scales (no launch of its own for the rounding)."""
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(2, 4, 128, generator=g).bfloat16()
+    weights = torch.randn(2, 4, generator=g)  # fp32, not bf16 values
+    values, w = indexer.index_queries(q, weights, 0.25, impl="triton")
+    want_values, want_w = indexer.index_queries(q, weights, 0.25, impl="torch")
+    assert torch.equal(w, want_w) and torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    _, from_bf16 = indexer.index_queries(q, weights.bfloat16(), 0.25, impl="torch")
+    assert torch.equal(want_w, from_bf16) and not torch.equal(weights.bfloat16().float(), weights)
+
+
 @pytest.mark.parametrize("rope_dim", [64, 16])
 def test_query_kernel_turns_rope_first(indexer, rope_dim):
     """rope=(positions, inv_freq): the heads (a row slice of a wider projection, as the attention's stacked wq_b
