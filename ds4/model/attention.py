@@ -32,6 +32,7 @@ from torch import nn
 from ds4.config import CSA, WINDOW, ModelConfig
 from ds4.distributed.parallel import Parallel
 from ds4.kernels.norm_rope import EntryForm, norm_rope
+from ds4.kernels.paging import visible_entry_rows
 from ds4.kernels.ring_write import write_rings
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.sparse_attention import RotaryQueries, sparse_attention
@@ -40,7 +41,6 @@ from ds4.model.cache import FP8, LayerCache
 from ds4.model.compressor import Compressor
 from ds4.model.indexer import Indexer
 from ds4.model.linear import DEQUANTIZED, Linear, Norm, StackedLinears, fp32_param, kept_fp8_block
-from ds4.model.paging import visible_entry_rows
 from ds4.model.rope import layer_inv_freq
 from ds4.model.shard import hold
 from ds4.model.side_stream import side_stream

@@ -24,11 +24,11 @@ from torch import nn
 
 from ds4.kernels.gated_pool import pooled_entries, window_rows
 from ds4.kernels.norm_rope import EntryForm
+from ds4.kernels.paging import decode_windows, table_entry_rows, window_source_rows
 from ds4.kernels.ring_write import write_rings
 from ds4.model.batch import LayerStep
 from ds4.model.cache import CompressorState, entries_per_page, store_entries
 from ds4.model.linear import Linear, Norm, fp32_param
-from ds4.model.paging import table_entry_rows
 
 
 class Compressor(nn.Module):
@@ -79,11 +79,20 @@ class Compressor(nn.Module):
 
         # The windows, and where their entries go, depend on the batch alone: layers of one ratio share them.
         shape = (ring_rows, ring[0].shape[0])
-        index, rows = batch.shared(("windows", ratio, self.overlap, shape), lambda: self._windows(step, *shape))
         per_page, pages = entries_per_page(pool), pool.shape[0]
-        target = batch.shared(
-            ("entry rows", ratio, per_page, pages), lambda: self._entry_rows(step, index, per_page, pages)
-        )
+        if step.decode_only:  # one launch on CUDA
+            index, rows, target = batch.shared(
+                ("decode windows", ratio, self.overlap, shape, per_page, pages),
+                lambda: decode_windows(
+                    batch.positions, batch.tokens_per_request, batch.context_lens, batch.query_start_loc, batch.slots,
+                    batch.block_tables, ratio, self._span, *shape, per_page, pages,
+                ),
+            )  # fmt: skip
+        else:
+            index, rows = batch.shared(("windows", ratio, self.overlap, shape), lambda: self._windows(step, *shape))
+            target = batch.shared(
+                ("entry rows", ratio, per_page, pages), lambda: self._entry_rows(step, index, per_page, pages)
+            )
         direct = self.finish is None
         form = EntryForm(self.norm.weight, step.inv_freq, self.eps, self.dtype, direct and pool.dtype == torch.uint8)
         if direct:
@@ -102,14 +111,15 @@ class Compressor(nn.Module):
         # Each token writes its ring row with the kv of its request's last token there (equal values, any order).
         write_rings([(state.kv, kv), (state.score, score)], *step.ring_writes(ring_rows))
 
+    @property
+    def _span(self) -> int:
+        """Positions a window pools (with overlap, the window before's too)."""
+        return (2 if self.overlap else 1) * self.ratio
+
     def _windows(self, step: LayerStep, ring_rows: int, ring_total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window index of each token completing a window (decode_only: of every token) and its source rows."""
-        if step.decode_only:
-            index, requests = step.batch.positions // self.ratio, step.token_requests
-        else:
-            index, requests = self._finished_windows(step)
-        rows = self._rows(step, ring_rows, ring_total, requests, index)
-        return index, rows
+        """The window index of each token completing a window and its source rows (a general step's)."""
+        index, requests = self._finished_windows(step)
+        return index, self._rows(step, ring_rows, ring_total, requests, index)
 
     def _finished_windows(self, step: LayerStep) -> tuple[torch.Tensor, torch.Tensor]:
         """The windows the step's tokens complete, request after request, and their requests: request r completes
@@ -128,30 +138,19 @@ class Compressor(nn.Module):
         return step.batch.shared(("finished windows", self.ratio), windows)
 
     def _entry_rows(self, step: LayerStep, index: torch.Tensor, per_page: int, pages: int) -> torch.Tensor:
-        """Each window's row in a pool of `pages` pages of per_page entries; a window on an unassigned page
-        (padding), or a decode_only token's unfinished one, goes to the last, scratch, page."""
-        batch, ratio = step.batch, self.ratio
-        if step.decode_only:
-            requests, completes = step.token_requests, batch.positions % ratio == ratio - 1
-        else:  # every window finished
-            requests, completes = self._finished_windows(step)[1], True
-        target = table_entry_rows(batch.block_tables[requests], index[:, None], per_page)[:, 0]
-        return torch.where(completes & (target >= 0), target, (pages - 1) * per_page)
+        """Each finished window's row in a pool of `pages` pages of per_page entries (a general step's); a window
+        on an unassigned page (padding) goes to the last, scratch, page."""
+        requests = self._finished_windows(step)[1]
+        target = table_entry_rows(step.batch.block_tables[requests], index[:, None], per_page)[:, 0]
+        return torch.where(target >= 0, target, (pages - 1) * per_page)
 
     def _rows(
         self, step: LayerStep, ring: int, ring_total: int, requests: torch.Tensor, window: torch.Tensor
     ) -> torch.Tensor:
-        """[N, (2 if overlap else 1) * ratio]: the rows (as ds4.kernels.gated_pool reads them: slot * ring + row
-        of the flat rings, ring_total + token of the fresh ones, -1 empty) of window `window` of each request
-        (with overlap, window - 1 first). Positions before the request's context come from its slot's ring, which
-        still holds them: a window reaches back at most 2 * ratio - 1 positions."""
-        batch, ratio = step.batch, self.ratio
-        span = (2 if self.overlap else 1) * ratio
-        q = ((window - (span // ratio - 1)) * ratio)[:, None] + torch.arange(span, device=window.device)
-        # The batch's int32 fields are gathered as they are (q's int64 promotes the sums: no conversion launches).
-        ctx = batch.context_lens[requests][:, None]
-        start = batch.query_start_loc[requests][:, None]
-        end = step.request_ends[requests][:, None]
-        held = batch.slots[requests][:, None] * ring + q % ring
-        fresh = ring_total + start + q - ctx
-        return torch.where((q >= 0) & (q < end), torch.where(q >= ctx, fresh, held), -1)
+        """[N, span]: window_source_rows of window `window` of each request `requests` (as ds4.kernels.gated_pool
+        reads them)."""
+        batch = step.batch
+        return window_source_rows(
+            requests, window, batch.context_lens, batch.query_start_loc, step.request_ends, batch.slots, self.ratio,
+            self._span, ring, ring_total,
+        )  # fmt: skip

@@ -19,13 +19,13 @@ from torch import nn
 from ds4.config import ModelConfig
 from ds4.kernels.fp4_act import rotate_fp4_rows
 from ds4.kernels.indexer import entry_rows, index_queries, indexer_topk
+from ds4.kernels.paging import table_entry_rows
 from ds4.kernels.rope import apply_rope
 from ds4.kernels.topk import topk_indices
 from ds4.model.batch import LayerStep
 from ds4.model.cache import entries_per_page
 from ds4.model.compressor import Compressor
 from ds4.model.linear import DEQUANTIZED, Linear, kept_fp8_block
-from ds4.model.paging import table_entry_rows
 
 # Per-head scores are formed for a piece of tokens at a time, at most this many bytes.
 _PIECE_BYTES = 1 << 28
