@@ -6,9 +6,13 @@ window of `span` positions (ratio, or 2 * ratio with overlap) reads each positio
 ring + position % ring: positions before the step) or from the step's fresh projections (ring_total + the token's
 row in the step), -1 before 0 or past the request's end.
 
+The attention's window keys come from two lists: the request's window ring (positions before the step: slot *
+rows + position % rows) and the step's fresh keys.
+
 The torch functions are the spec and the CPU path. A decode step (every request `tokens_per_request` tokens, no
-host sync) makes each compressor's windows and entry rows in one launch on CUDA (`decode_windows`): the torch
-path is some forty small launches a compressor, the first layers of a step waiting on them.
+host sync) makes its window keys' rows, and each compressor's windows and entry rows, in one launch each on CUDA
+(`decode_window_keys`, `decode_windows`): the torch path is some fifteen and forty small launches, the first
+layers of a step waiting on them.
 """
 
 from __future__ import annotations
@@ -71,6 +75,88 @@ def window_source_rows(
     held = slots[requests][:, None] * ring + q % ring
     fresh = ring_total + start + q - ctx
     return torch.where((q >= 0) & (q < end), torch.where(q >= ctx, fresh, held), -1)
+
+
+def window_key_rows(positions, requests, context_lens, query_start_loc, slots, window, rows, fresh_width):
+    """Each token's last `window` positions as the attention's two key lists: [T, window] rows of the flat window
+    rings (slot * rows + position % rows, positions before the step's) and [T, fresh_width] rows of the step's
+    fresh keys (the token's request's start + position - context: positions in the step, up to the token's own),
+    -1 elsewhere; requests [T] each token's request."""
+    dev = positions.device
+    pos = positions[:, None]
+    ctx = context_lens[requests][:, None]  # int32 fields gathered as they are: the int64 positions promote
+    ring_pos = pos - (window - 1) + torch.arange(window, device=dev)
+    ring_rows = slots[requests][:, None] * rows + ring_pos % rows
+    fresh_pos = pos - (fresh_width - 1) + torch.arange(fresh_width, device=dev)
+    fresh_rows = query_start_loc[requests][:, None] + fresh_pos - ctx
+    return (
+        torch.where((ring_pos >= 0) & (ring_pos < ctx), ring_rows, -1),
+        torch.where(fresh_pos >= ctx, fresh_rows, -1),
+    )
+
+
+def decode_window_keys_reference(positions, tokens_per_request, context_lens, query_start_loc, slots, window, rows):
+    """window_key_rows of a decode step (token t is request t // tokens_per_request; its fresh keys are its
+    request's min(window, tokens_per_request) last)."""
+    requests = torch.arange(positions.shape[0], device=positions.device) // tokens_per_request
+    fresh = min(window, tokens_per_request)
+    return window_key_rows(positions, requests, context_lens, query_start_loc, slots, window, rows, fresh)
+
+
+@triton.jit(do_not_specialize=["n", "window", "rows", "fresh_width"])
+def _decode_window_keys_kernel(
+    pos_ptr,
+    ctx_ptr,
+    loc_ptr,
+    slot_ptr,
+    held_ptr,
+    fresh_ptr,
+    n,
+    window,
+    rows,
+    fresh_width,
+    WINDOW: tl.constexpr,
+    FRESH: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """decode_window_keys_reference for one token a program (WINDOW, FRESH: window and fresh_width padded to
+    powers of two). PDL: launched early."""
+    dependent_launch_start(PDL)
+    t = tl.program_id(0)
+    request = t // n
+    position = tl.load(pos_ptr + t).to(tl.int64)
+    ctx = tl.load(ctx_ptr + request).to(tl.int64)
+    j = tl.arange(0, WINDOW)
+    ring_pos = position - (window - 1) + j
+    held = tl.load(slot_ptr + request).to(tl.int64) * rows + ring_pos % rows  # ring_pos < 0: masked below
+    held = tl.where((ring_pos >= 0) & (ring_pos < ctx), held, -1)
+    tl.store(held_ptr + t.to(tl.int64) * window + j, held, mask=j < window)
+    f = tl.arange(0, FRESH)
+    fresh_pos = position - (fresh_width - 1) + f
+    fresh = tl.load(loc_ptr + request).to(tl.int64) + fresh_pos - ctx
+    tl.store(fresh_ptr + t.to(tl.int64) * fresh_width + f, tl.where(fresh_pos >= ctx, fresh, -1), mask=f < fresh_width)
+
+
+def decode_window_keys(positions, tokens_per_request, context_lens, query_start_loc, slots, window, rows):
+    """decode_window_keys_reference in one launch on CUDA (decode_window_keys_triton), the reference elsewhere."""
+    args = (positions, tokens_per_request, context_lens, query_start_loc, slots, window, rows)
+    return (decode_window_keys_triton if positions.is_cuda else decode_window_keys_reference)(*args)
+
+
+def decode_window_keys_triton(positions, tokens_per_request, context_lens, query_start_loc, slots, window, rows):
+    """decode_window_keys_reference in one launch (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    t, dev = positions.shape[0], positions.device
+    fresh_width = min(window, tokens_per_request)
+    held = torch.empty(t, window, dtype=torch.long, device=dev)
+    fresh = torch.empty(t, fresh_width, dtype=torch.long, device=dev)
+    if t:
+        pdl = launches_dependents_early(dev)
+        _decode_window_keys_kernel[(t,)](
+            positions, context_lens, query_start_loc, slots, held, fresh, tokens_per_request, window, rows,
+            fresh_width, WINDOW=triton.next_power_of_2(window), FRESH=triton.next_power_of_2(fresh_width), PDL=pdl,
+            num_warps=1, launch_pdl=pdl,
+        )  # fmt: skip
+    return held, fresh
 
 
 def decode_windows_reference(

@@ -32,7 +32,7 @@ from torch import nn
 from ds4.config import CSA, WINDOW, ModelConfig
 from ds4.distributed.parallel import Parallel
 from ds4.kernels.norm_rope import EntryForm, norm_rope
-from ds4.kernels.paging import visible_entry_rows
+from ds4.kernels.paging import decode_window_keys, visible_entry_rows, window_key_rows
 from ds4.kernels.ring_write import write_rings
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.sparse_attention import RotaryQueries, sparse_attention
@@ -178,20 +178,14 @@ class Attention(nn.Module):
         return [(step.cache.window.flatten(0, 1), held), (kv, fresh)]
 
     def _window_rows(self, step: LayerStep, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of _window_keys, which depend on the batch alone (every layer's are the same)."""
-        batch, win, req = step.batch, self.window, step.token_requests
-        dev = batch.positions.device
-        pos = batch.positions[:, None]
-        ctx = batch.context_lens[req][:, None]  # int32 fields gathered as they are: the int64 positions promote
-        ring_pos = pos - (win - 1) + torch.arange(win, device=dev)
-        ring_rows = batch.slots[req][:, None] * rows + ring_pos % rows
-        fresh_width = min(win, step.longest)
-        fresh_pos = pos - (fresh_width - 1) + torch.arange(fresh_width, device=dev)
-        fresh_rows = batch.query_start_loc[req][:, None] + fresh_pos - ctx
-        return (
-            torch.where((ring_pos >= 0) & (ring_pos < ctx), ring_rows, -1),
-            torch.where(fresh_pos >= ctx, fresh_rows, -1),
-        )
+        """The rows of _window_keys (kernels.paging.window_key_rows), which depend on the batch alone (every layer's
+        are the same): a decode step's in one launch on CUDA."""
+        batch = step.batch
+        fields = (batch.context_lens, batch.query_start_loc, batch.slots)
+        if step.decode_only:
+            return decode_window_keys(batch.positions, batch.tokens_per_request, *fields, self.window, rows)
+        fresh_width = min(self.window, step.longest)
+        return window_key_rows(batch.positions, step.token_requests, *fields, self.window, rows, fresh_width)
 
     def _entry_width(self, step: LayerStep) -> int:
         """How many compressed entries a token's gather spans: the block table's capacity for a decode_only

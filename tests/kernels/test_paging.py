@@ -1,5 +1,6 @@
-"""A decode step's compressor windows (kernels.paging.decode_windows): the reference against a token-by-token oracle
-of the windows' positions and pages, and the one-launch kernel (interpreted) equal to the reference to the bit."""
+"""A decode step's window keys and compressor windows (kernels.paging.decode_window_keys, decode_windows): the
+references against token-by-token oracles of the positions and pages, and the one-launch kernels (interpreted)
+equal to them to the bit."""
 
 import pytest
 import torch
@@ -71,6 +72,37 @@ def test_decode_windows_reference_and_kernel_match_the_oracle(paging, ratio, ove
     assert (want[1] >= 0).any() and (want[1] < 0).any() and (want[2] < (pages - 1) * per_page).any()
 
 
+def window_keys_oracle(positions, n, ctx, loc, slots, window, rows):
+    """Token by token: its last `window` positions from its slot's window ring when before the step, and its
+    request's last min(window, n) positions from the step's fresh keys when in it; -1 elsewhere."""
+    t, fresh_width = positions.shape[0], min(window, n)
+    held = torch.full((t, window), -1, dtype=torch.long)
+    fresh = torch.full((t, fresh_width), -1, dtype=torch.long)
+    for i in range(t):
+        r, p = i // n, int(positions[i])
+        for j in range(window):
+            q = p - window + 1 + j
+            if 0 <= q < int(ctx[r]):
+                held[i, j] = int(slots[r]) * rows + q % rows
+        for f in range(fresh_width):
+            q = p - fresh_width + 1 + f
+            if q >= int(ctx[r]):
+                fresh[i, f] = int(loc[r]) + q - int(ctx[r])
+    return held, fresh
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_decode_window_keys_reference_and_kernel_match_the_oracle(paging, n):
+    g = torch.Generator().manual_seed(n)
+    positions, ctx, loc, slots, _, _, _ = decode_batch(5, n, 256, 4, g)
+    args = (positions, n, ctx, loc, slots, 128, 136)
+    want = window_keys_oracle(*args)
+    for got in (paging.decode_window_keys_reference(*args), paging.decode_window_keys_triton(*args)):
+        for part, expected in zip(got, want):
+            assert part.dtype == torch.long and torch.equal(part, expected)
+    assert (want[0] >= 0).any() and (want[0] < 0).any() and (want[1] >= 0).all() == (n == 1)
+
+
 def test_decode_windows_run_the_reference_off_cuda():
     g = torch.Generator().manual_seed(3)
     positions, ctx, loc, slots, tables, pages, per_page = decode_batch(3, 1, 256, 4, g)
@@ -92,3 +124,13 @@ def test_decode_windows_kernel_on_the_gpu_matches_the_reference(ratio, overlap, 
     want = paging_module.decode_windows_reference(positions.cuda(), *args, per_page, pages)
     for part, expected in zip(got, want):
         assert torch.equal(part, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 4])
+def test_decode_window_keys_kernel_on_the_gpu_matches_the_reference(n):
+    g = torch.Generator().manual_seed(11 + n)
+    positions, ctx, loc, slots, _, _, _ = decode_batch(64, n, 256, 4, g)
+    args = (positions.cuda(), n, ctx.cuda(), loc.cuda(), slots.cuda(), 128, 136)
+    for got, want in zip(paging_module.decode_window_keys(*args), paging_module.decode_window_keys_reference(*args)):
+        assert torch.equal(got, want)
