@@ -10,9 +10,9 @@ The attention's window keys come from two lists: the request's window ring (posi
 rows + position % rows) and the step's fresh keys.
 
 The torch functions are the spec and the CPU path. A decode step (every request `tokens_per_request` tokens, no
-host sync) makes its window keys' rows, and each compressor's windows and entry rows, in one launch each on CUDA
-(`decode_window_keys`, `decode_windows`): the torch path is some fifteen and forty small launches, the first
-layers of a step waiting on them.
+host sync) makes its window keys' rows, each compressor's windows and entry rows, and HCA's visible entries' rows
+in one launch each on CUDA (`decode_window_keys`, `decode_windows`, `decode_visible_rows`): the torch path is some
+fifteen, forty and ten small launches, the first layers of a step waiting on them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 from ds4.kernels._device import dependent_launch_start, launches_dependents_early
+
+VISIBLE_BLOCK = 1024  # entries a program of decode_visible_rows takes
 
 
 def table_entry_rows(block_tables: torch.Tensor, entries: torch.Tensor, entries_per_page: int) -> torch.Tensor:
@@ -75,6 +77,52 @@ def window_source_rows(
     held = slots[requests][:, None] * ring + q % ring
     fresh = ring_total + start + q - ctx
     return torch.where((q >= 0) & (q < end), torch.where(q >= ctx, fresh, held), -1)
+
+
+def decode_visible_rows_reference(positions, tokens_per_request, block_tables, ratio, per_page, width):
+    """visible_entry_rows of a decode step's tokens (token t is request t // tokens_per_request), each seeing the
+    (position + 1) // ratio entries its position has completed: [T, width]."""
+    requests = torch.arange(positions.shape[0], device=positions.device) // tokens_per_request
+    return visible_entry_rows(block_tables[requests], (positions + 1) // ratio, per_page, width)
+
+
+@triton.jit(do_not_specialize=["n", "ratio", "per_page", "width", "table_width"])
+def _decode_visible_rows_kernel(
+    pos_ptr, table_ptr, table_stride, out_ptr, n, ratio, per_page, width, table_width, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """decode_visible_rows_reference for one token and BLOCK of its entries a program. PDL: launched early."""
+    dependent_launch_start(PDL)
+    t = tl.program_id(0)
+    entry = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    visible = (tl.load(pos_ptr + t).to(tl.int64) + 1) // ratio
+    column = entry // per_page
+    listed = (entry < visible) & (column < table_width)
+    page = tl.load(table_ptr + (t // n).to(tl.int64) * table_stride + column, mask=listed, other=-1).to(tl.int64)
+    rows = tl.where(listed & (page >= 0), page * per_page + entry % per_page, -1)
+    tl.store(out_ptr + t.to(tl.int64) * width + entry, rows, mask=entry < width)
+
+
+def decode_visible_rows(positions, tokens_per_request, block_tables, ratio, per_page, width):
+    """decode_visible_rows_reference in one launch on CUDA (decode_visible_rows_triton), the reference elsewhere."""
+    args = (positions, tokens_per_request, block_tables, ratio, per_page, width)
+    return (decode_visible_rows_triton if positions.is_cuda else decode_visible_rows_reference)(*args)
+
+
+def decode_visible_rows_triton(positions, tokens_per_request, block_tables, ratio, per_page, width):
+    """decode_visible_rows_reference in one launch (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    t = positions.shape[0]
+    out = torch.empty(t, width, dtype=torch.long, device=positions.device)
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    if t and width:
+        block = min(VISIBLE_BLOCK, triton.next_power_of_2(width))
+        pdl = launches_dependents_early(positions.device)
+        _decode_visible_rows_kernel[(t, triton.cdiv(width, block))](
+            positions, block_tables, block_tables.stride(0), out, tokens_per_request, ratio, per_page, width,
+            block_tables.shape[1], BLOCK=block, PDL=pdl, launch_pdl=pdl,
+        )  # fmt: skip
+    return out
 
 
 def window_key_rows(positions, requests, context_lens, query_start_loc, slots, window, rows, fresh_width):

@@ -32,7 +32,7 @@ from torch import nn
 from ds4.config import CSA, WINDOW, ModelConfig
 from ds4.distributed.parallel import Parallel
 from ds4.kernels.norm_rope import EntryForm, norm_rope
-from ds4.kernels.paging import decode_window_keys, visible_entry_rows, window_key_rows
+from ds4.kernels.paging import decode_visible_rows, decode_window_keys, visible_entry_rows, window_key_rows
 from ds4.kernels.ring_write import write_rings
 from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.sparse_attention import RotaryQueries, sparse_attention
@@ -155,6 +155,9 @@ class Attention(nn.Module):
                 per_page = cache.compressed.shape[1]
 
                 def visible() -> torch.Tensor:
+                    if step.decode_only:  # one launch on CUDA
+                        n = batch.tokens_per_request
+                        return decode_visible_rows(pos, n, batch.block_tables, self.ratio, per_page, width)
                     tables = batch.block_tables[step.token_requests]
                     return visible_entry_rows(tables, (pos + 1) // self.ratio, per_page, width)
 

@@ -1,6 +1,6 @@
-"""A decode step's window keys and compressor windows (kernels.paging.decode_window_keys, decode_windows): the
-references against token-by-token oracles of the positions and pages, and the one-launch kernels (interpreted)
-equal to them to the bit."""
+"""A decode step's window keys, compressor windows and HCA's visible entries (kernels.paging.decode_window_keys,
+decode_windows, decode_visible_rows): the references against token-by-token oracles of the positions and pages,
+and the one-launch kernels (interpreted) equal to them to the bit."""
 
 import pytest
 import torch
@@ -103,6 +103,25 @@ def test_decode_window_keys_reference_and_kernel_match_the_oracle(paging, n):
     assert (want[0] >= 0).any() and (want[0] < 0).any() and (want[1] >= 0).all() == (n == 1)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_decode_visible_rows_reference_and_kernel_match_the_oracle(paging, n):
+    """HCA's entries a token sees: its position's completed windows, each through its request's table (-1 past
+    them, past the table, or on an unassigned page)."""
+    g = torch.Generator().manual_seed(20 + n)
+    positions, _, _, _, tables, _, per_page = decode_batch(5, n, 256, 128, g)
+    width = tables.shape[1] * per_page + 3  # entries past the table too
+    want = torch.full((positions.shape[0], width), -1, dtype=torch.long)
+    for i, p in enumerate(positions.tolist()):
+        for e in range((p + 1) // 128):
+            column = e // per_page
+            if column < tables.shape[1] and tables[i // n, column] >= 0:
+                want[i, e] = int(tables[i // n, column]) * per_page + e % per_page
+    args = (positions, n, tables, 128, per_page, width)
+    for got in (paging.decode_visible_rows_reference(*args), paging.decode_visible_rows_triton(*args)):
+        assert got.dtype == torch.long and torch.equal(got, want)
+    assert (want >= 0).any()
+
+
 def test_decode_windows_run_the_reference_off_cuda():
     g = torch.Generator().manual_seed(3)
     positions, ctx, loc, slots, tables, pages, per_page = decode_batch(3, 1, 256, 4, g)
@@ -134,3 +153,11 @@ def test_decode_window_keys_kernel_on_the_gpu_matches_the_reference(n):
     args = (positions.cuda(), n, ctx.cuda(), loc.cuda(), slots.cuda(), 128, 136)
     for got, want in zip(paging_module.decode_window_keys(*args), paging_module.decode_window_keys_reference(*args)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_decode_visible_rows_kernel_on_the_gpu_matches_the_reference():
+    g = torch.Generator().manual_seed(31)
+    positions, _, _, _, tables, _, per_page = decode_batch(64, 2, 256, 128, g)
+    args = (positions.cuda(), 2, tables.cuda(), 128, per_page, 2048 + 5)
+    assert torch.equal(paging_module.decode_visible_rows(*args), paging_module.decode_visible_rows_reference(*args))
