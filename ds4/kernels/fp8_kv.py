@@ -129,8 +129,9 @@ def bf16_bits(x):
 
 
 @triton.jit
-def _e4m3_code(v):
-    """The e4m3fn byte (as int32) nearest to fp32 v in [-448, 448], ties to an even mantissa."""
+def e4m3_bytes(v):
+    """The e4m3fn byte (as int32) nearest to fp32 v in [-448, 448], ties to an even mantissa, from the bits (the
+    interpreter has no e4m3 rounding of its own, sm_80 no instruction)."""
     sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
     magnitude = tl.abs(v)
     bits = magnitude.to(tl.int32, bitcast=True)
@@ -143,6 +144,16 @@ def _e4m3_code(v):
     rest, half = significand & ((1 << shift) - 1), 1 << (shift - 1)
     steps += ((rest > half) | ((rest == half) & ((steps & 1) == 1))).to(tl.int32)
     return tl.where(magnitude >= 0.015625, normal, steps) | (sign << 7)
+
+
+@triton.jit
+def e4m3_values(bits):
+    """e4m3 bytes (int32) -> their values in fp32 (exponent bias 7, subnormals multiples of 2^-9), from the bits
+    (sm_80 has no e4m3 conversion)."""
+    magnitude = bits & 0x7F
+    normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    value = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
+    return tl.where((bits & 0x80) != 0, -value, value)
 
 
 @triton.jit
@@ -170,8 +181,8 @@ def store_fp8_entries(
     # x / 2^e equals x * 2^-e (a power of two, exact): 2^-e built from its bits.
     inverse = ((-exponent + _BIAS_K) << 23).to(tl.float32, bitcast=True)
     inverse = tl.reshape(tl.broadcast_to(inverse[:, :, None], (ROWS, GROUPS, _BLOCK_K // 2)), (ROWS, BLOCK_P))
-    even_code = _e4m3_code(tl.minimum(tl.maximum(even * inverse, -_MAX_K), _MAX_K))
-    odd_code = _e4m3_code(tl.minimum(tl.maximum(odd * inverse, -_MAX_K), _MAX_K))
+    even_code = e4m3_bytes(tl.minimum(tl.maximum(even * inverse, -_MAX_K), _MAX_K))
+    odd_code = e4m3_bytes(tl.minimum(tl.maximum(odd * inverse, -_MAX_K), _MAX_K))
     # The channels go back in order (pairs interleaved), so that a thread's bytes are one contiguous run.
     codes = tl.reshape(tl.join(even_code, odd_code), (ROWS, 2 * BLOCK_P)).to(tl.uint8)
     # The RoPE channels as bf16, little-endian: channel c at byte nope + 2 (c - nope), a pair one 4-byte word.

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ds4.kernels._device import dependent_launch_start, has_fp8, interpreting, launches_dependents_early
 from ds4.kernels.fp4_act import FP4_BLOCK, ceil_log2, pow2, rotate_fp4, rotate_fp4_reference, round_to
-from ds4.kernels.fp8_kv import pow2_ceil
+from ds4.kernels.fp8_kv import e4m3_bytes, pow2_ceil
 from ds4.kernels.rope import apply_rope, apply_rope_reference, turn_row_pairs
 from ds4.kernels.topk import topk_indices
 
@@ -406,19 +406,6 @@ def _indexer_decode_kernel(
             tl.full([BLOCK_S, BLOCK_Q], float("-inf"), tl.float32),
             mask=(keys[:, None] < max_keys) & row_in,
         )
-
-
-@triton.jit
-def e4m3_bytes(v):
-    """The e4m3 byte (nearest, ties to even; int32 0..255) of fp32 v with |v| <= 448, from the bits, as torch's
-    conversion gives it (the interpreter has no e4m3 rounding of its own, sm_80 no instruction)."""
-    bits = v.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    # normal (>= 2^-6): fp32's mantissa rounded to 3 bits, the exponent rebiased from 127 to 7
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - ((127 - 7) << 3)
-    # subnormal: a multiple of 2^-9, rounded by the fp32 add of 2^23
-    subnormal = ((tl.abs(v) * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    return tl.where(mag >= (121 << 23), normal, subnormal) | ((bits >> 24) & 0x80)
 
 
 @triton.jit

@@ -68,6 +68,7 @@ from ds4.kernels._device import (
     prefetch_to_l2,
     shared_memory_per_block,
 )
+from ds4.kernels.fp8_kv import e4m3_bytes, e4m3_values
 from ds4.kernels.fp8_linear import act_quant as fp8_act_quant
 from ds4.kernels.moe_routing import group_by_expert
 from ds4.kernels.swiglu import clamped_swiglu, swiglu
@@ -205,16 +206,6 @@ def _act_quant_tile(a):
 
 
 @triton.jit
-def _e4m3_bits(q):
-    """Values exact in e4m3 (fp32) -> their e4m3 bytes (int32): exponent bias 7, subnormals multiples of 2^-9."""
-    bits = q.to(tl.int32, bitcast=True)
-    magnitude = tl.abs(q)
-    normal = ((bits >> 20) & 0x7) | ((((bits >> 23) & 0xFF) - 120) << 3)
-    code = tl.where(magnitude >= 0.015625, normal, (magnitude * 512.0).to(tl.int32))
-    return code | ((bits >> 24) & 0x80)
-
-
-@triton.jit
 def _fp8_columns(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     """x [ROWS, COLS] with each 32-column group's columns in the order `_e2m1_e4m3_tile` decodes a scale group's
     codes (`fp8_mma_columns`)."""
@@ -259,7 +250,7 @@ def _expert_act_quant_kernel(
     a = tl.load(x_ptr + source[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
     q, scale = _act_quant_tile(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
     if FP8:
-        q = _fp8_columns(_e4m3_bits(q).reshape(ROWS, COLS), ROWS, COLS)
+        q = _fp8_columns(e4m3_bytes(q).reshape(ROWS, COLS), ROWS, COLS)
         groups = tl.program_id(1) * (COLS // 128) + tl.arange(0, COLS // 128)
         at = scale_ptr + r.to(tl.int64)[:, None] * stride_scale + groups[None, :]
         tl.store(at, scale.reshape(ROWS, COLS // 128), mask=(r < rows)[:, None] & (groups * 128 < K)[None, :])
@@ -331,17 +322,8 @@ def _e2m1_e4m3_tile(words, PTX: tl.constexpr):
         tile = codes.to(tl.float8e4nv, bitcast=True)
     else:  # the interpreter: the bytes' values in fp32
         byte = (packed[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF
-        tile = _e4m3_values(byte.reshape(rows, 32).to(tl.int32))
+        tile = e4m3_values(byte.reshape(rows, 32).to(tl.int32))
     return tile
-
-
-@triton.jit
-def _e4m3_values(bits):
-    """e4m3 bytes (int32) -> their values in fp32 (exponent bias 7, subnormals multiples of 2^-9)."""
-    magnitude = bits & 0x7F
-    normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    value = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
-    return tl.where((bits & 0x80) != 0, -value, value)
 
 
 def fp8_mma_columns(bk: int) -> torch.Tensor:
@@ -529,7 +511,7 @@ def _fp8_steps(acc, a_cols, a_scales, row_ok, w_rows, s_rows, col_ok, K, BK: tl.
                 if PTX:  # a: e4m3 (the host passes the bytes as such)
                     product = tl.dot(w, a)
                 else:
-                    product = tl.dot(w, _e4m3_values(a.to(tl.int32)), input_precision="ieee")
+                    product = tl.dot(w, e4m3_values(a.to(tl.int32)), input_precision="ieee")
                 s = ((scales >> (8 * (q * 4 + g))) & 0xFF).to(tl.int32)
                 part += product * ((s + 6) << 23).to(tl.float32, bitcast=True)[:, None]
             acc += part * tl.load(a_scales + q, mask=row_ok, other=0.0)[None, :]

@@ -38,7 +38,7 @@ from ds4.kernels._device import (
     num_sms,
     shared_memory_per_block,
 )
-from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, dequantize_kv, kv_entry_bytes
+from ds4.kernels.fp8_kv import KV_QUANT_BLOCK, dequantize_kv, e4m3_values, kv_entry_bytes
 from ds4.kernels.norm_rope import EntryForm, norm_rope, rounded
 from ds4.kernels.rmsnorm import inverse_rms
 from ds4.kernels.rope import apply_rope, apply_rope_reference, turn_row_pairs
@@ -226,12 +226,8 @@ def _dequantize(
     if FP8:
         if FP8_CVT:
             nope = values.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:  # no e4m3 conversion on this device (sm_80): from the bits (exponent bias 7, 3 mantissa bits)
-            bits = values.to(tl.int32)
-            magnitude = bits & 0x7F
-            normal = ((magnitude << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-            nope = tl.where(magnitude < 8, magnitude.to(tl.float32) * 0.001953125, normal)
-            nope = tl.where((bits & 0x80) != 0, -nope, nope)
+        else:  # no e4m3 conversion on this device (sm_80): from the bits
+            nope = e4m3_values(values.to(tl.int32))
         scales = (exponents.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         blocks = tl.arange(0, DP // 64)[None, :, None]
         k = tl.where(blocks == NOPE // 64, rope.to(tl.float32)[:, None, :], nope * scales[:, :, None])
