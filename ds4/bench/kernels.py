@@ -478,7 +478,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the full report here")
     parser.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated kernel groups of {GROUPS}")
     parser.add_argument("--skip-indexer", action="store_true", help="leave out the indexer kernels")
-    parser.add_argument("--all-tiles", action="store_true", help="sweep top-k variants and indexer tile shapes")
+    parser.add_argument(
+        "--all-tiles", action="store_true", help="sweep top-k variants, indexer tiles and the mHC launches' settings"
+    )
     args = parser.parse_args(argv)
     groups = set(args.only.split(","))
     if not groups <= set(GROUPS):
