@@ -49,6 +49,7 @@ shared memory (`gemm_plan`).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -566,6 +567,9 @@ _REGISTER_OPERAND_TIERS = (
 )
 _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2
+# False: the decode tiles keep the bf16 decoding on sm_90 too (DS4_MOE_FP8=0, `ds4 bench model --no-fp8-moe`), to
+# time what the FP8 MMA gives or rule it out.
+FP8_DECODE = os.environ.get("DS4_MOE_FP8", "1") != "0"
 FP8_MMA_ROWS = 16  # tiers of up to this many rows an expert take the FP8 MMA (at 32: 6.7 against 7.0, spilling)
 FP8_MAX_BK = 256  # its K step's scale bytes of a row load as one integer (`_fp8_steps`)
 _ACT_QUANT_ELEMENTS = 2048  # an act_quant program's tile
@@ -890,7 +894,7 @@ def routed_slots_triton(
     order, bounds = groups or group_by_expert(indices, n_experts)
     sms, smem = num_sms(x.device), shared_memory_per_block(x.device)
     a_bytes = 2 if experts.mxfp4 or x.dtype == torch.bfloat16 else 4
-    fp8 = mma_is_warpgroup(x.device) and experts.mxfp4 and _scale_words_aligned(experts)
+    fp8 = FP8_DECODE and mma_is_warpgroup(x.device) and experts.mxfp4 and _scale_words_aligned(experts)
     traits = (sms, smem, has_tma(x.device), mma_operands_in_registers(x.device), fp8)
     plan1, plan2 = plans or (
         gemm_plan(t * k, n_experts, inter, hidden, True, experts.mxfp4, a_bytes, *traits),
