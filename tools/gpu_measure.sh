@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # The measurements the open issues ask of one H200, in order of need, for tools/gpu_detached.sh (it sets RESULTS):
 #   bash tools/gpu_detached.sh start tools/gpu_measure.sh     then, in the next call, `collect`
-# Stages in the order STAGES names them (default: model4 tests model20 model20_serial engine engine_sync attention
-# moe linear mhc): model4 (4 Flash layers with transformers beside them), tests (every gpu-marked test, several processes with pytest-xdist),
+# Stages in the order STAGES names them (default: all but ncu, ncu_attention, moe_skew and moe_decode, in this order): model4 (4
+# Flash layers with transformers beside them), tests (every gpu-marked test, several processes with pytest-xdist),
 # model20 (20 Flash layers, prefill to 64K), model20_serial (its decode without the side-stream overlaps, `--serial`),
-# model20_nopdl (without programmatic dependent launch, `--no-pdl`), model20_bf16moe (the MoE's decode tiles in bf16,
-# `--no-fp8-moe`), engine and engine_sync (the engine's host time
+# model20_nopdl (without programmatic dependent launch, `--no-pdl`), engine and engine_sync (the engine's host time
 # per step, async decode on and off, each with its costliest host functions), attention (with its plan sweep), moe
 # (with its tile sweep; moe_skew: the 8K prefill's under a skewed routing like the dummy model's; moe_decode: decode
-# batches alone, the FP8 MMA's plans beside the bf16 decoding's), linear (the FP8
+# batches alone, with their tile sweep), linear (the FP8
 # linear with its tile sweep), mhc (the mHC kernels with the prefill projection's and the fused decode launch's sweeps), ncu
 # (tools/ncu_decode.sh's Nsight Compute lines for the decode step's largest kernels, NCU_LAYERS layers), ncu_attention
 # (tools/ncu_attention.sh on the 8K CSA prefill's attention plans). Each writes its log and JSON under $RESULTS and a
@@ -60,7 +59,6 @@ run_stage() {
       bisect_failures ;;
     model20) stage model20 600 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json" ;;
     model20_nopdl) stage model20_nopdl 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --no-pdl --json "$R/model20_nopdl.json" ;;
-    model20_bf16moe) stage model20_bf16moe 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --no-fp8-moe --json "$R/model20_bf16moe.json" ;;
     model20_serial) stage model20_serial 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --serial --json "$R/model20_serial.json" ;;
     engine) stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json" ;;
     engine_sync) stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json" ;;

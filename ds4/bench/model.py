@@ -50,7 +50,6 @@ from ds4.bench.driver import choose_model, shrink, step, timed_steps
 from ds4.bench.profile import FAMILIES, profile_families
 from ds4.bench.report import environment, int_list, progress, sync, write_json
 from ds4.kernels import _device as device_facts
-from ds4.kernels import moe as moe_kernels
 from ds4.model import side_stream
 
 GB = 1e9
@@ -105,12 +104,6 @@ def main(argv: list[str]) -> int:
         "without those overlaps, to time what they give",
     )
     parser.add_argument(
-        "--no-fp8-moe",
-        action="store_true",
-        help="the routed experts' decode tiles decode their MXFP4 codes to bf16 for the bf16 MMA, as off sm_90, "
-        "instead of to e4m3 for the FP8 MMA: the step without it, to time what it gives",
-    )
-    parser.add_argument(
         "--nsight",
         action="store_true",
         help="also run one eager decode step a batch size between cudaProfilerStart and Stop, for Nsight Compute "
@@ -127,9 +120,6 @@ def main(argv: list[str]) -> int:
     if args.no_pdl:  # read at launch; ranks' processes inherit it
         os.environ["DS4_PDL"] = "0"
         device_facts.DEPENDENT_LAUNCH = False
-    if args.no_fp8_moe:  # read at each MoE call; ranks' processes inherit it
-        os.environ["DS4_MOE_FP8"] = "0"
-        moe_kernels.FP8_DECODE = False
     if min(args.batch_sizes) < 1 or min(args.prefill_lengths) < 1 or args.context < 1 or args.decode_steps < 1:
         parser.error("--batch-sizes, --prefill-lengths, --context and --decode-steps must be positive")
     result = run(args)
@@ -234,7 +224,6 @@ def run(args: argparse.Namespace) -> dict:
         "expert_parallel": args.enable_expert_parallel,
         "side_stream": side_stream.OVERLAP,
         "dependent_launch": device_facts.DEPENDENT_LAUNCH,
-        "fp8_moe_decode": moe_kernels.FP8_DECODE,
         "context": args.context,
         "dtype": str(dtype),
         "kv_cache_dtype": model.kv_cache_dtype,
@@ -692,8 +681,7 @@ def table(result: dict) -> str:
         f"({', '.join(result['layer_kinds'])}), {result['load_format']} weights, {result['dtype']}, "
         f"context {result['context']}, on {result['device']}"
         + ("" if result.get("side_stream", True) else " (--serial: no side-stream overlaps)")
-        + ("" if result.get("dependent_launch", True) else " (--no-pdl: no programmatic dependent launch)")
-        + ("" if result.get("fp8_moe_decode", True) else " (--no-fp8-moe: the MoE's decode tiles in bf16)"),
+        + ("" if result.get("dependent_launch", True) else " (--no-pdl: no programmatic dependent launch)"),
         _ceilings_line(result["ceilings"]),
         f"weights: resident {w['resident_gb']:.2f} GB, checkpoint {w['checkpoint_gb']:.2f} GB "
         f"({w['ratio']:.2f}x); per layer resident / checkpoint GB: "

@@ -150,8 +150,8 @@ def kernel_breakdown(layer: MoE, tokens: int, skew: float = 0.0) -> dict[str, fl
     return {"launches": launches, **dict(sorted(times.items(), key=lambda kv: -kv[1]))}
 
 
-def _plan(bm, weight_rows, bk, warps, stages, tma=False, rest=None, fp8=False):
-    return km.GemmPlan(bm, weight_rows, bk, warps, stages, tma=tma, fp8=fp8, rest=rest)
+def _plan(bm, weight_rows, bk, warps, stages, tma=False, rest=None):
+    return km.GemmPlan(bm=bm, weight_rows=weight_rows, bk=bk, warps=warps, stages=stages, tma=tma, rest=rest)
 
 
 SWEEP = {
@@ -167,12 +167,6 @@ SWEEP = {
         _plan(16, 64, 256, 8, 4),
         _plan(16, 32, 256, 4, 4),  # 32 weight rows: mma.sync (no wgmma waits), 72 registers (offline sm_90)
         _plan(16, 32, 512, 4, 3),
-        # the FP8 MMA (sm_90's decode plans; MXFP4 experts, K steps of whole 128-groups)
-        _plan(16, 64, 256, 4, 4, fp8=True),
-        _plan(16, 128, 256, 4, 4, fp8=True),
-        _plan(16, 64, 256, 4, 3, fp8=True),
-        _plan(16, 64, 256, 4, 6, fp8=True),
-        _plan(16, 64, 128, 4, 6, fp8=True),
     ],
     "prefill": [
         _plan(256, 128, 64, 8, 4),

@@ -27,11 +27,7 @@ Weight rows are the MMA's M and tokens its N, so a one-token tile reads each wei
 MMA: e2m1 codes, read as int32 words of eight, become bf16 pairs in registers by bit placement (a mask and a
 carry-free multiply a pair) and one bf16x2 multiply by the scale (exact: e2m1 times a power of two fits
 bf16), and the bf16 MMA takes them from registers; decoding is what bounds decode-sized batches (about 8
-instructions a weight byte at the 1-token tiles, sm_90), not bytes. So on sm_90 the decode tiles (up to 16 rows an
-expert, `GemmPlan.fp8`) take the FP8 MMA instead: a code's bits placed as an e4m3 byte (its value times 2^-6, four
-codes a few integer instructions), one MMA a 32-column scale group whose product the rows' scales multiply into
-the sum, the activations act_quant's e4m3 bytes with their 128-group scales (`_fp8_steps`; offline, 6.6 against
-8.0 instructions a weight byte at one token, 5.2 against 6.5 at 64). The K columns of a step are read in the
+instructions a weight byte at the 1-token tiles, sm_90), not bytes. The K columns of a step are read in the
 order the MMA's threads hold them (`mma_columns`), the activations stored in that order to match. Prefill's
 plan (sm_90+, `GemmPlan.tma`) has the gate-up pass's act_quant write each slot's token row in expert order, so
 both passes read their activation tiles as boxes of whole rows by TMA descriptors (one copy instruction a tile
@@ -49,7 +45,6 @@ shared memory (`gemm_plan`).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -63,13 +58,11 @@ from ds4.kernels._device import (
     has_tma,
     interpreting,
     launches_dependents_early,
-    mma_is_warpgroup,
     mma_operands_in_registers,
     num_sms,
     prefetch_to_l2,
     shared_memory_per_block,
 )
-from ds4.kernels.fp8_kv import e4m3_bytes, e4m3_values
 from ds4.kernels.fp8_linear import act_quant as fp8_act_quant
 from ds4.kernels.moe_routing import group_by_expert
 from ds4.kernels.swiglu import clamped_swiglu, swiglu
@@ -190,8 +183,7 @@ def _round_to_bf16(x):
 
 @triton.jit
 def _act_quant_tile(a):
-    """a [rows, 128] fp32 -> (each row divided by its power-of-two scale and rounded to e4m3 [rows, 128], the
-    scales [rows]): act_quant's values are their product."""
+    """a [rows, 128] fp32 -> each row rounded through e4m3 with its power-of-two scale (as act_quant)."""
     amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4)
     ratio = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
     exponent = ((ratio >> 23) & 0xFF) + ((ratio & 0x7FFFFF) != 0).to(tl.int32)  # biased, of the pow2 ceiling
@@ -203,14 +195,7 @@ def _act_quant_tile(a):
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     subnormal = ((v * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
     q = tl.where((bits & 0x7F800000) >= (121 << 23), normal, subnormal)
-    return q, scale
-
-
-@triton.jit
-def _fp8_columns(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """x [ROWS, COLS] with each 32-column group's columns in the order `_e2m1_e4m3_tile` decodes a scale group's
-    codes (`fp8_mma_columns`)."""
-    return x.reshape(ROWS, COLS // 32, 4, 4, 2).permute(0, 1, 4, 2, 3).reshape(ROWS, COLS)
+    return q * scale[:, None]
 
 
 @triton.jit(do_not_specialize=["rows", "k_slots"])
@@ -221,23 +206,18 @@ def _expert_act_quant_kernel(
     k_slots,
     out_ptr,
     stride_out,
-    scale_ptr,
-    stride_scale,
     rows,
     K,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     CHUNK: tl.constexpr,
     GATHER: tl.constexpr,
-    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """act_quant of ROWS rows x COLS columns (whole 128-groups and K steps of CHUNK), stored dequantised (e4m3
     times a power of two: exact in bf16) in the MMA column order of each K step (`_e2m1_tile`), so the GEMMs
-    load them as they are; FP8: stored as the e4m3 bytes in the FP8 MMA's column order (`fp8_mma_columns`), each
-    128-group's scale (fp32) at scale_ptr[r, group]. GATHER: output row r is x's row of the token of sorted slot r
-    (order[r] // k_slots), the activations in expert order. PDL: launched early; x is read after the launch before
-    this one ends."""
+    load them as they are. GATHER: output row r is x's row of the token of sorted slot r (order[r] // k_slots),
+    the activations in expert order. PDL: launched early; x is read after the launch before this one ends."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -249,15 +229,8 @@ def _expert_act_quant_kernel(
     if GATHER:
         source = tl.load(order_ptr + r, mask=r < rows, other=0).to(tl.int64) // k_slots
     a = tl.load(x_ptr + source[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
-    q, scale = _act_quant_tile(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
-    if FP8:
-        q = _fp8_columns(e4m3_bytes(q).reshape(ROWS, COLS), ROWS, COLS)
-        groups = tl.program_id(1) * (COLS // 128) + tl.arange(0, COLS // 128)
-        at = scale_ptr + r.to(tl.int64)[:, None] * stride_scale + groups[None, :]
-        tl.store(at, scale.reshape(ROWS, COLS // 128), mask=(r < rows)[:, None] & (groups * 128 < K)[None, :])
-    else:
-        q = (q * scale[:, None]).reshape(ROWS, COLS // CHUNK, 4, CHUNK // 32, 2, 4)
-        q = q.permute(0, 1, 3, 5, 2, 4).reshape(ROWS, COLS)
+    q = _act_quant_tile(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
+    q = q.reshape(ROWS, COLS // CHUNK, 4, CHUNK // 32, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(ROWS, COLS)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + c[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -302,39 +275,6 @@ def _e2m1_tile(words, scale, BK: tl.constexpr, PTX: tl.constexpr):
     return w.reshape(rows, 4, BK // 8, 2).permute(0, 2, 1, 3).reshape(rows, BK)
 
 
-@triton.jit
-def _e2m1_e4m3_tile(words, PTX: tl.constexpr):
-    """One scale group's codes as int32 words [R, 4] (a row's bytes 4w..4w+3, little-endian) -> e4m3 [R, 32] (fp32
-    values under the interpreter, PTX False), exact, in the FP8 MMA's column order (`fp8_mma_columns`): each code's
-    value times 2^-6, its magnitude bits at bits 2-4 of a byte and its sign at 7. Word w gives two registers of four
-    bytes, its low nibbles (codes 8w, 8w + 2, 8w + 4, 8w + 6: columns 4w..4w + 3) and its high ones (8w + 1, ...:
-    columns 16 + 4w..), the two registers of a row the FP8 MMA's thread of column 4w holds: each thread decodes the
-    word it loaded into its own operand registers."""
-    rows: tl.constexpr = words.shape[0]
-    w = words.to(tl.uint32, bitcast=True)
-    low = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)
-    high = ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)
-    packed = tl.join(low, high).permute(0, 2, 1).reshape(rows, 8)
-    if PTX:  # a register's four bytes as the four e4m3 elements it holds (no unpacking and repacking)
-        spread = tl.broadcast_to(packed.to(tl.int32, bitcast=True)[:, :, None], (rows, 8, 4)).reshape(rows, 32)
-        codes = tl.inline_asm_elementwise(
-            "mov.b32 $0, $4;", "=r,r,r,r,r", [spread], dtype=tl.int8, is_pure=True, pack=4
-        )
-        tile = codes.to(tl.float8e4nv, bitcast=True)
-    else:  # the interpreter: the bytes' values in fp32
-        byte = (packed[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF
-        tile = e4m3_values(byte.reshape(rows, 32).to(tl.int32))
-    return tile
-
-
-def fp8_mma_columns(bk: int) -> torch.Tensor:
-    """The row column (of a K step of bk) that each column of `_e2m1_e4m3_tile`'s result holds: column 16p + 4w + b
-    of a 32-column scale group holds its column 8w + 2b + p (nibble p of byte b of word w). The expert act_quant
-    kernel stores FP8 activations in the same order."""
-    c = torch.arange(bk)
-    return 32 * (c // 32) + 8 * (c % 16 // 4) + 2 * (c % 4) + c % 32 // 16
-
-
 def mma_columns(bk: int) -> torch.Tensor:
     """The row column (of a K step of bk) that each column of `_e2m1_tile`'s result holds: result pair 4q + a
     (a < 4: the MMA thread's lane mod 4) is decoded pair n = a bk/8 + q, which holds columns 8 (n // 4) + n % 4
@@ -349,8 +289,6 @@ def mma_columns(bk: int) -> torch.Tensor:
 def _grouped_gemm_kernel(
     a_ptr,
     stride_a,
-    a_scale_ptr,
-    stride_as,
     order_ptr,
     bounds_ptr,
     gate_ptr,
@@ -385,7 +323,6 @@ def _grouped_gemm_kernel(
     PART: tl.constexpr,
     WIDE_ROWS: tl.constexpr,
     REST_ROWS: tl.constexpr,
-    FP8: tl.constexpr,
 ):
     """GATED: out[row] = swiglu(gate a[token], up a[token]) * route_w[slot] for the expert-sorted rows (a = the
     activations); else out[slot] = down a[row] (a = the first pass's output). Program (n, m): weight rows
@@ -398,11 +335,7 @@ def _grouped_gemm_kernel(
     launch ends.
     PART "all": every row of an expert in BM-row tiles. A pass of two launches (`GemmPlan.rest`): "wide" (BM =
     WIDE_ROWS) takes an expert's whole tiles and one more for a remainder of more than REST_ROWS rows; "rest" (BM =
-    REST_ROWS) a remainder of up to REST_ROWS rows past the whole tiles, in one tile.
-    FP8 (MXFP4, BK a multiple of 128): a is act_quant's e4m3 bytes with their 128-groups' scales at a_scale_ptr; each
-    scale group of 32 columns is one FP8 MMA of the codes as e4m3 (`_e2m1_e4m3_tile`), its product scaled into a
-    128-group's sum by the rows' 2^(s - 121), each 128-group's sum into the accumulator by the activations' scales:
-    half the bf16 decoding's instructions a weight byte for the codes, which bound decode-sized tiles."""
+    REST_ROWS) a remainder of up to REST_ROWS rows past the whole tiles, in one tile."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -453,26 +386,19 @@ def _grouped_gemm_kernel(
         for step in range(0, early_steps):
             prefetch_to_l2(tl.where(col_ok, w_rows, gate_ptr) + step * WK)
         tl.extra.cuda.gdc_wait()
-    if FP8:
-        acc = _fp8_steps(
-            acc, a_ptr + a_rows[None, :] * stride_a, a_scale_ptr + a_rows * stride_as, row_ok, w_rows, s_rows, col_ok,
-            K, BK, PTX,
-        )  # fmt: skip
-    else:
-        for k0 in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
-            if TMA_A:
-                a = tl.trans(a_ptr.load([row0, k0]))
-            else:
-                a = tl.load(a_at, mask=row_ok[None, :], other=0)
-                a_at += BK
-            if MXFP4:
-                words = tl.load(w_at, mask=col_ok[:, None], other=0)
-                w = _e2m1_tile(words, tl.load(s_at, mask=col_ok[:, None]), BK, PTX)
-                s_at += BK // 32
-            else:
-                w = tl.load(w_at, mask=col_ok[:, None], other=0)
-            w_at += WK
-            acc = tl.dot(w.to(DOT), a.to(DOT), acc, input_precision=PRECISION)
+    for k0 in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
+        if TMA_A:
+            a = tl.trans(a_ptr.load([row0, k0]))
+        else:
+            a = tl.load(a_at, mask=row_ok[None, :], other=0)
+            a_at += BK
+        if MXFP4:
+            w = _e2m1_tile(tl.load(w_at, mask=col_ok[:, None], other=0), tl.load(s_at, mask=col_ok[:, None]), BK, PTX)
+            s_at += BK // 32
+        else:
+            w = tl.load(w_at, mask=col_ok[:, None], other=0)
+        w_at += WK
+        acc = tl.dot(w.to(DOT), a.to(DOT), acc, input_precision=PRECISION)
     if GATED:
         gate, up = tl.split(acc.reshape(2, BN, BM).permute(1, 2, 0))
         if ROUND_BF16:
@@ -492,37 +418,6 @@ def _grouped_gemm_kernel(
         tl.store(dest, y.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 
-@triton.jit
-def _fp8_steps(acc, a_cols, a_scales, row_ok, w_rows, s_rows, col_ok, K, BK: tl.constexpr, PTX: tl.constexpr):
-    """acc [WROWS, BM] plus the products over all of K of the weight rows (code words from w_rows, scale bytes from
-    s_rows [WROWS]) and the activation rows (e4m3 bytes from a_cols [1, BM], 128-group scales from a_scales [BM]):
-    `_grouped_gemm_kernel`'s FP8 path. A K step's scale bytes of a row load as one integer (BK 128 or 256)."""
-    SCALE_WORD: tl.constexpr = tl.int64 if BK == 256 else tl.int32
-    w_at = w_rows[:, None] + tl.arange(0, 4)[None, :]
-    a_at = a_cols + tl.arange(0, 32)[:, None]
-    s_at = s_rows.to(tl.pointer_type(SCALE_WORD))
-    for _ in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
-        scales = tl.load(s_at, mask=col_ok, other=0)
-        for q in tl.static_range(BK // 128):
-            part = tl.zeros_like(acc)
-            for g in tl.static_range(4):
-                words = tl.load(w_at + (q * 16 + g * 4), mask=col_ok[:, None], other=0)
-                a = tl.load(a_at + (q * 128 + g * 32), mask=row_ok[None, :], other=0.0)
-                w = _e2m1_e4m3_tile(words, PTX)
-                if PTX:  # a: e4m3 (the host passes the bytes as such)
-                    product = tl.dot(w, a)
-                else:
-                    product = tl.dot(w, e4m3_values(a.to(tl.int32)), input_precision="ieee")
-                s = ((scales >> (8 * (q * 4 + g))) & 0xFF).to(tl.int32)
-                part += product * ((s + 6) << 23).to(tl.float32, bitcast=True)[:, None]
-            acc += part * tl.load(a_scales + q, mask=row_ok, other=0.0)[None, :]
-        w_at += BK // 8
-        a_at += BK
-        s_at += 1
-        a_scales += BK // 128
-    return acc
-
-
 @dataclass(frozen=True)
 class GemmPlan:
     """Tiles and launch settings of one grouped-GEMM pass: bm rows (tokens: the MMA's N) by `weight_rows` (the
@@ -534,7 +429,6 @@ class GemmPlan:
     warps: int
     stages: int
     tma: bool = False  # MXFP4: activations in expert order, tiles read by TMA (`_grouped_gemm_kernel`'s TMA_A)
-    fp8: bool = False  # MXFP4: the codes decoded to e4m3 for the FP8 MMA (`_grouped_gemm_kernel`'s FP8)
     # A second launch for each expert's remainder of up to rest.bm rows past its whole bm tiles (larger ones take
     # one more bm tile): a skewed routing's lightly loaded experts then fill rest.bm-row tiles, not bm-row ones.
     rest: GemmPlan | None = None
@@ -567,11 +461,6 @@ _REGISTER_OPERAND_TIERS = (
 )
 _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2
-# False: the decode tiles keep the bf16 decoding on sm_90 too (DS4_MOE_FP8=0, `ds4 bench model --no-fp8-moe`), to
-# time what the FP8 MMA gives or rule it out.
-FP8_DECODE = os.environ.get("DS4_MOE_FP8", "1") != "0"
-FP8_MMA_ROWS = 16  # tiers of up to this many rows an expert take the FP8 MMA (at 32: 6.7 against 7.0, spilling)
-FP8_MAX_BK = 256  # its K step's scale bytes of a row load as one integer (`_fp8_steps`)
 _ACT_QUANT_ELEMENTS = 2048  # an act_quant program's tile
 _ELEMENTWISE_BLOCK = 1024  # columns a program of the slot sum takes
 _COMBINE_STAGES = tl.constexpr(3)  # slot rows in flight while the slot sum adds them (decode: few programs)
@@ -580,8 +469,7 @@ _COMBINE_STAGES = tl.constexpr(3)  # slot rows in flight while the slot sum adds
 def plan_shared_memory(plan: GemmPlan, mxfp4: bool, a_bytes: int) -> int:
     """Bytes of shared memory the pipelined operand tiles of a plan take (`stages` copies)."""
     w_bytes = plan.bk // 2 + plan.bk // MXFP4_GROUP if mxfp4 else plan.bk * a_bytes
-    a_row = plan.bk + 4 * plan.bk // ACT_GROUP if plan.fp8 else plan.bk * a_bytes  # e4m3 bytes and fp32 scales
-    return plan.stages * (plan.bm * a_row + plan.weight_rows * w_bytes)
+    return plan.stages * (plan.bm * plan.bk * a_bytes + plan.weight_rows * w_bytes)
 
 
 def gemm_plan(
@@ -596,21 +484,13 @@ def gemm_plan(
     shared_memory: int,
     tma: bool = True,
     registers_hold_operands: bool = False,
-    fp8_mma: bool = False,
 ) -> GemmPlan:
     """The plan for `rows` (token, slot) rows, n output columns (gated: of gate and of up), K = k, from the
-    device's SM count and shared memory (and whether it has TMA, whether its MMA takes its operands from
-    registers, and whether decode-sized tiles take the FP8 MMA): fewer stages, then narrower K steps where it has
-    less."""
+    device's SM count and shared memory (and whether it has TMA, and whether its MMA takes its operands from
+    registers): fewer stages, then narrower K steps where it has less."""
     touched = max(1, min(rows, n_experts))
     tiers = _REGISTER_OPERAND_TIERS if registers_hold_operands else _TIERS
-    limit, plan = next((limit, p) for limit, p in tiers if limit is None or rows / touched <= limit)
-    # Decode-sized MXFP4 tiles, bound by their decoding's instructions, take the FP8 MMA where it reads the decoded
-    # codes from registers (wgmma, sm_90: offline, the 1-token tiles' K loop 6.6 instructions a weight byte against
-    # the bf16 decoding's 8.0; mma.sync's sm_89 7.7, tcgen05's sm_100 15.7 through shared memory), in K steps of
-    # whole activation scale groups.
-    if mxfp4 and fp8_mma and limit is not None and limit <= FP8_MMA_ROWS and k % ACT_GROUP == 0:
-        plan = replace(plan, fp8=True, bk=min(max(plan.bk, ACT_GROUP), FP8_MAX_BK))
+    plan = next(p for limit, p in tiers if limit is None or rows / touched <= limit)
     # TMA where the device has it and the act_quant pass puts the activations (MXFP4's) in expert order; a pass's
     # two launches read them alike
     use_tma = plan.tma and mxfp4 and tma
@@ -626,7 +506,7 @@ def gemm_plan(
 def _fit(plan: GemmPlan, k: int, mxfp4: bool, a_bytes: int, budget: int) -> GemmPlan:
     """K steps that divide K, then fewer stages and narrower K steps until the pipelined tiles fit `budget` (a
     first cut: `_fitted` checks the compiled kernel's own size); the same for the rest launch's plan."""
-    min_bk = ACT_GROUP if plan.fp8 else MXFP4_GROUP if mxfp4 else 16  # a scale group; the MMA's K
+    min_bk = MXFP4_GROUP if mxfp4 else 16  # a scale group; the MMA's K
     bk = plan.bk
     while k % bk and bk > min_bk:
         bk //= 2
@@ -668,7 +548,7 @@ def _fitted(plan: GemmPlan, key: tuple, compile_plan, shared_memory: int, mxfp4:
 def _fitted_launch(launch: GemmPlan, part: str, plan: GemmPlan, compile_plan, shared_memory: int, mxfp4: bool):
     """One launch's plan of `plan`'s pass, fitted as `_fitted` says."""
     split = _split(plan)
-    fitted, min_bk = launch, ACT_GROUP if launch.fp8 else MXFP4_GROUP if mxfp4 else 16
+    fitted, min_bk = launch, MXFP4_GROUP if mxfp4 else 16
     while compile_plan(fitted, part, split).metadata.shared > shared_memory:
         if fitted.stages > 2:
             fitted = replace(fitted, stages=fitted.stages - 1)
@@ -696,33 +576,28 @@ def _act_quant(
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
     k_slots: int = 1,
-    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act_quant of x's first `rows` rows, dequantised in bf16 (into `out` if given), columns in the MMA order of
-    K steps of `chunk`; with `order` (the slots in expert order), out's rows are its slots' tokens' rows. With
-    `scales` (fp32 [rows, K / 128]): out (uint8) takes the e4m3 bytes in the FP8 MMA's order, scales their scales."""
+    K steps of `chunk`; with `order` (the slots in expert order), out's rows are its slots' tokens' rows."""
     if out is None:
         out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
     cols = max(ACT_GROUP, chunk)
     block_rows = max(1, _ACT_QUANT_ELEMENTS // cols)
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(x.shape[1], cols))
     pdl = launches_dependents_early(x.device)
-    fp8 = scales is not None
     _expert_act_quant_kernel[grid](
-        x, x.stride(0), order if order is not None else x, k_slots, out, out.stride(0), scales if fp8 else out,
-        scales.stride(0) if fp8 else 0, rows, x.shape[1], ROWS=block_rows, COLS=cols, CHUNK=chunk,
-        GATHER=order is not None, FP8=fp8, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        x, x.stride(0), order if order is not None else x, k_slots, out, out.stride(0), rows, x.shape[1],
+        ROWS=block_rows, COLS=cols, CHUNK=chunk, GATHER=order is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
 
 def _grouped_gemm(
-    a, a_scale, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan, part, split,
+    a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan, part, split,
     compile_only=False,
 ):  # fmt: skip
-    """One launch of a grouped-GEMM pass (`_launches`: part, and the pass's (wide, rest) row tiles); a_scale: the
-    activations' scales of an FP8 plan (else None); compile_only: compile it for `plan` without launching,
-    returning the kernel."""
+    """One launch of a grouped-GEMM pass (`_launches`: part, and the pass's (wide, rest) row tiles); compile_only:
+    compile it for `plan` without launching, returning the kernel."""
     gated = up is not None
     mxfp4 = scale is not None
     if mxfp4:  # eight e2m1 codes an int32 word (`_e2m1_tile`)
@@ -745,13 +620,9 @@ def _grouped_gemm(
     step_bytes = grid[0] * grid[1] * plan.weight_rows * (plan.bk // 2 if mxfp4 else plan.bk * w.element_size())
     early_steps = min(k_dim // plan.bk, early_prefetch_bytes(a.device) // max(1, step_bytes)) if pdl else 0
     launch = functools.partial(_grouped_gemm_kernel.warmup, grid=grid) if compile_only else _grouped_gemm_kernel[grid]
-    if plan.fp8 and not interpreting():  # the kernel's FP8 MMA reads them as e4m3
-        a = a.view(torch.float8_e4m3fn)
     return launch(
         TensorDescriptor.from_tensor(a, [plan.bm, plan.bk]) if plan.tma else a,
         a.stride(0),
-        a_scale if plan.fp8 else a,
-        a_scale.stride(0) if plan.fp8 else 0,
         order,
         bounds,
         w,
@@ -786,28 +657,10 @@ def _grouped_gemm(
         PART=part,
         WIDE_ROWS=split[0],
         REST_ROWS=split[1],
-        FP8=plan.fp8,
         num_warps=plan.warps,
         num_stages=plan.stages,
         launch_pdl=pdl,
     )
-
-
-def _scale_words_aligned(experts: ExpertWeights) -> bool:
-    """Whether a K step's scale bytes of every row start on FP8_MAX_BK / 32 bytes (`_fp8_steps` loads them as one
-    integer): a checkpoint's contiguous scale tensors do."""
-    word = FP8_MAX_BK // MXFP4_GROUP
-    scales = (experts.gate_scale, experts.up_scale, experts.down_scale)
-    return all(s.data_ptr() % word == 0 and s.stride(0) % word == 0 and s.stride(1) % word == 0 for s in scales)
-
-
-def _quantized(x: torch.Tensor, rows: int, plan: GemmPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The buffers act_quant fills for a pass's MXFP4 GEMM: its rows dequantised in bf16, or for an FP8 plan their
-    e4m3 bytes and their 128-groups' fp32 scales."""
-    if plan.fp8:
-        scales = x.new_empty(rows, x.shape[1] // ACT_GROUP, dtype=torch.float32)
-        return x.new_empty(rows, x.shape[1], dtype=torch.uint8), scales
-    return x.new_empty(rows, x.shape[1], dtype=torch.bfloat16), None
 
 
 def _check(x: torch.Tensor, experts: ExpertWeights) -> None:
@@ -894,8 +747,7 @@ def routed_slots_triton(
     order, bounds = groups or group_by_expert(indices, n_experts)
     sms, smem = num_sms(x.device), shared_memory_per_block(x.device)
     a_bytes = 2 if experts.mxfp4 or x.dtype == torch.bfloat16 else 4
-    fp8 = FP8_DECODE and mma_is_warpgroup(x.device) and experts.mxfp4 and _scale_words_aligned(experts)
-    traits = (sms, smem, has_tma(x.device), mma_operands_in_registers(x.device), fp8)
+    traits = (sms, smem, has_tma(x.device), mma_operands_in_registers(x.device))
     plan1, plan2 = plans or (
         gemm_plan(t * k, n_experts, inter, hidden, True, experts.mxfp4, a_bytes, *traits),
         gemm_plan(t * k, n_experts, hidden, inter, False, experts.mxfp4, a_bytes, *traits),
@@ -907,19 +759,19 @@ def routed_slots_triton(
     if plan1.tma and not experts.mxfp4:
         raise ValueError("TMA plans take MXFP4 experts (their act_quant pass puts the activations in expert order)")
     a_rows = t * k if plan1.tma else t
-    a, a_scale = _quantized(x, a_rows, plan1) if experts.mxfp4 else (x, None)
-    h_quant, h_scale = _quantized(h, t * k, plan2) if experts.mxfp4 else (h, None)
+    a = torch.empty(a_rows, hidden, dtype=torch.bfloat16, device=x.device) if experts.mxfp4 else x
+    h_quant = torch.empty_like(h, dtype=torch.bfloat16) if experts.mxfp4 else h
 
     def gate_up(plan, part, split, compile_only=False):
         return _grouped_gemm(
-            a, a_scale, order, bounds, experts.gate, experts.up, experts.gate_scale, experts.up_scale, route_w, h,
+            a, order, bounds, experts.gate, experts.up, experts.gate_scale, experts.up_scale, route_w, h,
             n_experts, k, limit, plan, part, split, compile_only,
         )  # fmt: skip
 
     def down(plan, part, split, compile_only=False):
         return _grouped_gemm(
-            h_quant, h_scale, order, bounds, experts.down, None, experts.down_scale, None, route_w, out, n_experts,
-            k, limit, plan, part, split, compile_only,
+            h_quant, order, bounds, experts.down, None, experts.down_scale, None, route_w, out, n_experts, k, limit,
+            plan, part, split, compile_only,
         )  # fmt: skip
 
     if not interpreting() and plans is None:
@@ -928,14 +780,12 @@ def routed_slots_triton(
         plan2 = _fitted(plan2, ("down", *key), functools.partial(down, compile_only=True), smem, experts.mxfp4)
     if any(p.rest and (p.rest.bk, p.rest.tma) != (p.bk, p.tma) for p in (plan1, plan2)):
         raise ValueError("a pass's two launches read the activations alike: one K step (its MMA column order), TMA")
-    if any(p.fp8 and (p.tma or p.rest) for p in (plan1, plan2)):
-        raise ValueError("FP8 plans are one launch reading their activations by pointers")
     if experts.mxfp4:
-        _act_quant(x, a_rows, plan1.bk, a, order if plan1.tma else None, k, a_scale)
+        _act_quant(x, a_rows, plan1.bk, a, order if plan1.tma else None, k)
     for launch, part in _launches(plan1):
         gate_up(launch, part, _split(plan1))
     if experts.mxfp4:
-        _act_quant(h, t * k, plan2.bk, h_quant, scales=h_scale)
+        _act_quant(h, t * k, plan2.bk, h_quant)
     for launch, part in _launches(plan2):
         down(launch, part, _split(plan2))
     return out

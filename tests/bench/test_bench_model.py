@@ -140,13 +140,11 @@ def test_collectives_run_in_the_communication_range_and_are_restored_after():
     [
         ("--serial", "ds4.model.side_stream", "OVERLAP", "DS4_SIDE_STREAM", "side_stream"),
         ("--no-pdl", "ds4.kernels._device", "DEPENDENT_LAUNCH", "DS4_PDL", "dependent_launch"),
-        ("--no-fp8-moe", "ds4.kernels.moe", "FP8_DECODE", "DS4_MOE_FP8", "fp8_moe_decode"),
     ],
 )
 def test_bench_model_times_the_step_without_an_overlap(tmp_path, monkeypatch, flag, module, setting, variable, key):
     """--serial: the side stream's work runs on the main stream; --no-pdl: no launch starts before the one before it
-    ends; --no-fp8-moe: the MoE's decode tiles keep the bf16 decoding. Each in this process and in the ranks'
-    processes (which inherit the variable), and the report says so."""
+    ends. Each in this process and in the ranks' processes (which inherit the variable), and the report says so."""
     import importlib
 
     holder = importlib.import_module(module)

@@ -182,54 +182,6 @@ def test_interpreted_decoding_and_activations_share_the_mma_column_order(kernels
     assert torch.equal(stored, act_quant(x.float())[:, steps[:, columns].flatten()])
 
 
-@triton.jit
-def _fp8_decode_kernel(words_ptr, out_ptr, ROWS: tl.constexpr):
-    r = tl.arange(0, ROWS)
-    words = tl.load(words_ptr + r[:, None] * 4 + tl.arange(0, 4)[None, :])
-    tl.store(out_ptr + r[:, None] * 32 + tl.arange(0, 32)[None, :], moe_module._e2m1_e4m3_tile(words, False))
-
-
-def test_interpreted_fp8_decoding_and_activations_share_the_fp8_mma_column_order(kernels):
-    """Column c of a decoded scale group holds the code of column fp8_mma_columns(32)[c] times 2^-6 (every byte
-    value: all 16 codes, the subnormal 0.5 among them), and the expert act_quant kernel's FP8 output stores each
-    128-group's e4m3 values (the act_quant values over the group's scale) in that order, with its scales."""
-    rows = 16
-    packed = torch.arange(rows * 16).remainder(256).to(torch.uint8).view(rows, 16)
-    got = torch.empty(rows, 32)
-    _fp8_decode_kernel[(1,)](packed.view(torch.int32), got, ROWS=rows)
-    columns = kernels.fp8_mma_columns(32)
-    assert sorted(columns.tolist()) == list(range(32))
-    unit = torch.full((rows, 1), 127, dtype=torch.uint8)  # scale 2^0
-    want = mxfp4_dequantize(packed.view(torch.int8), unit.view(torch.float8_e8m0fnu), torch.float32) / 64
-    assert torch.equal(got, want[:, columns])
-    x = (torch.randn(3, 256, generator=torch.Generator().manual_seed(8)) * 5).bfloat16()
-    scales = torch.empty(3, 2)
-    stored = kernels._act_quant(x, 3, 256, torch.empty(3, 256, dtype=torch.uint8), scales=scales)
-    values = stored.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(128, dim=1)
-    steps = torch.arange(256).view(-1, 32)
-    assert torch.equal(values, act_quant(x.float())[:, steps[:, columns].flatten()])
-    assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))  # powers of two
-
-
-@pytest.mark.parametrize("kind", ["score", "hash"])
-def test_interpreted_fp8_plans_equal_the_reference(kernels, kind):
-    """The decode tiles' FP8 MMA path (sm_90's plan) under the interpreter: codes as e4m3 times their scale
-    group's 2^(s - 121), activations as act_quant's e4m3 bytes times their 128-group scales."""
-    gen = torch.Generator().manual_seed(5)
-    e, d, i, t, k = 8, 256, 128, 3, 3
-    experts = _packed(_dense(e, d, i, gen))
-    x = (torch.randn(t, d, generator=gen) * 3).to(torch.bfloat16)
-    indices = _routing(kind, t, k, e, gen)
-    weights = torch.rand(t, k, generator=gen)
-    plans = tuple(gemm_plan(t * k, e, n, kk, g, True, 2, 4, 232448, fp8_mma=True) for n, kk, g in
-                  ((i, d, True), (d, i, False)))  # fmt: skip
-    assert all(p.fp8 and p.bk % 128 == 0 for p in plans)
-    want = routed_experts_reference(x, weights, indices, experts, 1.5)
-    got = kernels.routed_experts_triton(x, weights, indices, experts, 1.5, plans)
-    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
-    assert (got - want).abs().mean() <= 1e-3 * want.abs().mean()
-
-
 def test_interpreted_kernels_split_a_heavy_expert_into_tiles(kernels):
     """40 tokens send their first slot to expert 2: three 16-row tiles of one expert, experts 5.. empty."""
     gen = torch.Generator().manual_seed(6)
@@ -354,11 +306,6 @@ def test_plans_follow_the_device():
     dense = gemm_plan(49152, 256, 2048, 4096, True, False, 2, 188, 101376)
     assert plan_shared_memory(dense, False, 2) <= 101376 and dense.stages >= 2 and not dense.tma
     assert 96 % gemm_plan(6, 8, 64, 96, False, True, 2, 132, 232448).bk == 0
-    # sm_90: the one-token and batch tiles take the FP8 MMA, whole activation groups a K step; wider row tiles not
-    for rows, fp8 in ((6, True), (384, True), (256 * 20, False), (49152, False)):
-        plan = gemm_plan(rows, 256, 2048, 4096, True, True, 2, 132, 232448, fp8_mma=True)
-        assert plan.fp8 == fp8 and (not fp8 or plan.bk % 128 == 0 and plan.rest is None and not plan.tma)
-    assert not any(p.fp8 for p in (one_token, batch, big, small, dense))
 
 
 @pytest.mark.parametrize("smem,tma", [(101376, True), (166912, False)], ids=["sm_120", "sm_80"])

@@ -101,41 +101,6 @@ def test_e2m1_tile_decodes_every_code_in_the_mma_column_order(bk):
     assert torch.equal(got, want[:, moe.mma_columns(bk).cuda()])
 
 
-@triton.jit
-def _fp8_decode_kernel(words_ptr, out_ptr, ROWS: tl.constexpr):
-    r = tl.arange(0, ROWS)
-    words = tl.load(words_ptr + r[:, None] * 4 + tl.arange(0, 4)[None, :])
-    w = moe._e2m1_e4m3_tile(words, True)
-    tl.store(out_ptr + r[:, None] * 32 + tl.arange(0, 32)[None, :], w.to(tl.float32))
-
-
-def test_e2m1_e4m3_tile_decodes_every_code_in_the_fp8_mma_column_order():
-    """The FP8 path's decoding as the GPU runs it (registers read as e4m3): every byte value, each code times
-    2^-6, column c of a scale group its column fp8_mma_columns(32)[c]."""
-    rows = 64
-    packed = torch.arange(rows * 16, device="cuda").remainder(256).to(torch.uint8).view(rows, 16)
-    got = torch.empty(rows, 32, device="cuda")
-    _fp8_decode_kernel[(1,)](packed.view(torch.int32), got, ROWS=rows)
-    unit = torch.full((rows, 1), 127, device="cuda", dtype=torch.uint8)
-    want = mxfp4_dequantize(packed.view(torch.int8), unit.view(torch.float8_e8m0fnu), torch.float32) / 64
-    assert torch.equal(got, want[:, moe.fp8_mma_columns(32).cuda()])
-
-
-@pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_decode_tiles_take_the_fp8_mma_and_the_bf16_path_alike(experts, tokens):
-    """Decode batches on sm_90 take the FP8 MMA (`GemmPlan.fp8`); the bf16 decoding's plans (other devices) on the
-    same call match the oracle too."""
-    x, weights, indices = routing(tokens, 20 + tokens)
-    sms, smem = moe.num_sms(x.device), moe.shared_memory_per_block(x.device)
-    plans = [moe.gemm_plan(tokens * K, E, n, k, g, True, 2, sms, smem, fp8_mma=True) for n, k, g in
-             ((INTER, D, True), (D, INTER, False))]  # fmt: skip
-    assert all(plan.fp8 for plan in plans)
-    want = oracle(x, weights, indices, experts)
-    assert_close(moe.routed_experts_triton(x, weights, indices, experts, LIMIT, tuple(plans)), want)
-    bf16 = tuple(dataclasses.replace(plan, fp8=False) for plan in plans)
-    assert_close(moe.routed_experts_triton(x, weights, indices, experts, LIMIT, bf16), want)
-
-
 @pytest.mark.parametrize("tokens", [1, 8, 64, 1024, 8192])
 def test_flash_sizes_match_the_oracle(experts, tokens):
     x, weights, indices = routing(tokens, tokens)
