@@ -31,15 +31,15 @@ def ieee_fp32_matmul():
     torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def weights(rows: int, g: torch.Generator, scales: int = 3):
-    fn = torch.randn(rows, HC * D, device="cuda", generator=g) * (HC * D) ** -0.5
+def weights(rows: int, g: torch.Generator, scales: int = 3, d: int = D):
+    fn = torch.randn(rows, HC * d, device="cuda", generator=g) * (HC * d) ** -0.5
     scale = torch.rand(scales, device="cuda", generator=g) + 0.5
     base = torch.randn(rows, device="cuda", generator=g) * 0.5
     return fn, scale, base
 
 
-def streams(tokens: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
-    return torch.randn(tokens, HC, D, device="cuda", generator=g).to(dtype)
+def streams(tokens: int, dtype: torch.dtype, g: torch.Generator, d: int = D) -> torch.Tensor:
+    return torch.randn(tokens, HC, d, device="cuda", generator=g).to(dtype)
 
 
 @pytest.mark.parametrize(
@@ -61,18 +61,20 @@ def test_hc_pre_and_post_match_reference(tokens, dtype):
     torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
 
 
-@pytest.mark.parametrize("tokens, block_d", [(1, None), (2, None), (4, None), (1, D // 2), (2, D)])
-def test_hc_post_pre_in_one_launch_matches_reference(tokens, block_d):
+# Two programs and one (the last program then also computes the gates) at a small width: a program of Flash's whole
+# 4096 channels holds [4, 4096, 32] fp32 products and took minutes to compile.
+@pytest.mark.parametrize("tokens, d, block_d", [(1, D, None), (2, D, None), (4, D, None), (1, 128, 64), (2, 128, 128)])
+def test_hc_post_pre_in_one_launch_matches_reference(tokens, d, block_d):
     """A decode step's hc_post, the next hc_pre and its RMSNorm, one launch (the last program to arrive collapses
     and normalises, the one before it computes the next gates; with one program, that one does both), twice in a
     row (the arrival counter resets itself) and under graph replay."""
     g = torch.Generator(device="cuda").manual_seed(11 + tokens)
-    h = streams(tokens, torch.bfloat16, g)
-    out = torch.randn(tokens, D, device="cuda", generator=g).bfloat16()
+    h = streams(tokens, torch.bfloat16, g, d)
+    out = torch.randn(tokens, d, device="cuda", generator=g).bfloat16()
     post = torch.rand(tokens, HC, device="cuda", generator=g) * 2
     comb = torch.rand(tokens, HC, HC, device="cuda", generator=g)
-    fn, scale, base = weights((2 + HC) * HC, g)
-    norm = torch.rand(D, device="cuda", generator=g) + 0.5
+    fn, scale, base = weights((2 + HC) * HC, g, d=d)
+    norm = torch.rand(d, device="cuda", generator=g) + 0.5
     args = (out, h, post, comb, fn, scale, base, norm, HC, 20, 1e-6, 1e-6, block_d)
     new = mhc.hc_post_reference(out, h, post, comb)
     x, next_post, next_comb = mhc.hc_pre_reference(new, fn, scale, base, HC, 20, 1e-6, 1e-6)
