@@ -10,8 +10,9 @@ renumbered from 0.
 Grouping: slots (t * k + j) sorted by expert, stable (`order`), and each expert's segment of that order
 (`bounds`, E + 1 offsets). On CUDA one kernel routes programs of a few tokens (ROUTE_TILE logits each); when
 one program holds the whole batch (decode: up to 8 tokens of 256 experts) it also sorts the slots, so such a
-step routes in one launch after the router's GEMM; larger batches sort with torch. No host sync either way
-(CUDA-graph capturable).
+step routes in one launch after the router's GEMM. Larger batches of up to GROUP_MAX_SLOTS slots take one more
+launch, a single program that sorts them the same way; beyond that they sort with torch. No host sync in any
+case (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # F.softplus's: above it softplus(x) is
 # program of 64 tokens x 256 experts (sorting too) took 82 us on an H200, against 3.8 us for one token.
 ROUTE_TILE = 2048
 ROUTE_WARPS = 4
+# Slots _group_kernel sorts, in one program (a bitonic sort in registers, then a binary search per expert):
+# decode batches up to 170 tokens at top-6, where torch's sort and searchsorted are launches of their own (~18 us
+# a layer at 384 slots on an H200). One program's sort grows with the slots where torch's spreads over the SMs,
+# and larger batches are prefill, where the sort is small beside the GEMMs.
+GROUP_MAX_SLOTS = 1024
+# Padded slots a warp of _group_kernel holds, 4 keys a thread (4 warps at least): 1024 slots take 8 warps.
+GROUP_SLOTS_PER_WARP = 128
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,36 @@ def _log1p(u):
     w = 1.0 + u
     exact = w == 1.0
     return tl.where(exact, u, tl.log(w) * (u / tl.where(exact, 1.0, w - 1.0)))
+
+
+@triton.jit
+def _store_groups(
+    local,
+    ok,
+    slot,
+    count,
+    n_local,
+    order_ptr,
+    bounds_ptr,
+    SLOTS: tl.constexpr,
+    BOUNDS_PAD: tl.constexpr,
+    LOG_SLOTS: tl.constexpr,
+):
+    """order and bounds of flat [SLOTS] (local expert, slot) pairs, `count` of them valid (`ok`), slot < SLOTS:
+    the stable sort by expert is a sort of the keys expert * SLOTS + slot, the invalid pairs' keys past every
+    expert's."""
+    keys = tl.sort(tl.where(ok, local * SLOTS + slot, n_local * SLOTS + slot))
+    position = tl.arange(0, SLOTS)
+    tl.store(order_ptr + position, keys % SLOTS, mask=position < count)
+    # bounds[b]: the sorted slots whose expert is below b, by a binary search of every b at once
+    sorted_experts = keys // SLOTS
+    b = tl.arange(0, BOUNDS_PAD)
+    below = tl.zeros((BOUNDS_PAD,), tl.int32)
+    for i in tl.static_range(LOG_SLOTS):
+        probe = below + ((SLOTS >> (i + 1)) - 1)
+        below += tl.where(tl.gather(sorted_experts, probe, 0) < b, SLOTS >> (i + 1), 0)
+    below += (tl.gather(sorted_experts, below, 0) < b).to(tl.int32)
+    tl.store(bounds_ptr + b, below, mask=b <= n_local)
 
 
 @triton.jit(do_not_specialize=["T", "n_experts", "topk", "first", "n_local"])
@@ -179,21 +217,33 @@ def _route_kernel(
     tl.store(indices_ptr + slots, local.to(tl.int64), mask=ok)
     if GROUP:
         SLOTS: tl.constexpr = BT * K_PAD
-        flat_ok = tl.reshape(ok, (SLOTS,))
-        flat_slot = tl.reshape(slots, (SLOTS,))
-        flat_local = tl.reshape(local, (SLOTS,))
-        keys = tl.sort(tl.where(flat_ok, flat_local * SLOTS + flat_slot, n_local * SLOTS + flat_slot))
-        position = tl.arange(0, SLOTS)
-        tl.store(order_ptr + position, keys % SLOTS, mask=position < T * topk)
-        # bounds[b]: the sorted slots whose expert is below b, by a binary search of every b at once
-        sorted_experts = keys // SLOTS
-        b = tl.arange(0, BOUNDS_PAD)
-        below = tl.zeros((BOUNDS_PAD,), tl.int32)
-        for i in tl.static_range(LOG_SLOTS):
-            probe = below + ((SLOTS >> (i + 1)) - 1)
-            below += tl.where(tl.gather(sorted_experts, probe, 0) < b, SLOTS >> (i + 1), 0)
-        below += (tl.gather(sorted_experts, below, 0) < b).to(tl.int32)
-        tl.store(bounds_ptr + b, below, mask=b <= n_local)
+        _store_groups(
+            tl.reshape(local, (SLOTS,)), tl.reshape(ok, (SLOTS,)), tl.reshape(slots, (SLOTS,)), T * topk, n_local,
+            order_ptr, bounds_ptr, SLOTS, BOUNDS_PAD, LOG_SLOTS,
+        )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["slots", "n_local"])
+def _group_kernel(
+    indices_ptr,
+    order_ptr,
+    bounds_ptr,
+    slots,
+    n_local,
+    SLOTS: tl.constexpr,
+    BOUNDS_PAD: tl.constexpr,
+    LOG_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program: order and bounds of the `slots` local expert indices (int64, flat [T * k], each below
+    n_local), as _route_kernel's GROUP. PDL: it waits for the routing launch, and does not let the next launch
+    start early, for the reason _route_kernel gives."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    slot = tl.arange(0, SLOTS)
+    ok = slot < slots
+    local = tl.load(indices_ptr + slot, mask=ok, other=0).to(tl.int32)
+    _store_groups(local, ok, slot, slots, n_local, order_ptr, bounds_ptr, SLOTS, BOUNDS_PAD, LOG_SLOTS)
 
 
 def route_triton(
@@ -206,7 +256,8 @@ def route_triton(
     route_scale: float,
     local: tuple[int, int] | None = None,
 ) -> Routes:
-    """route_reference through `_route_kernel`; hash layers pass the table and the token ids, not their rows."""
+    """route_reference through `_route_kernel`, then group_by_expert_triton or torch's group_by_expert for batches
+    it does not sort; hash layers pass the table and the token ids, not their rows."""
     t, n_experts = logits.shape
     first, n_local = local or (0, n_experts)
     logits = logits.contiguous()
@@ -228,9 +279,26 @@ def route_triton(
             BOUNDS_PAD=triton.next_power_of_2(n_local + 1), LOG_SLOTS=(bt * k_pad).bit_length() - 1, PDL=pdl,
             num_warps=ROUTE_WARPS, launch_pdl=pdl,
         )  # fmt: skip
-    if not group:
+    if not group and 0 < t * topk <= GROUP_MAX_SLOTS:
+        order, bounds = group_by_expert_triton(indices, n_local)
+    elif not group:
         order, bounds = group_by_expert(indices, n_local)
     return Routes(weights, indices, order, bounds)
+
+
+def group_by_expert_triton(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """group_by_expert through `_group_kernel`, for 1 to GROUP_MAX_SLOTS slots (order int32)."""
+    slots = indices.numel()
+    padded = triton.next_power_of_2(slots)
+    order = torch.empty(slots, dtype=torch.int32, device=indices.device)
+    bounds = torch.empty(n_experts + 1, dtype=torch.int32, device=indices.device)
+    pdl = launches_dependents_early(indices.device)
+    _group_kernel[(1,)](
+        indices.contiguous(), order, bounds, slots, n_experts,
+        SLOTS=padded, BOUNDS_PAD=triton.next_power_of_2(n_experts + 1), LOG_SLOTS=padded.bit_length() - 1, PDL=pdl,
+        num_warps=max(4, padded // GROUP_SLOTS_PER_WARP), launch_pdl=pdl,
+    )  # fmt: skip
+    return order, bounds
 
 
 def route(

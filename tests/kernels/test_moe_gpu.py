@@ -180,7 +180,8 @@ def test_token_counts_compile_few_variants(experts):
 @pytest.mark.parametrize("kind", ["score", "hash", "expert_parallel"])
 def test_routing_matches_the_reference(tokens, kind):
     """Flash's router (256 experts, top-6, sqrt-softplus) on the device against the CPU reference on the same
-    logits: the same experts, weights within fp32 rounding, the same grouping (in the kernel up to 8 tokens)."""
+    logits: the same experts, weights within fp32 rounding, the same grouping (sorted by the routing kernel up to
+    8 tokens, by the group kernel up to GROUP_MAX_SLOTS slots: 64 tokens, by torch at 200)."""
     g = torch.Generator(device="cuda").manual_seed(tokens)
     logits = torch.randn(tokens, E, device="cuda", generator=g) * 2
     bias = torch.randn(E, device="cuda", generator=g) * 0.1

@@ -1,6 +1,7 @@
 """MoE routing: the reference against a per-token oracle, the routing kernel (interpreted) against the reference
-under hash and score routing, each score function, expert parallelism, with the sort in the kernel and by torch;
-the slot sum with the shared expert and the shared expert's SwiGLU against their torch references."""
+under hash and score routing, each score function, expert parallelism, with the sort in the routing kernel, in the
+group kernel and by torch; the group kernel against torch's stable sort; the slot sum with the shared expert and
+the shared expert's SwiGLU against their torch references."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import ds4.kernels.moe as moe_module
 import ds4.kernels.moe_routing as routing_module
 import ds4.kernels.swiglu as swiglu_module
 from ds4.kernels.moe import combine_reference
-from ds4.kernels.moe_routing import SCORE_FUNCS, route_reference
+from ds4.kernels.moe_routing import SCORE_FUNCS, group_by_expert, route_reference
 from ds4.kernels.swiglu import swiglu
 
 E, K, VOCAB = 12, 3, 40
@@ -84,22 +85,37 @@ def kernels():
         ("softmax", True, None, 6),
     ],
 )
-@pytest.mark.parametrize("in_kernel_sort", [True, False])
-def test_interpreted_routing_equals_the_reference(
-    kernels, monkeypatch, score_func, hashed, local, tokens, in_kernel_sort
-):
-    if not in_kernel_sort:  # tiles too small for the batch: token blocks, then torch's sort
-        monkeypatch.setattr(kernels, "ROUTE_TILE", 16)
+@pytest.mark.parametrize("grouping", ["routing_kernel", "group_kernel", "torch"])
+def test_interpreted_routing_equals_the_reference(kernels, monkeypatch, score_func, hashed, local, tokens, grouping):
     logits, bias, tid2eid, ids = _case(tokens, tokens)
-    got = kernels.route_triton(
-        logits, None if hashed else bias, tid2eid if hashed else None, ids, K, score_func, 2.5, local
-    )
+    # the reference first: it groups through the module's group_by_expert, which counts torch's sorts below
     want = route_reference(
         logits, None if hashed else bias, tid2eid[ids] if hashed else None, K, score_func, 2.5, local
     )
+    if grouping != "routing_kernel":  # tiles too small for the batch: token blocks, then a sort of their slots
+        monkeypatch.setattr(kernels, "ROUTE_TILE", 16)
+    if grouping == "torch":
+        monkeypatch.setattr(kernels, "GROUP_MAX_SLOTS", tokens * K - 1)
+    torch_sorts = []
+    monkeypatch.setattr(kernels, "group_by_expert", lambda *args: torch_sorts.append(args) or group_by_expert(*args))
+    got = kernels.route_triton(
+        logits, None if hashed else bias, tid2eid if hashed else None, ids, K, score_func, 2.5, local
+    )
+    assert bool(torch_sorts) == (grouping == "torch" and tokens > 1)  # one token: one program whatever the tile
     assert torch.equal(got.indices, want.indices)
     torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-7)
     assert torch.equal(got.order.long(), want.order) and torch.equal(got.bounds, want.bounds)
+
+
+@pytest.mark.parametrize(("tokens", "topk", "experts"), [(13, 3, (0, 4, 5, 11)), (16, 2, (7,)), (50, 6, (2, 3, 9))])
+def test_interpreted_group_kernel_equals_torchs_stable_sort(kernels, tokens, topk, experts):
+    """Many slots an expert, experts without slots (the first and the last too), slots a power of two or not."""
+    gen = torch.Generator().manual_seed(tokens)
+    indices = torch.tensor(experts)[torch.randint(0, len(experts), (tokens, topk), generator=gen)]
+    order, bounds = kernels.group_by_expert_triton(indices, E)
+    want_order, want_bounds = group_by_expert(indices, E)
+    assert order.dtype == torch.int32 and torch.equal(order.long(), want_order)
+    assert torch.equal(bounds, want_bounds)
 
 
 @pytest.fixture(scope="module")
