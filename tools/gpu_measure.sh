@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The measurements the open issues ask of one H200, in order of need, for tools/gpu_detached.sh (it sets RESULTS):
 #   bash tools/gpu_detached.sh start tools/gpu_measure.sh     then, in the next call, `collect`
-# Stages in the order STAGES names them (default: all but ncu, ncu_attention, moe_skew and moe_decode, in this order): model4 (4
+# Stages in the order STAGES names them (default: all but ncu, ncu_attention, moe_skew, moe_decode and fp8_mma, in this order): model4 (4
 # Flash layers with transformers beside them), tests (every gpu-marked test, several processes with pytest-xdist),
 # model20 (20 Flash layers, prefill to 64K), model20_serial (its decode without the side-stream overlaps, `--serial`),
 # model20_nopdl (without programmatic dependent launch, `--no-pdl`), engine and engine_sync (the engine's host time
 # per step, async decode on and off, each with its costliest host functions), attention (with its plan sweep), moe
 # (with its tile sweep; moe_skew: the 8K prefill's under a skewed routing like the dummy model's; moe_decode: decode
 # batches alone, with their tile sweep), linear (the FP8
-# linear with its tile sweep), mhc (the mHC kernels with the prefill projection's and the fused decode launch's sweeps), ncu
+# linear with its tile sweep), fp8_mma (tools/fp8_mma_gemv_probe.py: the M = 1 linear by an e4m3 MMA against the FMA kernel), mhc (the mHC kernels with the prefill projection's and the fused decode launch's sweeps), ncu
 # (tools/ncu_decode.sh's Nsight Compute lines for the decode step's largest kernels, NCU_LAYERS layers), ncu_attention
 # (tools/ncu_attention.sh on the 8K CSA prefill's attention plans). Each writes its log and JSON under $RESULTS and a
 # line to $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. With the trees of
@@ -66,6 +66,7 @@ run_stage() {
     moe) stage moe 420 python3 -m ds4.cli bench moe --sweep --json "$R/moe.json" ;;
     moe_decode) stage moe_decode 240 python3 -m ds4.cli bench moe --tokens 1 8 64 --sweep 1 64 --json "$R/moe_decode.json" ;;
     moe_skew) stage moe_skew 240 python3 -m ds4.cli bench moe --skew 0.4 --tokens 8192 --sweep 8192 --json "$R/moe_skew.json" ;;
+    fp8_mma) stage fp8_mma 200 python3 tools/fp8_mma_gemv_probe.py ;;
     linear) stage linear 300 python3 -m ds4.cli bench linear --sweep --json "$R/linear.json" ;;  # then tools/gemv_pick.py on it
     mhc) stage mhc 240 python3 -m ds4.cli bench kernels --only mhc --all-tiles --json "$R/mhc.json" ;;
     ncu) stage ncu 300 env OUT="$R/ncu" LAYERS="${NCU_LAYERS:-4}" bash tools/ncu_decode.sh ;;
