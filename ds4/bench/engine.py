@@ -14,6 +14,8 @@ only before the first, as a server runs them. Per batch size, medians over those
     faster.
   - host ms: the same steps with the forward and logits replaced by stubs that return ready tensors (logits
     over a 256-token vocabulary, so the sampler's device work is ~0 too): the engine's own work per step.
+  - launch ms: the host's time inside those same model calls (on CUDA the graph replay's launch and the copies
+    into its inputs, which the stubbed steps below keep only in part): host work the host-only figure leaves out.
   - exposed ms = step - model: what the engine adds to the model's time. Host work that overlaps the
     device's work costs nothing here: with async decode, exposed ~ max(host - model, 0) plus the launch gap;
     with none overlapped (--no-async-decode), exposed ~ host.
@@ -99,10 +101,10 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
         for batch in batches:
             progress(f"decode batch {batch}: {args.steps} steps, then as many with the model stubbed")
             ids = shrink(engine, ids, batch)
-            timer.step_ms()
+            timer.read()
             steps_ahead = engine.stats().num_steps_ahead
             step_ms = timed_steps(engine, args.steps, timer.end_step)
-            model_ms = timer.step_ms()
+            model_ms, launch_ms = timer.read()
             ahead = (engine.stats().num_steps_ahead - steps_ahead) / args.steps
             with _stubbed(engine):
                 step(engine)
@@ -112,12 +114,14 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
             if any(i not in engine.requests for i in ids):
                 raise SystemExit(f"batch {batch}: a request finished early (max_tokens {max_tokens} too small)")
             step_med, model_med, host_med = _median(step_ms), _median(model_ms), _median(host_ms)
+            launch_med = _median(launch_ms)
             rows.append(
                 {
                     "batch": batch,
                     "step_ms": step_med,
                     "model_ms": model_med,
                     "host_ms": host_med,
+                    "launch_ms": launch_med,
                     "exposed_ms": step_med - model_med,
                     "ahead": ahead,
                 }
@@ -148,13 +152,13 @@ def table(result: dict) -> str:
         f"async decode {result['async_decode']}, "
         f"prefix caching {result['prefix_caching']}, detokenizing {result['detokenizing']}; "
         f"medians of {result['steps']} steps",
-        "batch | step ms | model ms | exposed ms (step - model) | host ms (model stubbed) | ahead",
-        "---|---|---|---|---|---",
+        "batch | step ms | model ms | exposed ms (step - model) | host ms (model stubbed) | launch ms (host) | ahead",
+        "---|---|---|---|---|---|---",
     ]
     for r in result["rows"]:
         lines.append(
             f"{r['batch']} | {r['step_ms']:.3f} | {r['model_ms']:.3f} | {r['exposed_ms']:.3f} | {r['host_ms']:.3f} | "
-            f"{r['ahead']:.0%}"
+            f"{r['launch_ms']:.3f} | {r['ahead']:.0%}"
         )
     return "\n".join(lines)
 
@@ -165,14 +169,16 @@ def _median(values: list[float]) -> float:
 
 class _ModelTimer:
     """Times the model's forward (eager or graph replay) and logits inside engine steps, without syncing:
-    CUDA events around each call, read once the measurement is over. Only the outermost call counts (an eager
-    graph run calls the forward). With async decode, the calls made in one engine step are those of the step
-    it launches ahead: the same work, one step later."""
+    CUDA events around each call, read once the measurement is over, and the host's wall time inside the call.
+    Only the outermost call counts (an eager graph run calls the forward). With async decode, the calls made in
+    one engine step are those of the step it launches ahead: the same work, one step later."""
 
     def __init__(self, engine):
         self.cuda = engine.device.type == "cuda"
         self.spans: list = []
         self.steps: list[list] = []
+        self.host_spans: list[float] = []
+        self.host_steps: list[list[float]] = []
         self._depth = 0
         model, graphs = engine.model, engine.runner.graphs
         self._wrap(model, "forward")
@@ -186,20 +192,23 @@ class _ModelTimer:
         def timed(*args, **kwargs):
             if self._depth:
                 return call(*args, **kwargs)
-            start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
             if self.cuda:
+                start = torch.cuda.Event(enable_timing=True)
                 start.record()
+            host_start = time.perf_counter()
             self._depth += 1
             try:
                 out = call(*args, **kwargs)
             finally:
                 self._depth -= 1
+            host_ms = (time.perf_counter() - host_start) * 1e3
+            self.host_spans.append(host_ms)
             if self.cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 self.spans.append((start, end))
             else:
-                self.spans.append((time.perf_counter() - start) * 1e3)
+                self.spans.append(host_ms)
             return out
 
         setattr(owner, name, timed)
@@ -207,15 +216,19 @@ class _ModelTimer:
     def end_step(self) -> None:
         """The calls since the last end_step belong to one engine step."""
         self.steps.append(self.spans)
-        self.spans = []
+        self.host_steps.append(self.host_spans)
+        self.spans, self.host_spans = [], []
 
-    def step_ms(self) -> list[float]:
-        """The time of the calls of each step ended since the last reading (the calls of no step are dropped)."""
-        steps, self.steps, self.spans = self.steps, [], []
+    def read(self) -> tuple[list[float], list[float]]:
+        """For each step ended since the last reading (the calls of no step are dropped): the device's time of its
+        calls, and the host's time inside them."""
+        steps, host_steps = self.steps, self.host_steps
+        self.steps, self.spans, self.host_steps, self.host_spans = [], [], [], []
+        host_ms = [sum(spans) for spans in host_steps]
         if self.cuda:
             torch.cuda.synchronize()
-            return [sum(start.elapsed_time(end) for start, end in spans) for spans in steps]
-        return [sum(spans) for spans in steps]
+            return [sum(start.elapsed_time(end) for start, end in spans) for spans in steps], host_ms
+        return [sum(spans) for spans in steps], host_ms
 
 
 class _stubbed:

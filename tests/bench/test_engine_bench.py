@@ -19,6 +19,8 @@ def test_engine_bench_rows_and_json(tmp_path, capsys):
         assert 0 < row["model_ms"] <= row["step_ms"]
         assert row["exposed_ms"] == row["step_ms"] - row["model_ms"]
         assert row["host_ms"] > 0
+        # on the CPU the model's calls run on the host: their host time is their time
+        assert row["launch_ms"] == row["model_ms"]
 
 
 def test_engine_bench_refuses_a_cache_too_small_for_its_batch():
