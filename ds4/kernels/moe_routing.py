@@ -279,10 +279,9 @@ def route_triton(
             BOUNDS_PAD=triton.next_power_of_2(n_local + 1), LOG_SLOTS=(bt * k_pad).bit_length() - 1, PDL=pdl,
             num_warps=ROUTE_WARPS, launch_pdl=pdl,
         )  # fmt: skip
-    if not group and 0 < t * topk <= GROUP_MAX_SLOTS:
-        order, bounds = group_by_expert_triton(indices, n_local)
-    elif not group:
-        order, bounds = group_by_expert(indices, n_local)
+    if not group:
+        one_program = 0 < t * topk <= GROUP_MAX_SLOTS
+        order, bounds = (group_by_expert_triton if one_program else group_by_expert)(indices, n_local)
     return Routes(weights, indices, order, bounds)
 
 
