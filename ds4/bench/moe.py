@@ -150,8 +150,11 @@ def kernel_breakdown(layer: MoE, tokens: int, skew: float = 0.0) -> dict[str, fl
     return {"launches": launches, **dict(sorted(times.items(), key=lambda kv: -kv[1]))}
 
 
-def _plan(bm, weight_rows, bk, warps, stages, tma=False, rest=None):
-    return km.GemmPlan(bm=bm, weight_rows=weight_rows, bk=bk, warps=warps, stages=stages, tma=tma, rest=rest)
+def _plan(bm, weight_rows, bk, warps, stages, tma=False, rest=None, column_groups=0):
+    return km.GemmPlan(
+        bm=bm, weight_rows=weight_rows, bk=bk, warps=warps, stages=stages, tma=tma, rest=rest,
+        column_groups=column_groups,
+    )  # fmt: skip
 
 
 SWEEP = {
@@ -167,6 +170,15 @@ SWEEP = {
         _plan(16, 64, 256, 8, 4),
         _plan(16, 32, 256, 4, 4),  # 32 weight rows: mma.sync (no wgmma waits), 72 registers (offline sm_90)
         _plan(16, 32, 512, 4, 3),
+        # the e4m3 MMA with 32-groups among its columns (sm_89+; GemmPlan.column_groups)
+        _plan(1, 64, 512, 4, 3, column_groups=16),
+        _plan(1, 64, 512, 4, 4, column_groups=16),
+        _plan(1, 64, 512, 4, 2, column_groups=16),
+        _plan(2, 64, 256, 4, 4, column_groups=8),
+        _plan(2, 128, 256, 4, 4, column_groups=8),
+        _plan(4, 64, 128, 4, 4, column_groups=4),
+        _plan(4, 128, 128, 4, 4, column_groups=4),
+        _plan(4, 128, 128, 4, 6, column_groups=4),
     ],
     "prefill": [
         _plan(256, 128, 64, 8, 4),

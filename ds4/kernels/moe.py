@@ -45,6 +45,7 @@ shared memory (`gemm_plan`).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,6 +56,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ds4.kernels._device import (
     dependent_launch_start,
     early_prefetch_bytes,
+    has_fp8,
     has_tma,
     interpreting,
     launches_dependents_early,
@@ -182,8 +184,8 @@ def _round_to_bf16(x):
 
 
 @triton.jit
-def _act_quant_tile(a):
-    """a [rows, 128] fp32 -> each row rounded through e4m3 with its power-of-two scale (as act_quant)."""
+def _act_quant_parts(a):
+    """a [rows, 128] fp32 -> (e4m3 values [rows, 128] in fp32, each row's power-of-two scale [rows]): act_quant."""
     amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4)
     ratio = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
     exponent = ((ratio >> 23) & 0xFF) + ((ratio & 0x7FFFFF) != 0).to(tl.int32)  # biased, of the pow2 ceiling
@@ -194,8 +196,7 @@ def _act_quant_tile(a):
     # Normal e4m3 (|v| >= 2^-6): keep 3 mantissa bits, ties to even. Below: multiples of 2^-9.
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     subnormal = ((v * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
-    q = tl.where((bits & 0x7F800000) >= (121 << 23), normal, subnormal)
-    return q * scale[:, None]
+    return tl.where((bits & 0x7F800000) >= (121 << 23), normal, subnormal), scale
 
 
 @triton.jit(do_not_specialize=["rows", "k_slots"])
@@ -206,17 +207,23 @@ def _expert_act_quant_kernel(
     k_slots,
     out_ptr,
     stride_out,
+    xs_ptr,
+    stride_xs,
     rows,
     K,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     CHUNK: tl.constexpr,
+    COLUMN_GROUPS: tl.constexpr,
     GATHER: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """act_quant of ROWS rows x COLS columns (whole 128-groups and K steps of CHUNK), stored dequantised (e4m3
-    times a power of two: exact in bf16) in the MMA column order of each K step (`_e2m1_tile`), so the GEMMs
-    load them as they are. GATHER: output row r is x's row of the token of sorted slot r (order[r] // k_slots),
+    """act_quant of ROWS rows x COLS columns (whole 128-groups and K steps of CHUNK). COLUMN_GROUPS 0: stored
+    dequantised (e4m3 times a power of two: exact in bf16) in the MMA column order of each K step (`_e2m1_tile`),
+    so the GEMMs load them as they are. Else (the e4m3 MMA's activations, `_grouped_gemm_kernel`): the e4m3 values
+    and, in xs, each row's 128-group scales; row r becomes rows r C .. r C + C - 1 (C = COLUMN_GROUPS) of out,
+    row r C + c holding the 32-groups g with g % C == c (zeros elsewhere), each group's columns in the e4m3 MMA's
+    order (`_e2m1_e4m3_tile`). GATHER: output row r is x's row of the token of sorted slot r (order[r] // k_slots),
     the activations in expert order. PDL: launched early; x is read after the launch before this one ends."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -229,9 +236,24 @@ def _expert_act_quant_kernel(
     if GATHER:
         source = tl.load(order_ptr + r, mask=r < rows, other=0).to(tl.int64) // k_slots
     a = tl.load(x_ptr + source[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
-    q = _act_quant_tile(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
-    q = q.reshape(ROWS, COLS // CHUNK, 4, CHUNK // 32, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(ROWS, COLS)
-    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + c[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
+    if COLUMN_GROUPS:
+        q, scale = _act_quant_parts(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
+        # column 8j + 2i + h of a group is its column 16h + 4j + i in the MMA's order
+        q = q.reshape(ROWS, COLS // 32, 4, 4, 2).permute(0, 1, 4, 2, 3).reshape(ROWS, COLS)
+        group = c // 32
+        out_rows = r.to(tl.int64) * COLUMN_GROUPS
+        for part in tl.static_range(COLUMN_GROUPS):
+            v = tl.where((group % COLUMN_GROUPS == part)[None, :], q, 0.0)
+            at = out_ptr + (out_rows + part)[:, None] * stride_out + c[None, :]
+            tl.store(at, v.to(out_ptr.dtype.element_ty), mask=ok)
+        chunks = tl.program_id(1) * (COLS // 128) + tl.arange(0, COLS // 128)
+        xs_at = xs_ptr + r.to(tl.int64)[:, None] * stride_xs + chunks[None, :]
+        tl.store(xs_at, scale.reshape(ROWS, COLS // 128), mask=(r < rows)[:, None] & (chunks * 128 < K)[None, :])
+    else:
+        q, scale = _act_quant_parts(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
+        q = q * scale[:, None]
+        q = q.reshape(ROWS, COLS // CHUNK, 4, CHUNK // 32, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(ROWS, COLS)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + c[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -275,6 +297,53 @@ def _e2m1_tile(words, scale, BK: tl.constexpr, PTX: tl.constexpr):
     return w.reshape(rows, 4, BK // 8, 2).permute(0, 2, 1, 3).reshape(rows, BK)
 
 
+# Four e2m1 codes' magnitude bits at e4m3 bits 2-4 and signs at bit 7, for the low nibbles ($0) and the high ($1)
+# of a word's four bytes ($2).
+_E2M1_TO_E4M3 = tl.constexpr(
+    "{ .reg .b32 t, u; shl.b32 t, $2, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 u, $2, 4; and.b32 u, u, 0x80808080; "
+    "or.b32 $0, t, u; shr.b32 t, $2, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, $2, 0x80808080; or.b32 $1, t, u; }"
+)
+
+
+@triton.jit
+def _e2m1_e4m3_tile(codes, BK: tl.constexpr, PTX: tl.constexpr):
+    """Packed codes as bytes [R, BK/2] -> [R, BK]: each code's value times 2^-6 as e4m3 (fp32 under the
+    interpreter, PTX False), exact, each 32-group's columns in the e4m3 MMA's order: a group's bytes 4j..4j+3
+    (a thread's register of the MMA's operand) give its columns 16h + 4j + i = the codes of column 8j + 2i + h.
+    A code's three low bits at e4m3 bits 2-4 read as its value times 2^-6 (code 1, 0.5, then the subnormal 2^-7),
+    its sign at bit 7: seven integer instructions a word of eight codes, no multiply (the scales are applied to
+    the MMA's fp32 sums)."""
+    rows: tl.constexpr = codes.shape[0]
+    if PTX:
+        low, high = tl.inline_asm_elementwise(
+            _E2M1_TO_E4M3, "=r,=r,r", [codes], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4
+        )
+    else:
+        low, high = _e2m1_value(codes & 15), _e2m1_value(codes >> 4)
+    w = tl.join(low.reshape(rows, BK // 32, 16), high.reshape(rows, BK // 32, 16)).permute(0, 1, 3, 2)
+    w = w.reshape(rows, BK)
+    if PTX:
+        w = w.to(tl.float8e4nv, bitcast=True)
+    return w
+
+
+@triton.jit
+def _e2m1_value(code):
+    """e2m1 codes (uint8) -> their values times 2^-6 in fp32."""
+    exponent = ((code >> 1) & 3).to(tl.float32)
+    mantissa = (code & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2(exponent - 1.0))
+    return tl.where((code & 8) != 0, -magnitude, magnitude) * (1.0 / 64.0)
+
+
+def e4m3_mma_columns(bk: int) -> torch.Tensor:
+    """The row column (of a K step of bk) each column of `_e2m1_e4m3_tile`'s result holds: in each 32-group,
+    column 16h + 4j + i holds the group's column 8j + 2i + h (the column-group act_quant stores activations so)."""
+    p = torch.arange(bk)
+    within = p % 32
+    return p - within + 8 * ((within % 16) // 4) + 2 * (within % 4) + within // 16
+
+
 def mma_columns(bk: int) -> torch.Tensor:
     """The row column (of a K step of bk) that each column of `_e2m1_tile`'s result holds: result pair 4q + a
     (a < 4: the MMA thread's lane mod 4) is decoded pair n = a bk/8 + q, which holds columns 8 (n // 4) + n % 4
@@ -285,10 +354,41 @@ def mma_columns(bk: int) -> torch.Tensor:
     return torch.stack((first, first + 4), dim=1).flatten()
 
 
+@triton.jit
+def _column_group_steps(
+    a_ptr, stride_a, xs_ptr, stride_xs, order_ptr, k_slots, row0, row_end, w_at, s_rows, w_ok, K,
+    WROWS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, GATED: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """`_grouped_gemm_kernel`'s K steps with COLUMN_GROUPS = C: its fp32 sums [weight rows, BM] of one tile."""
+    n = tl.arange(0, 16)  # the MMA's columns: tile row n // C, group n % C of the step
+    rows = row0 + n // C
+    ok = rows < row_end
+    slot = tl.load(order_ptr + rows, mask=ok, other=0)
+    a_rows = (slot // k_slots if GATED else rows).to(tl.int64)
+    a_at = a_ptr + (a_rows * C + n % C)[None, :] * stride_a + tl.arange(0, BK)[:, None]
+    xs_at = xs_ptr + a_rows * stride_xs
+    s_at = s_rows[:, None] + (n % C)[None, :]
+    acc = tl.zeros((WROWS, 16), tl.float32)
+    for k0 in range(0, K, BK):
+        w = _e2m1_e4m3_tile(tl.load(w_at, mask=w_ok[:, None], other=0), BK, PTX)
+        a = tl.load(a_at, mask=ok[None, :], other=0.0)
+        scale = tl.load(s_at, mask=w_ok[:, None], other=0).to(tl.int32)
+        x_scale = tl.load(xs_at + (k0 // 32 + n % C) // 4, mask=ok, other=0.0)
+        # weight scale 2^(s-127) times 2^6 (`_e2m1_e4m3_tile`) times the activations' scale
+        factor = ((scale + 6) << 23).to(tl.float32, bitcast=True) * x_scale[None, :]
+        acc += tl.dot(w, a) * factor
+        w_at += BK // 2
+        s_at += C
+        a_at += BK
+    return tl.sum(acc.reshape(WROWS, BM, C), 2)
+
+
 @triton.jit(do_not_specialize=["n_experts", "k_slots", "K", "N", "early_steps"])
 def _grouped_gemm_kernel(
     a_ptr,
     stride_a,
+    xs_ptr,
+    stride_xs,
     order_ptr,
     bounds_ptr,
     gate_ptr,
@@ -313,6 +413,7 @@ def _grouped_gemm_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     MXFP4: tl.constexpr,
+    COLUMN_GROUPS: tl.constexpr,
     GATED: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     DOT: tl.constexpr,
@@ -333,6 +434,12 @@ def _grouped_gemm_kernel(
     PDL: launched early; the routing (from launches before the previous one) is read at once, and the weights of
     the first `early_steps` K steps asked into L2 (a line a weight row and step), `a` read after the previous
     launch ends.
+    COLUMN_GROUPS (C, MXFP4 on e4m3 devices, few rows an expert): the MMA multiplies e4m3 weights by e4m3
+    activations (`_e2m1_e4m3_tile`, `_expert_act_quant_kernel`) over a K step of C 32-groups; its 16 columns are
+    the tile's BM = 16 / C rows times the step's C groups (a row's C rows of a, each zero but in its groups), so
+    that every column sums one group of one row and is scaled in fp32 by the group's weight scale and the row's
+    activation scale (xs) after the MMA; the columns of a row are summed at the end. One row a tile (C = 16): an
+    MMA instruction a 32-group and no other work a group but its weights' decoding.
     PART "all": every row of an expert in BM-row tiles. A pass of two launches (`GemmPlan.rest`): "wide" (BM =
     WIDE_ROWS) takes an expert's whole tiles and one more for a remainder of more than REST_ROWS rows; "rest" (BM =
     REST_ROWS) a remainder of up to REST_ROWS rows past the whole tiles, in one tile."""
@@ -372,7 +479,8 @@ def _grouped_gemm_kernel(
     col_ok = cols < N
     w_base = expert.to(tl.int64) * stride_we + cols * stride_wn
     w_rows = (tl.where(r < BN, gate_ptr, up_ptr) if GATED else gate_ptr) + w_base
-    WK: tl.constexpr = BK // 8 if MXFP4 else BK  # MXFP4: int32 words of eight codes
+    # MXFP4: int32 words of eight codes (bytes of two with COLUMN_GROUPS)
+    WK: tl.constexpr = BK // 2 if COLUMN_GROUPS else (BK // 8 if MXFP4 else BK)
     if not TMA_A:
         a_at = a_ptr + a_rows[None, :] * stride_a + tl.arange(0, BK)[:, None]
     w_at = w_rows[:, None] + tl.arange(0, WK)[None, :]
@@ -381,24 +489,32 @@ def _grouped_gemm_kernel(
             expert.to(tl.int64) * stride_se + cols * stride_sn
         )
         s_at = s_rows[:, None] + tl.arange(0, BK // 32)[None, :]
-    acc = tl.zeros((WROWS, BM), tl.float32)
     if PDL:
         for step in range(0, early_steps):
             prefetch_to_l2(tl.where(col_ok, w_rows, gate_ptr) + step * WK)
         tl.extra.cuda.gdc_wait()
-    for k0 in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
-        if TMA_A:
-            a = tl.trans(a_ptr.load([row0, k0]))
-        else:
-            a = tl.load(a_at, mask=row_ok[None, :], other=0)
-            a_at += BK
-        if MXFP4:
-            w = _e2m1_tile(tl.load(w_at, mask=col_ok[:, None], other=0), tl.load(s_at, mask=col_ok[:, None]), BK, PTX)
-            s_at += BK // 32
-        else:
-            w = tl.load(w_at, mask=col_ok[:, None], other=0)
-        w_at += WK
-        acc = tl.dot(w.to(DOT), a.to(DOT), acc, input_precision=PRECISION)
+    if COLUMN_GROUPS:
+        acc = _column_group_steps(
+            a_ptr, stride_a, xs_ptr, stride_xs, order_ptr, k_slots, row0, row_end, w_at, s_rows, col_ok, K, WROWS,
+            BM, BK, COLUMN_GROUPS, GATED, PTX,
+        )  # fmt: skip
+    else:
+        acc = tl.zeros((WROWS, BM), tl.float32)
+        for k0 in range(0, K, BK):  # K is a multiple of BK: no column masks, so loads stay vectorised
+            if TMA_A:
+                a = tl.trans(a_ptr.load([row0, k0]))
+            else:
+                a = tl.load(a_at, mask=row_ok[None, :], other=0)
+                a_at += BK
+            if MXFP4:
+                w = _e2m1_tile(
+                    tl.load(w_at, mask=col_ok[:, None], other=0), tl.load(s_at, mask=col_ok[:, None]), BK, PTX
+                )
+                s_at += BK // 32
+            else:
+                w = tl.load(w_at, mask=col_ok[:, None], other=0)
+            w_at += WK
+            acc = tl.dot(w.to(DOT), a.to(DOT), acc, input_precision=PRECISION)
     if GATED:
         gate, up = tl.split(acc.reshape(2, BN, BM).permute(1, 2, 0))
         if ROUND_BF16:
@@ -432,6 +548,13 @@ class GemmPlan:
     # A second launch for each expert's remainder of up to rest.bm rows past its whole bm tiles (larger ones take
     # one more bm tile): a skewed routing's lightly loaded experts then fill rest.bm-row tiles, not bm-row ones.
     rest: GemmPlan | None = None
+    # MXFP4 on e4m3 devices: the e4m3 MMA whose 16 columns are bm rows x column_groups 32-groups, K steps of
+    # bk = 32 column_groups (`_grouped_gemm_kernel`'s COLUMN_GROUPS); 0: the bf16 MMA with bm rows as columns.
+    column_groups: int = 0
+
+    def __post_init__(self):
+        if self.column_groups and (self.bm * self.column_groups != 16 or self.bk != 32 * self.column_groups):
+            raise ValueError(f"a column-group plan has bm x column_groups = 16 and bk = 32 column_groups: {self}")
 
 
 # The chosen settings (the sweep lives in `ds4 bench moe`), by the average rows a touched expert gets: row
@@ -459,6 +582,14 @@ _REGISTER_OPERAND_TIERS = (
     (128, _REGISTER_ROWS_128),
     (None, GemmPlan(bm=256, weight_rows=64, bk=64, warps=8, stages=3, tma=True, rest=_REGISTER_ROWS_128)),
 )
+# Where the MMA takes e4m3 (sm_89+) and an expert gets few rows (decode): its columns hold 32-groups as well as
+# rows, decoding and scaling take a fraction of the bf16 MMA's instructions a weight byte (offline, sm_90, the
+# one-token tile: 1.7 against 3.9 a code) for a few more weight reads where a tile leaves an expert's rows over.
+_COLUMN_GROUP_TIERS = (  # (rows per touched expert up to, plan)
+    (1.05, GemmPlan(bm=1, weight_rows=64, bk=512, warps=4, stages=3, column_groups=16)),
+    (1.5, GemmPlan(bm=2, weight_rows=128, bk=256, warps=4, stages=4, column_groups=8)),
+    (3.0, GemmPlan(bm=4, weight_rows=128, bk=128, warps=4, stages=4, column_groups=4)),
+)
 _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2
 _ACT_QUANT_ELEMENTS = 2048  # an act_quant program's tile
@@ -469,7 +600,8 @@ _COMBINE_STAGES = tl.constexpr(3)  # slot rows in flight while the slot sum adds
 def plan_shared_memory(plan: GemmPlan, mxfp4: bool, a_bytes: int) -> int:
     """Bytes of shared memory the pipelined operand tiles of a plan take (`stages` copies)."""
     w_bytes = plan.bk // 2 + plan.bk // MXFP4_GROUP if mxfp4 else plan.bk * a_bytes
-    return plan.stages * (plan.bm * plan.bk * a_bytes + plan.weight_rows * w_bytes)
+    a_tile = 16 * plan.bk if plan.column_groups else plan.bm * plan.bk * a_bytes  # e4m3 columns
+    return plan.stages * (a_tile + plan.weight_rows * w_bytes)
 
 
 def gemm_plan(
@@ -484,12 +616,15 @@ def gemm_plan(
     shared_memory: int,
     tma: bool = True,
     registers_hold_operands: bool = False,
+    e4m3_mma: bool = False,
 ) -> GemmPlan:
     """The plan for `rows` (token, slot) rows, n output columns (gated: of gate and of up), K = k, from the
-    device's SM count and shared memory (and whether it has TMA, and whether its MMA takes its operands from
-    registers): fewer stages, then narrower K steps where it has less."""
-    touched = max(1, min(rows, n_experts))
+    device's SM count and shared memory (and whether it has TMA, whether its MMA takes its operands from
+    registers, whether it multiplies e4m3): fewer stages, then narrower K steps where it has less."""
+    touched = max(1.0, n_experts * -math.expm1(rows * math.log1p(-1 / n_experts)))  # distinct experts, uniform
     tiers = _REGISTER_OPERAND_TIERS if registers_hold_operands else _TIERS
+    if e4m3_mma and mxfp4:
+        tiers = tuple((limit, p) for limit, p in _COLUMN_GROUP_TIERS if k % p.bk == 0) + tiers
     plan = next(p for limit, p in tiers if limit is None or rows / touched <= limit)
     # TMA where the device has it and the act_quant pass puts the activations (MXFP4's) in expert order; a pass's
     # two launches read them alike
@@ -506,7 +641,7 @@ def gemm_plan(
 def _fit(plan: GemmPlan, k: int, mxfp4: bool, a_bytes: int, budget: int) -> GemmPlan:
     """K steps that divide K, then fewer stages and narrower K steps until the pipelined tiles fit `budget` (a
     first cut: `_fitted` checks the compiled kernel's own size); the same for the rest launch's plan."""
-    min_bk = MXFP4_GROUP if mxfp4 else 16  # a scale group; the MMA's K
+    min_bk = plan.bk if plan.column_groups else MXFP4_GROUP if mxfp4 else 16  # a scale group; the MMA's K
     bk = plan.bk
     while k % bk and bk > min_bk:
         bk //= 2
@@ -548,7 +683,7 @@ def _fitted(plan: GemmPlan, key: tuple, compile_plan, shared_memory: int, mxfp4:
 def _fitted_launch(launch: GemmPlan, part: str, plan: GemmPlan, compile_plan, shared_memory: int, mxfp4: bool):
     """One launch's plan of `plan`'s pass, fitted as `_fitted` says."""
     split = _split(plan)
-    fitted, min_bk = launch, MXFP4_GROUP if mxfp4 else 16
+    fitted, min_bk = launch, launch.bk if launch.column_groups else MXFP4_GROUP if mxfp4 else 16
     while compile_plan(fitted, part, split).metadata.shared > shared_memory:
         if fitted.stages > 2:
             fitted = replace(fitted, stages=fitted.stages - 1)
@@ -576,33 +711,48 @@ def _act_quant(
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
     k_slots: int = 1,
+    column_groups: int = 0,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act_quant of x's first `rows` rows, dequantised in bf16 (into `out` if given), columns in the MMA order of
-    K steps of `chunk`; with `order` (the slots in expert order), out's rows are its slots' tokens' rows."""
+    K steps of `chunk`; with `order` (the slots in expert order), out's rows are its slots' tokens' rows. With
+    column_groups: the e4m3 MMA's activations (`_expert_act_quant_kernel`) into `out` [rows * column_groups, K],
+    the 128-group scales into `scales` [rows, K / 128]."""
     if out is None:
         out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
     cols = max(ACT_GROUP, chunk)
     block_rows = max(1, _ACT_QUANT_ELEMENTS // cols)
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(x.shape[1], cols))
     pdl = launches_dependents_early(x.device)
+    xs = scales if scales is not None else out
     _expert_act_quant_kernel[grid](
-        x, x.stride(0), order if order is not None else x, k_slots, out, out.stride(0), rows, x.shape[1],
-        ROWS=block_rows, COLS=cols, CHUNK=chunk, GATHER=order is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        x, x.stride(0), order if order is not None else x, k_slots, out, out.stride(0), xs, xs.stride(0), rows,
+        x.shape[1], ROWS=block_rows, COLS=cols, CHUNK=chunk, COLUMN_GROUPS=column_groups, GATHER=order is not None,
+        PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
 
+def _e4m3_activations(rows: int, k: int, column_groups: int, device: torch.device):
+    """The e4m3 MMA's activation buffers of `rows` rows (`_act_quant`'s out and scales): e4m3 on the GPU, fp32
+    (the same values) under the interpreter."""
+    dtype = torch.float32 if interpreting() else torch.float8_e4m3fn
+    a = torch.empty(max(1, rows) * column_groups, k, dtype=dtype, device=device)
+    return a, torch.empty(max(1, rows), k // ACT_GROUP, dtype=torch.float32, device=device)
+
+
 def _grouped_gemm(
     a, order, bounds, w, up, scale, up_scale, route_w, out, n_experts, k_slots, limit, plan, part, split,
-    compile_only=False,
+    compile_only=False, a_scales=None,
 ):  # fmt: skip
     """One launch of a grouped-GEMM pass (`_launches`: part, and the pass's (wide, rest) row tiles); compile_only:
-    compile it for `plan` without launching, returning the kernel."""
+    compile it for `plan` without launching, returning the kernel. a_scales: the activations' scales of a
+    column-group plan."""
     gated = up is not None
     mxfp4 = scale is not None
-    if mxfp4:  # eight e2m1 codes an int32 word (`_e2m1_tile`)
+    k_dim = w.shape[2] * (2 if mxfp4 else 1)
+    if mxfp4 and not plan.column_groups:  # eight e2m1 codes an int32 word (`_e2m1_tile`)
         w, up = w.view(torch.int32), up.view(torch.int32) if gated else None
-    k_dim = w.shape[2] * (8 if mxfp4 else 1)
     n = w.shape[1]
     bn = plan.weight_rows // 2 if gated else plan.weight_rows
     rows = order.shape[0]
@@ -620,9 +770,12 @@ def _grouped_gemm(
     step_bytes = grid[0] * grid[1] * plan.weight_rows * (plan.bk // 2 if mxfp4 else plan.bk * w.element_size())
     early_steps = min(k_dim // plan.bk, early_prefetch_bytes(a.device) // max(1, step_bytes)) if pdl else 0
     launch = functools.partial(_grouped_gemm_kernel.warmup, grid=grid) if compile_only else _grouped_gemm_kernel[grid]
+    xs = a_scales if plan.column_groups else a
     return launch(
         TensorDescriptor.from_tensor(a, [plan.bm, plan.bk]) if plan.tma else a,
         a.stride(0),
+        xs,
+        xs.stride(0),
         order,
         bounds,
         w,
@@ -647,6 +800,7 @@ def _grouped_gemm(
         BN=bn,
         BK=plan.bk,
         MXFP4=mxfp4,
+        COLUMN_GROUPS=plan.column_groups,
         GATED=gated,
         ROUND_BF16=out.dtype == torch.bfloat16,
         DOT=dot,
@@ -747,7 +901,7 @@ def routed_slots_triton(
     order, bounds = groups or group_by_expert(indices, n_experts)
     sms, smem = num_sms(x.device), shared_memory_per_block(x.device)
     a_bytes = 2 if experts.mxfp4 or x.dtype == torch.bfloat16 else 4
-    traits = (sms, smem, has_tma(x.device), mma_operands_in_registers(x.device))
+    traits = (sms, smem, has_tma(x.device), mma_operands_in_registers(x.device), has_fp8(x.device))
     plan1, plan2 = plans or (
         gemm_plan(t * k, n_experts, inter, hidden, True, experts.mxfp4, a_bytes, *traits),
         gemm_plan(t * k, n_experts, hidden, inter, False, experts.mxfp4, a_bytes, *traits),
@@ -756,22 +910,30 @@ def routed_slots_triton(
     out = torch.empty(t * k, hidden, dtype=slot_dtype, device=x.device)
     route_w = weights.reshape(-1).float()
     x = x.contiguous()
+    if (plan1.column_groups or plan2.column_groups) and not experts.mxfp4:
+        raise ValueError("column-group plans take MXFP4 experts (the e4m3 MMA multiplies their codes)")
     if plan1.tma and not experts.mxfp4:
         raise ValueError("TMA plans take MXFP4 experts (their act_quant pass puts the activations in expert order)")
     a_rows = t * k if plan1.tma else t
     a = torch.empty(a_rows, hidden, dtype=torch.bfloat16, device=x.device) if experts.mxfp4 else x
+    a_scales = None
+    if plan1.column_groups:
+        a, a_scales = _e4m3_activations(a_rows, hidden, plan1.column_groups, x.device)
     h_quant = torch.empty_like(h, dtype=torch.bfloat16) if experts.mxfp4 else h
+    h_scales = None
+    if plan2.column_groups:
+        h_quant, h_scales = _e4m3_activations(t * k, inter, plan2.column_groups, x.device)
 
     def gate_up(plan, part, split, compile_only=False):
         return _grouped_gemm(
             a, order, bounds, experts.gate, experts.up, experts.gate_scale, experts.up_scale, route_w, h,
-            n_experts, k, limit, plan, part, split, compile_only,
+            n_experts, k, limit, plan, part, split, compile_only, a_scales,
         )  # fmt: skip
 
     def down(plan, part, split, compile_only=False):
         return _grouped_gemm(
             h_quant, order, bounds, experts.down, None, experts.down_scale, None, route_w, out, n_experts, k, limit,
-            plan, part, split, compile_only,
+            plan, part, split, compile_only, h_scales,
         )  # fmt: skip
 
     if not interpreting() and plans is None:
@@ -781,11 +943,11 @@ def routed_slots_triton(
     if any(p.rest and (p.rest.bk, p.rest.tma) != (p.bk, p.tma) for p in (plan1, plan2)):
         raise ValueError("a pass's two launches read the activations alike: one K step (its MMA column order), TMA")
     if experts.mxfp4:
-        _act_quant(x, a_rows, plan1.bk, a, order if plan1.tma else None, k)
+        _act_quant(x, a_rows, plan1.bk, a, order if plan1.tma else None, k, plan1.column_groups, a_scales)
     for launch, part in _launches(plan1):
         gate_up(launch, part, _split(plan1))
     if experts.mxfp4:
-        _act_quant(h, t * k, plan2.bk, h_quant)
+        _act_quant(h, t * k, plan2.bk, h_quant, None, 1, plan2.column_groups, h_scales)
     for launch, part in _launches(plan2):
         down(launch, part, _split(plan2))
     return out

@@ -360,3 +360,74 @@ def test_a_two_launch_plans_launches_are_fitted_to_one_k_step():
     fitted = moe_module._fitted(plan, ("test", 2), compile_plan, 200_000, mxfp4=True)
     assert (fitted.bk, fitted.rest.bk, fitted.rest.bm) == (64, 64, 128)
     assert set(parts) == {("wide", (256, 128)), ("rest", (256, 128))}
+
+
+@triton.jit
+def _e4m3_decode_kernel(codes_ptr, out_ptr, ROWS: tl.constexpr, BK: tl.constexpr, PTX: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    codes = tl.load(codes_ptr + r[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])
+    w = moe_module._e2m1_e4m3_tile(codes, BK, PTX)
+    tl.store(out_ptr + r[:, None] * BK + tl.arange(0, BK)[None, :], w.to(tl.float32))
+
+
+def test_interpreted_e4m3_decoding_and_activations_share_the_column_order(kernels):
+    """Every byte value decodes to its two codes' values times 2^-6, column c of a K step holding the row's column
+    e4m3_mma_columns(bk)[c]; the column-group act_quant stores each row as C rows, row c holding the 32-groups g
+    with g % C == c in that same order (zeros elsewhere), and the 128-group scales beside: act_quant's values."""
+    bk, rows = 64, 8
+    packed = torch.arange(rows * bk // 2).remainder(256).to(torch.uint8).view(rows, bk // 2)
+    got = torch.empty(rows, bk)
+    _e4m3_decode_kernel[(1,)](packed, got, ROWS=rows, BK=bk, PTX=False)
+    columns = kernels.e4m3_mma_columns(bk)
+    assert sorted(columns.tolist()) == list(range(bk))
+    ones = torch.full((rows, bk // 32), 127, dtype=torch.uint8)
+    want = mxfp4_dequantize(packed.view(torch.int8), ones.view(torch.float8_e8m0fnu), torch.float32) / 64
+    assert torch.equal(got, want[:, columns])
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(8)).bfloat16() * 5
+    for c in (16, 4):
+        a, scales = kernels._e4m3_activations(3, 512, c, x.device)
+        kernels._act_quant(x, 3, 32 * c, a, None, 1, c, scales)
+        group = torch.arange(512) // 32
+        stored = a.view(3, c, 512)
+        for part in range(c):
+            assert torch.all(stored[:, part, group % c != part] == 0)
+        values = stored.sum(dim=1)[:, kernels.e4m3_mma_columns(512).argsort()]
+        assert torch.equal(values * scales.repeat_interleave(128, dim=1), act_quant(x.float()))
+
+
+@pytest.mark.parametrize("columns", [16, 8, 4])
+def test_interpreted_column_group_plans_equal_the_reference(kernels, columns):
+    """The e4m3 MMA's plans (one, two or four rows a tile, the rest of its 16 columns 32-groups) under score and
+    hash routing (a token sent twice to one expert: two one-row tiles)."""
+    gen = torch.Generator().manual_seed(10)
+    e, d, i, t, k = 8, 512, 256, 3, 3
+    experts = _packed(_dense(e, d, i, gen))
+    x = (torch.randn(t, d, generator=gen) * 3).to(torch.bfloat16)
+    down_columns = min(columns, 8)  # K = 256 for the down pass
+    plan1 = GemmPlan(bm=16 // columns, weight_rows=64, bk=32 * columns, warps=4, stages=2, column_groups=columns)
+    plan2 = replace(plan1, bm=16 // down_columns, bk=32 * down_columns, column_groups=down_columns)
+    for kind in ("score", "hash"):
+        indices = _routing(kind, t, k, e, gen)
+        weights = torch.rand(t, k, generator=gen)
+        want = routed_experts_reference(x, weights, indices, experts, 1.5)
+        got = kernels.routed_experts_triton(x, weights, indices, experts, 1.5, (plan1, plan2))
+        assert (got - want).abs().max() <= 1e-2 * want.abs().max(), kind
+        assert (got - want).abs().mean() <= 1e-3 * want.abs().mean(), kind
+
+
+def test_e4m3_devices_take_column_group_plans_at_decode_sizes():
+    """One token: one-row tiles (16 groups a K step); a batch of 8 or 32: two rows; 64: four; prefill the bf16 MMA's
+    tiles; a K that 512 does not divide skips the one-row plan; the tiers stay off without e4m3."""
+    flash = (256, 2048, 4096, True, True, 2, 132, 232448)
+
+    def plan(rows, **kw):
+        return gemm_plan(rows, *flash, **kw)
+
+    assert plan(6, e4m3_mma=True).column_groups == 16 and plan(6, e4m3_mma=True).bm == 1
+    assert [plan(r, e4m3_mma=True).bm for r in (48, 192, 384)] == [2, 2, 4]
+    big = plan(49152, e4m3_mma=True)
+    assert big.column_groups == 0 and big.bm == 256
+    assert plan(6).column_groups == 0
+    assert gemm_plan(6, 256, 2048, 256, True, True, 2, 132, 232448, e4m3_mma=True).bm == 2
+    with pytest.raises(ValueError, match="column-group plan"):
+        GemmPlan(bm=2, weight_rows=64, bk=512, warps=4, stages=2, column_groups=16)

@@ -222,3 +222,35 @@ def test_moe_layer_graph_replay_equals_eager_and_the_reference():
         routes = layer.gate(x, ids)
         routed = moe.routed_experts_reference(x, routes.weights, routes.indices, expert_weights(layer.experts), LIMIT)
         assert_close(eager.float(), (routed + layer.shared_experts(x).float()).bfloat16().float())
+
+
+@triton.jit
+def _e4m3_decode_kernel(codes_ptr, out_ptr, ROWS: tl.constexpr, BK: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    codes = tl.load(codes_ptr + r[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :])
+    w = moe._e2m1_e4m3_tile(codes, BK, True)
+    tl.store(out_ptr + r[:, None] * BK + tl.arange(0, BK)[None, :], w.to(tl.float32))
+
+
+@pytest.mark.parametrize("bk", [128, 512])
+def test_e4m3_decoding_of_every_code_in_the_column_order(bk):
+    """The PTX decoding (sm_89+): every byte value gives its two codes' values times 2^-6 (the subnormal 0.5
+    among them), column c of a K step holding the row's column e4m3_mma_columns(bk)[c]."""
+    rows = 64
+    packed = torch.arange(rows * bk // 2, device="cuda").remainder(256).to(torch.uint8).view(rows, bk // 2)
+    got = torch.empty(rows, bk, device="cuda")
+    _e4m3_decode_kernel[(1,)](packed, got, ROWS=rows, BK=bk)
+    ones = torch.full((rows, bk // 32), 127, dtype=torch.uint8, device="cuda")
+    want = mxfp4_dequantize(packed.view(torch.int8), ones.view(torch.float8_e8m0fnu), torch.float32) / 64
+    assert torch.equal(got, want[:, moe.e4m3_mma_columns(bk).cuda()])
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_column_group_plans_match_the_oracle(experts, tokens):
+    """Each column-group plan (one, two, four rows a tile) at Flash sizes, whichever the batch would pick."""
+    x, weights, indices = routing(tokens, 3)
+    want = oracle(x, weights, indices, experts)
+    for columns in (16, 8, 4):
+        plan = moe.GemmPlan(bm=16 // columns, weight_rows=64, bk=32 * columns, warps=4, stages=3, column_groups=columns)
+        got = moe.routed_experts_triton(x, weights, indices, experts, LIMIT, (plan, plan))
+        assert_close(got, want)
