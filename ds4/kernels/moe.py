@@ -28,7 +28,10 @@ MMA: e2m1 codes, read as int32 words of eight, become bf16 pairs in registers by
 carry-free multiply a pair) and one bf16x2 multiply by the scale (exact: e2m1 times a power of two fits
 bf16), and the bf16 MMA takes them from registers; decoding is what bounds decode-sized batches (about 8
 instructions a weight byte at the 1-token tiles, sm_90), not bytes. The K columns of a step are read in the
-order the MMA's threads hold them (`mma_columns`), the activations stored in that order to match. Prefill's
+order the MMA's threads hold them (`mma_columns`), the activations stored in that order to match. One token's
+batch on e4m3 devices takes one-row tiles of the e4m3 MMA instead (`GemmPlan.column_groups`, COLUMN_GROUPS in the
+kernel): 32-groups as the MMA's columns, the codes placed as e4m3 bytes, the scales applied to its fp32 sums (less
+exact than fp32 inside the tensor core, as FP8 GEMMs are). Prefill's
 plan (sm_90+, `GemmPlan.tma`) has the gate-up pass's act_quant write each slot's token row in expert order, so
 both passes read their activation tiles as boxes of whole rows by TMA descriptors (one copy instruction a tile
 instead of a gathered address a row: fewer instructions in a kernel whose issue slots the decoding fills; an H200
@@ -582,13 +585,13 @@ _REGISTER_OPERAND_TIERS = (
     (128, _REGISTER_ROWS_128),
     (None, GemmPlan(bm=256, weight_rows=64, bk=64, warps=8, stages=3, tma=True, rest=_REGISTER_ROWS_128)),
 )
-# Where the MMA takes e4m3 (sm_89+) and an expert gets few rows (decode): its columns hold 32-groups as well as
-# rows, decoding and scaling take a fraction of the bf16 MMA's instructions a weight byte (offline, sm_90, the
-# one-token tile: 1.7 against 3.9 a code) for a few more weight reads where a tile leaves an expert's rows over.
+# Where the MMA takes e4m3 (sm_89+) and a batch sends each expert one row (one token): one-row tiles whose 16 MMA
+# columns are 16 32-groups, so decoding and scaling take a fraction of the bf16 MMA's instructions a weight byte
+# (offline, sm_90: 1.8 against 3.9 a code). H100, one Flash MoE layer at one token: 0.041 ms against the bf16
+# plan's 0.047. Tiles of two or four rows (GemmPlan.column_groups 8, 4) gained nothing at 8 to 64 tokens, or lost
+# (`ds4 bench moe --sweep`); there the bf16 MMA's tiles stay.
 _COLUMN_GROUP_TIERS = (  # (rows per touched expert up to, plan)
     (1.05, GemmPlan(bm=1, weight_rows=64, bk=512, warps=4, stages=3, column_groups=16)),
-    (1.5, GemmPlan(bm=2, weight_rows=128, bk=256, warps=4, stages=4, column_groups=8)),
-    (3.0, GemmPlan(bm=4, weight_rows=128, bk=128, warps=4, stages=4, column_groups=4)),
 )
 _MIN_WEIGHT_ROWS = 64
 _PROGRAMS_PER_SM = 2

@@ -416,18 +416,17 @@ def test_interpreted_column_group_plans_equal_the_reference(kernels, columns):
 
 
 def test_e4m3_devices_take_column_group_plans_at_decode_sizes():
-    """One token: one-row tiles (16 groups a K step); a batch of 8 or 32: two rows; 64: four; prefill the bf16 MMA's
-    tiles; a K that 512 does not divide skips the one-row plan; the tiers stay off without e4m3."""
+    """One token: one-row tiles (16 groups a K step); batches of 8 or more tokens and prefill the bf16 MMA's tiles;
+    a K that 512 does not divide, or a device without e4m3, keeps them too."""
     flash = (256, 2048, 4096, True, True, 2, 132, 232448)
 
     def plan(rows, **kw):
         return gemm_plan(rows, *flash, **kw)
 
     assert plan(6, e4m3_mma=True).column_groups == 16 and plan(6, e4m3_mma=True).bm == 1
-    assert [plan(r, e4m3_mma=True).bm for r in (48, 192, 384)] == [2, 2, 4]
-    big = plan(49152, e4m3_mma=True)
-    assert big.column_groups == 0 and big.bm == 256
+    assert [plan(r, e4m3_mma=True).bm for r in (48, 384, 49152)] == [16, 16, 256]
+    assert not any(plan(r, e4m3_mma=True).column_groups for r in (48, 384, 49152))
     assert plan(6).column_groups == 0
-    assert gemm_plan(6, 256, 2048, 256, True, True, 2, 132, 232448, e4m3_mma=True).bm == 2
+    assert gemm_plan(6, 256, 2048, 256, True, True, 2, 132, 232448, e4m3_mma=True).column_groups == 0
     with pytest.raises(ValueError, match="column-group plan"):
         GemmPlan(bm=2, weight_rows=64, bk=512, warps=4, stages=2, column_groups=16)
