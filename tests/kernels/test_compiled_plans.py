@@ -25,28 +25,34 @@ from ds4.kernels import moe
 
 arch, sms, smem, tma, registers = json.loads(sys.argv[1])
 results = []
-for rows in (256 * 100, 8192 * 6):  # 100 rows an expert (the 128-row tier), an 8K prefill (the 256-row tier)
+# 100 rows an expert (the 128-row tier), an 8K prefill (the 256-row tier); one token (the e4m3 MMA's one-row tiles)
+# where the device multiplies e4m3
+for rows in (256 * 100, 8192 * 6) + ((6,) if arch >= 89 else ()):
     for gated, n, k in ((True, 2048, 4096), (False, 4096, 2048)):
-        plan = moe.gemm_plan(rows, 256, n, k, gated, True, 2, sms, smem, tma, registers_hold_operands=registers)
+        plan = moe.gemm_plan(
+            rows, 256, n, k, gated, True, 2, sms, smem, tma, registers_hold_operands=registers, e4m3_mma=arch >= 89
+        )
         wide, rest = moe._split(plan)
         for launch, part in moe._launches(plan):  # a prefill pass: the wide tiles' launch and the rest's
             def t(dtype):
                 return torch.empty(1, dtype=dtype)
-            a = t(torch.bfloat16)
+            a = t(torch.float8_e4m3fn if launch.column_groups else torch.bfloat16)
             if launch.tma:
                 a = TensorDescriptor.from_tensor(torch.empty(64, k, dtype=torch.bfloat16), [launch.bm, launch.bk])
+            code = torch.uint8 if launch.column_groups else torch.int32  # bytes, or words of eight codes
+            per_word = 2 if launch.column_groups else 8
             args = dict(
-                a_ptr=a, stride_a=k, order_ptr=t(torch.int32), bounds_ptr=t(torch.int32), gate_ptr=t(torch.int32),
-                up_ptr=t(torch.int32), gate_scale_ptr=t(torch.uint8), up_scale_ptr=t(torch.uint8),
-                stride_we=n * k // 8, stride_wn=k // 8, stride_se=n * k // 32, stride_sn=k // 32,
-                route_w_ptr=t(torch.float32), out_ptr=t(torch.bfloat16), stride_out=n, n_experts=256, k_slots=6,
-                K=k, N=n, limit=7.0, early_steps=2,
+                a_ptr=a, stride_a=k, xs_ptr=t(torch.float32), stride_xs=k // 128, order_ptr=t(torch.int32),
+                bounds_ptr=t(torch.int32), gate_ptr=t(code), up_ptr=t(code), gate_scale_ptr=t(torch.uint8),
+                up_scale_ptr=t(torch.uint8), stride_we=n * k // per_word, stride_wn=k // per_word,
+                stride_se=n * k // 32, stride_sn=k // 32, route_w_ptr=t(torch.float32), out_ptr=t(torch.bfloat16),
+                stride_out=n, n_experts=256, k_slots=6, K=k, N=n, limit=7.0, early_steps=2,
             )
             bn = launch.weight_rows // 2 if gated else launch.weight_rows
             constexprs = dict(
-                E_PAD=256, BM=launch.bm, BN=bn, BK=launch.bk, MXFP4=True, GATED=gated, ROUND_BF16=True,
-                DOT=tl.bfloat16, PRECISION="tf32", PTX=True, TMA_A=launch.tma, PDL=arch >= 90, PART=part,
-                WIDE_ROWS=wide, REST_ROWS=rest,
+                E_PAD=256, BM=launch.bm, BN=bn, BK=launch.bk, MXFP4=True, COLUMN_GROUPS=launch.column_groups,
+                GATED=gated, ROUND_BF16=True, DOT=tl.bfloat16, PRECISION="tf32", PTX=True, TMA_A=launch.tma,
+                PDL=arch >= 90, PART=part, WIDE_ROWS=wide, REST_ROWS=rest,
             )
             compiled = compile_kernel(moe._grouped_gemm_kernel, args, constexprs, arch, launch.warps, launch.stages)
             results.append(dict(rows=rows, gated=gated, part=part, plan=repr(launch), **report(compiled)))
@@ -209,11 +215,13 @@ def _compiled(script: str, *args) -> list[dict]:
     ids=["sm_120", "sm_80", "sm_90"],
 )
 def test_moe_prefill_plans_do_not_spill(arch, sms, smem, tma, registers):
-    """The routed experts' wide tiles (and a prefill pass's rest launch) as each device gets them (RTX PRO 6000 /
-    GB10, A100: mma.sync, both operands in registers; H200: wgmma): within the registers (a spill stack of at most
-    8 bytes, ptxas's own frame on sm_120) and the device's shared memory."""
+    """The routed experts' wide tiles (and a prefill pass's rest launch, and one token's e4m3 tiles where the device
+    multiplies e4m3) as each device gets them (RTX PRO 6000 / GB10, A100: mma.sync, both operands in registers;
+    H200: wgmma): within the registers (a spill stack of at most 8 bytes, ptxas's own frame on sm_120) and the
+    device's shared memory."""
     results = _compiled(_MOE_PLANS, [arch, sms, smem, tma, registers])
     assert {r["part"] for r in results if r["rows"] == 8192 * 6} == {"wide", "rest"}  # the prefill's two launches
+    assert all("column_groups=16" in r["plan"] for r in results if r["rows"] == 6)
     for result in results:
         assert result["stack"] <= 8 and result["shared"] <= smem, result
 
