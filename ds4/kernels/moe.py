@@ -217,17 +217,16 @@ def _expert_act_quant_kernel(
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     CHUNK: tl.constexpr,
-    COLUMN_GROUPS: tl.constexpr,
+    E4M3: tl.constexpr,
     GATHER: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """act_quant of ROWS rows x COLS columns (whole 128-groups and K steps of CHUNK). COLUMN_GROUPS 0: stored
-    dequantised (e4m3 times a power of two: exact in bf16) in the MMA column order of each K step (`_e2m1_tile`),
-    so the GEMMs load them as they are. Else (the e4m3 MMA's activations, `_grouped_gemm_kernel`): the e4m3 values
-    and, in xs, each row's 128-group scales; row r becomes rows r C .. r C + C - 1 (C = COLUMN_GROUPS) of out,
-    row r C + c holding the 32-groups g with g % C == c (zeros elsewhere), each group's columns in the e4m3 MMA's
-    order (`_e2m1_e4m3_tile`). GATHER: output row r is x's row of the token of sorted slot r (order[r] // k_slots),
-    the activations in expert order. PDL: launched early; x is read after the launch before this one ends."""
+    """act_quant of ROWS rows x COLS columns (whole 128-groups and K steps of CHUNK), stored dequantised (e4m3
+    times a power of two: exact in bf16) in the MMA column order of each K step (`_e2m1_tile`), so the GEMMs load
+    them as they are; E4M3 (the e4m3 MMA's activations, `_grouped_gemm_kernel`'s COLUMN_GROUPS): the e4m3 values,
+    each 32-group's columns in that MMA's order (`_e2m1_e4m3_tile`), and in xs each row's 128-group scales.
+    GATHER: output row r is x's row of the token of sorted slot r (order[r] // k_slots), the activations in expert
+    order. PDL: launched early; x is read after the launch before this one ends."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -239,16 +238,11 @@ def _expert_act_quant_kernel(
     if GATHER:
         source = tl.load(order_ptr + r, mask=r < rows, other=0).to(tl.int64) // k_slots
     a = tl.load(x_ptr + source[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
-    if COLUMN_GROUPS:
+    if E4M3:
         q, scale = _act_quant_parts(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
         # column 8j + 2i + h of a group is its column 16h + 4j + i in the MMA's order
         q = q.reshape(ROWS, COLS // 32, 4, 4, 2).permute(0, 1, 4, 2, 3).reshape(ROWS, COLS)
-        group = c // 32
-        out_rows = r.to(tl.int64) * COLUMN_GROUPS
-        for part in tl.static_range(COLUMN_GROUPS):
-            v = tl.where((group % COLUMN_GROUPS == part)[None, :], q, 0.0)
-            at = out_ptr + (out_rows + part)[:, None] * stride_out + c[None, :]
-            tl.store(at, v.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + c[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
         chunks = tl.program_id(1) * (COLS // 128) + tl.arange(0, COLS // 128)
         xs_at = xs_ptr + r.to(tl.int64)[:, None] * stride_xs + chunks[None, :]
         tl.store(xs_at, scale.reshape(ROWS, COLS // 128), mask=(r < rows)[:, None] & (chunks * 128 < K)[None, :])
@@ -341,7 +335,7 @@ def _e2m1_value(code):
 
 def e4m3_mma_columns(bk: int) -> torch.Tensor:
     """The row column (of a K step of bk) each column of `_e2m1_e4m3_tile`'s result holds: in each 32-group,
-    column 16h + 4j + i holds the group's column 8j + 2i + h (the column-group act_quant stores activations so)."""
+    column 16h + 4j + i holds the group's column 8j + 2i + h (the e4m3 act_quant stores activations so)."""
     p = torch.arange(bk)
     within = p % 32
     return p - within + 8 * ((within % 16) // 4) + 2 * (within % 4) + within // 16
@@ -368,13 +362,15 @@ def _column_group_steps(
     ok = rows < row_end
     slot = tl.load(order_ptr + rows, mask=ok, other=0)
     a_rows = (slot // k_slots if GATED else rows).to(tl.int64)
-    a_at = a_ptr + (a_rows * C + n % C)[None, :] * stride_a + tl.arange(0, BK)[:, None]
+    a_at = a_ptr + a_rows[None, :] * stride_a + tl.arange(0, BK)[:, None]
+    # column n multiplies its row's group n % C of the step (zeros elsewhere: a masked load reads nothing)
+    a_ok = ok[None, :] & (((tl.arange(0, BK) // 32) % C)[:, None] == (n % C)[None, :])
     xs_at = xs_ptr + a_rows * stride_xs
     s_at = s_rows[:, None] + (n % C)[None, :]
     acc = tl.zeros((WROWS, 16), tl.float32)
     for k0 in range(0, K, BK):
         w = _e2m1_e4m3_tile(tl.load(w_at, mask=w_ok[:, None], other=0), BK, PTX)
-        a = tl.load(a_at, mask=ok[None, :], other=0.0)
+        a = tl.load(a_at, mask=a_ok, other=0.0)
         scale = tl.load(s_at, mask=w_ok[:, None], other=0).to(tl.int32)
         x_scale = tl.load(xs_at + (k0 // 32 + n % C) // 4, mask=ok, other=0.0)
         # weight scale 2^(s-127) times 2^6 (`_e2m1_e4m3_tile`) times the activations' scale
@@ -439,10 +435,10 @@ def _grouped_gemm_kernel(
     launch ends.
     COLUMN_GROUPS (C, MXFP4 on e4m3 devices, few rows an expert): the MMA multiplies e4m3 weights by e4m3
     activations (`_e2m1_e4m3_tile`, `_expert_act_quant_kernel`) over a K step of C 32-groups; its 16 columns are
-    the tile's BM = 16 / C rows times the step's C groups (a row's C rows of a, each zero but in its groups), so
-    that every column sums one group of one row and is scaled in fp32 by the group's weight scale and the row's
-    activation scale (xs) after the MMA; the columns of a row are summed at the end. One row a tile (C = 16): an
-    MMA instruction a 32-group and no other work a group but its weights' decoding.
+    the tile's BM = 16 / C rows times the step's C groups (a row's activations, loaded masked to one group a
+    column), so that every column sums one group of one row and is scaled in fp32 by the group's weight scale and
+    the row's activation scale (xs) after the MMA; the columns of a row are summed at the end. One row a tile
+    (C = 16): an MMA instruction a 32-group and no other work a group but its weights' decoding.
     PART "all": every row of an expert in BM-row tiles. A pass of two launches (`GemmPlan.rest`): "wide" (BM =
     WIDE_ROWS) takes an expert's whole tiles and one more for a remainder of more than REST_ROWS rows; "rest" (BM =
     REST_ROWS) a remainder of up to REST_ROWS rows past the whole tiles, in one tile."""
@@ -603,7 +599,7 @@ _COMBINE_STAGES = tl.constexpr(3)  # slot rows in flight while the slot sum adds
 def plan_shared_memory(plan: GemmPlan, mxfp4: bool, a_bytes: int) -> int:
     """Bytes of shared memory the pipelined operand tiles of a plan take (`stages` copies)."""
     w_bytes = plan.bk // 2 + plan.bk // MXFP4_GROUP if mxfp4 else plan.bk * a_bytes
-    a_tile = 16 * plan.bk if plan.column_groups else plan.bm * plan.bk * a_bytes  # e4m3 columns
+    a_tile = 16 * plan.bk if plan.column_groups else plan.bm * plan.bk * a_bytes  # 16 e4m3 columns
     return plan.stages * (a_tile + plan.weight_rows * w_bytes)
 
 
@@ -714,13 +710,12 @@ def _act_quant(
     out: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
     k_slots: int = 1,
-    column_groups: int = 0,
     scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act_quant of x's first `rows` rows, dequantised in bf16 (into `out` if given), columns in the MMA order of
     K steps of `chunk`; with `order` (the slots in expert order), out's rows are its slots' tokens' rows. With
-    column_groups: the e4m3 MMA's activations (`_expert_act_quant_kernel`) into `out` [rows * column_groups, K],
-    the 128-group scales into `scales` [rows, K / 128]."""
+    `scales`: the e4m3 MMA's activations (`_expert_act_quant_kernel`'s E4M3) into `out`, the 128-group scales into
+    `scales` [rows, K / 128]."""
     if out is None:
         out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
     cols = max(ACT_GROUP, chunk)
@@ -730,17 +725,17 @@ def _act_quant(
     xs = scales if scales is not None else out
     _expert_act_quant_kernel[grid](
         x, x.stride(0), order if order is not None else x, k_slots, out, out.stride(0), xs, xs.stride(0), rows,
-        x.shape[1], ROWS=block_rows, COLS=cols, CHUNK=chunk, COLUMN_GROUPS=column_groups, GATHER=order is not None,
+        x.shape[1], ROWS=block_rows, COLS=cols, CHUNK=chunk, E4M3=scales is not None, GATHER=order is not None,
         PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
 
-def _e4m3_activations(rows: int, k: int, column_groups: int, device: torch.device):
+def _e4m3_activations(rows: int, k: int, device: torch.device):
     """The e4m3 MMA's activation buffers of `rows` rows (`_act_quant`'s out and scales): e4m3 on the GPU, fp32
     (the same values) under the interpreter."""
     dtype = torch.float32 if interpreting() else torch.float8_e4m3fn
-    a = torch.empty(max(1, rows) * column_groups, k, dtype=dtype, device=device)
+    a = torch.empty(max(1, rows), k, dtype=dtype, device=device)
     return a, torch.empty(max(1, rows), k // ACT_GROUP, dtype=torch.float32, device=device)
 
 
@@ -921,11 +916,11 @@ def routed_slots_triton(
     a = torch.empty(a_rows, hidden, dtype=torch.bfloat16, device=x.device) if experts.mxfp4 else x
     a_scales = None
     if plan1.column_groups:
-        a, a_scales = _e4m3_activations(a_rows, hidden, plan1.column_groups, x.device)
+        a, a_scales = _e4m3_activations(a_rows, hidden, x.device)
     h_quant = torch.empty_like(h, dtype=torch.bfloat16) if experts.mxfp4 else h
     h_scales = None
     if plan2.column_groups:
-        h_quant, h_scales = _e4m3_activations(t * k, inter, plan2.column_groups, x.device)
+        h_quant, h_scales = _e4m3_activations(t * k, inter, x.device)
 
     def gate_up(plan, part, split, compile_only=False):
         return _grouped_gemm(
@@ -946,11 +941,11 @@ def routed_slots_triton(
     if any(p.rest and (p.rest.bk, p.rest.tma) != (p.bk, p.tma) for p in (plan1, plan2)):
         raise ValueError("a pass's two launches read the activations alike: one K step (its MMA column order), TMA")
     if experts.mxfp4:
-        _act_quant(x, a_rows, plan1.bk, a, order if plan1.tma else None, k, plan1.column_groups, a_scales)
+        _act_quant(x, a_rows, plan1.bk, a, order if plan1.tma else None, k, a_scales)
     for launch, part in _launches(plan1):
         gate_up(launch, part, _split(plan1))
     if experts.mxfp4:
-        _act_quant(h, t * k, plan2.bk, h_quant, None, 1, plan2.column_groups, h_scales)
+        _act_quant(h, t * k, plan2.bk, h_quant, None, 1, h_scales)
     for launch, part in _launches(plan2):
         down(launch, part, _split(plan2))
     return out

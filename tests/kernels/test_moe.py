@@ -372,8 +372,8 @@ def _e4m3_decode_kernel(codes_ptr, out_ptr, ROWS: tl.constexpr, BK: tl.constexpr
 
 def test_interpreted_e4m3_decoding_and_activations_share_the_column_order(kernels):
     """Every byte value decodes to its two codes' values times 2^-6, column c of a K step holding the row's column
-    e4m3_mma_columns(bk)[c]; the column-group act_quant stores each row as C rows, row c holding the 32-groups g
-    with g % C == c in that same order (zeros elsewhere), and the 128-group scales beside: act_quant's values."""
+    e4m3_mma_columns(bk)[c]; the e4m3 act_quant stores the activations' e4m3 values in that same order, with the
+    128-group scales beside: act_quant's values."""
     bk, rows = 64, 8
     packed = torch.arange(rows * bk // 2).remainder(256).to(torch.uint8).view(rows, bk // 2)
     got = torch.empty(rows, bk)
@@ -384,15 +384,11 @@ def test_interpreted_e4m3_decoding_and_activations_share_the_column_order(kernel
     want = mxfp4_dequantize(packed.view(torch.int8), ones.view(torch.float8_e8m0fnu), torch.float32) / 64
     assert torch.equal(got, want[:, columns])
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(8)).bfloat16() * 5
-    for c in (16, 4):
-        a, scales = kernels._e4m3_activations(3, 512, c, x.device)
-        kernels._act_quant(x, 3, 32 * c, a, None, 1, c, scales)
-        group = torch.arange(512) // 32
-        stored = a.view(3, c, 512)
-        for part in range(c):
-            assert torch.all(stored[:, part, group % c != part] == 0)
-        values = stored.sum(dim=1)[:, kernels.e4m3_mma_columns(512).argsort()]
-        assert torch.equal(values * scales.repeat_interleave(128, dim=1), act_quant(x.float()))
+    a, scales = kernels._e4m3_activations(3, 512, x.device)
+    kernels._act_quant(x, 3, 512, a, scales=scales)
+    values = a[:, kernels.e4m3_mma_columns(512).argsort()]
+    assert torch.equal(values * scales.repeat_interleave(128, dim=1), act_quant(x.float()))
+    assert torch.all(values.abs() <= 448) and torch.equal(values, values.to(torch.float8_e4m3fn).float())
 
 
 @pytest.mark.parametrize("columns", [16, 8, 4])
