@@ -238,19 +238,17 @@ def _expert_act_quant_kernel(
     if GATHER:
         source = tl.load(order_ptr + r, mask=r < rows, other=0).to(tl.int64) // k_slots
     a = tl.load(x_ptr + source[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
+    q, scale = _act_quant_parts(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
     if E4M3:
-        q, scale = _act_quant_parts(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
         # column 8j + 2i + h of a group is its column 16h + 4j + i in the MMA's order
         q = q.reshape(ROWS, COLS // 32, 4, 4, 2).permute(0, 1, 4, 2, 3).reshape(ROWS, COLS)
-        tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + c[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
         chunks = tl.program_id(1) * (COLS // 128) + tl.arange(0, COLS // 128)
         xs_at = xs_ptr + r.to(tl.int64)[:, None] * stride_xs + chunks[None, :]
         tl.store(xs_at, scale.reshape(ROWS, COLS // 128), mask=(r < rows)[:, None] & (chunks * 128 < K)[None, :])
     else:
-        q, scale = _act_quant_parts(a.to(tl.float32).reshape(ROWS * COLS // 128, 128))
-        q = q * scale[:, None]
-        q = q.reshape(ROWS, COLS // CHUNK, 4, CHUNK // 32, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(ROWS, COLS)
-        tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + c[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
+        q = (q * scale[:, None]).reshape(ROWS, COLS // CHUNK, 4, CHUNK // 32, 2, 4)
+        q = q.permute(0, 1, 3, 5, 2, 4).reshape(ROWS, COLS)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + c[None, :], q.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
