@@ -55,7 +55,8 @@ bisect_failures() {  # with the trees of tools/bisect_trees.sh: the first failin
 run_stage() {
   case $1 in
     model4) stage model4 600 "${model[@]}" --layers 4 --batch-sizes 1,64 --prefill-lengths 8192 ${COMPARE---compare-transformers} --json "$R/model4.json" ;;
-    tests) stage tests 900 python3 -m pytest -q -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" ${TESTS:-tests}
+    # pyproject's addopts has -q already: a second would hide the summary line (N passed)
+    tests) stage tests 900 python3 -m pytest -m gpu -p no:cacheprovider -rf --durations=20 "${par[@]}" ${TESTS:-tests}
       bisect_failures ;;
     model20) stage model20 600 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json" ;;
     model20_nopdl) stage model20_nopdl 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --no-pdl --json "$R/model20_nopdl.json" ;;
