@@ -3,7 +3,8 @@
 While profiling, every module and model function of a family runs inside a `ds4::<family>` profiler range
 (forward hooks on the modules, wrappers on the functions, both removed afterwards). Each op's own time (on
 CUDA the kernels it launched, on a CPU its self time) goes to the innermost family range around it, so a
-Linear inside the MoE's shared expert counts as GEMMs and the rest of the MoE as MoE. The profiler ties no op
+Linear inside the MoE's shared expert counts as GEMMs, as does the router's product (dense weights, whose bytes
+the GEMMs' roofline counts), and the rest of the MoE as MoE (the routed experts). The profiler ties no op
 to kernels launched through the driver API (Triton's launches): those go to the family of the ds4.kernels
 module that defines a Triton kernel of that name. The collectives of ds4.distributed (all-reduce, all-gather,
 reduce-scatter) are "communication", wherever they are called. Time nothing claims (embedding, sampling, host
@@ -64,9 +65,16 @@ _FUNCTIONS = (
     ("ds4.model.deepseek_v4", "rms_norm", "norms"),
     ("ds4.model.indexer", "topk_indices", "top-k"),
     ("ds4.model.indexer", "top_entries", "top-k"),
+    # The router's product reads a dense weight, counted in the GEMMs' roofline: GEMMs whichever kernel serves it
+    # (its Triton GEMV is by module; cuBLAS, at more tokens, would be claimed by the MoE's range).
+    ("ds4.model.moe", "fp32_product", "GEMMs"),
 )
 # (module, class, methods, family): methods wrapped on the class itself, for every instance.
-_METHODS = (("ds4.distributed.parallel", "Parallel", ("all_reduce", "all_gather", "reduce_scatter"), "communication"),)
+# Linear.gated (the shared expert's down projection) is a call of the layer that bypasses its forward hooks.
+_METHODS = (
+    ("ds4.distributed.parallel", "Parallel", ("all_reduce", "all_gather", "reduce_scatter"), "communication"),
+    ("ds4.model.linear", "Linear", ("gated",), "GEMMs"),
+)
 
 
 @contextlib.contextmanager

@@ -224,3 +224,36 @@ def test_finite_logits_flag_ands_every_unpaused_step():
     nan_check = _FiniteLogits(model)
     model.compute_logits(None)
     assert not nan_check.ok()
+
+
+def test_the_moe_s_dense_products_count_as_gemms_and_are_restored_after():
+    """The router's product and the shared expert's down projection (Linear.gated: no forward hook) read dense
+    weights, whose bytes the GEMMs' roofline counts: their ops run in the GEMMs range inside the MoE's, whatever
+    kernel serves them (cuBLAS at 64 tokens put them in the MoE's before); the routed experts stay MoE."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import ds4.model.moe as moe_module
+    from ds4.checkpoint.tiny import tiny_config
+    from ds4.model.linear import Linear
+    from ds4.model.moe import MoE
+
+    cfg = tiny_config()
+    layer = MoE(cfg, hashed=False, dtype=torch.float32, device=torch.device("cpu"))
+    for p in layer.parameters():
+        p.normal_(0, p.shape[-1] ** -0.5)
+    layer.compute_logits = lambda hidden: hidden
+    product, gated = moe_module.fp32_product, Linear.gated
+    x, ids = torch.randn(3, cfg.hidden_size), torch.zeros(3, dtype=torch.long)
+    with family_ranges(layer), profile(activities=[ProfilerActivity.CPU]) as prof:
+        layer(x, ids)
+    by_kernel = defaultdict(Counter)
+    summarise(prof.events(), False, by_kernel)
+    parents = Counter()
+    for event in prof.events():
+        if event.name == "ds4::GEMMs":
+            parents[event.cpu_parent.name if event.cpu_parent else None] += 1
+    # w13 (a module call), w2.gated and the router's product, each a GEMMs range inside the MoE's (on the CPU
+    # gated calls the layer itself, a GEMMs range inside its own)
+    assert parents["ds4::MoE"] == 3
+    assert by_kernel["GEMMs"] and by_kernel["MoE"]
+    assert moe_module.fp32_product is product and Linear.gated is gated
