@@ -60,7 +60,6 @@ _FUNCTIONS = (
     ("ds4.model.block", "hc_post_pre", "mHC"),
     ("ds4.model.deepseek_v4", "hc_head", "mHC"),
     ("ds4.model.block", "rms_norm", "norms"),
-    ("ds4.model.attention", "rms_norm", "norms"),
     ("ds4.model.compressor", "rms_norm", "norms"),
     ("ds4.model.deepseek_v4", "rms_norm", "norms"),
     ("ds4.model.indexer", "topk_indices", "top-k"),
@@ -70,10 +69,12 @@ _FUNCTIONS = (
     ("ds4.model.moe", "fp32_product", "GEMMs"),
 )
 # (module, class, methods, family): methods wrapped on the class itself, for every instance.
-# Linear.gated (the shared expert's down projection) is a call of the layer that bypasses its forward hooks.
+# Linear.gated (the shared expert's down projection) and the linears' `normed` (wq_b with its q_norm) are calls of
+# the layers that bypass their forward hooks.
 _METHODS = (
     ("ds4.distributed.parallel", "Parallel", ("all_reduce", "all_gather", "reduce_scatter"), "communication"),
-    ("ds4.model.linear", "Linear", ("gated",), "GEMMs"),
+    ("ds4.model.linear", "Linear", ("gated", "normed"), "GEMMs"),
+    ("ds4.model.linear", "StackedLinears", ("normed",), "GEMMs"),
 )
 
 

@@ -18,6 +18,10 @@ blocks through cuBLAS (torch._scaled_mm, 1x128 activation blocks x 128x128 weigh
 act_quant, rows padded to a multiple of 16; torch takes that recipe on sm_90 only, so elsewhere both operands are
 dequantised (exactly, to bf16) for one bf16 GEMM into fp32. Without act_quant, large M dequantises the weight per
 call and multiplies in bf16, as the reference does. `ds4 bench linear` times every path at every M.
+
+An input may come unfinished, finished as the kernel loads it where it can (a launch of its own elsewhere): the
+SwiGLU of a gate and an up (the shared expert's w2: the Triton kernels), or the RMSNorm of x's rows (the
+attention's wq_b after its q_norm: the M = 1 kernel), rounded to x's dtype as that launch would round it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from ds4.kernels._device import (
 )
 from ds4.kernels.fp8_kv import pow2_ceil
 from ds4.kernels.norm_rope import rounded
+from ds4.kernels.rmsnorm import inverse_rms, rms_norm
 from ds4.kernels.swiglu import clamped_swiglu, swiglu, swiglu_to
 
 QUANT_BLOCK = 128  # activation groups and weight blocks are 128 wide along K (and weight blocks 128 tall)
@@ -338,8 +343,11 @@ def _fp8_gemv_kernel(
     chunks_per_split,
     splits,
     early_chunks,
+    norm_ptr,
+    norm_eps,
     QUANTIZE_X: tl.constexpr,
     SWIGLU: tl.constexpr,
+    NORM: tl.constexpr,
     ROW_SCALES: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -358,9 +366,11 @@ def _fp8_gemv_kernel(
     all computing); 1: straight into registers, with PREFETCH the next chunk's weights loaded before this chunk's
     products (two chunks in registers: a warp's loads stay in flight while it multiplies). Rows past the group's
     end read its last row and are stored nowhere, so no weight load is masked by row. Scales and SwiGLU as
-    _fp8_linear_kernel. PDL (launched early, see launches_dependents_early): the weights of this program's first
-    `early_chunks` chunks are asked into L2 before it waits for the previous launch to end (x is its output),
-    and the next launch may start as soon as every program of this one has."""
+    _fp8_linear_kernel. NORM: x's row is RMS-normalised (weight norm_ptr, fp32) and rounded to its dtype as it is
+    loaded, as rms_norm would store it; each program sums the whole row's squares first (K values, from L2).
+    PDL (launched early, see launches_dependents_early): the weights of this program's first `early_chunks` chunks
+    are asked into L2 before it waits for the previous launch to end (x is its output), and the next launch may
+    start as soon as every program of this one has."""
     ROWS: tl.constexpr = BLOCK_N // WARPS
     GROUPS: tl.constexpr = BLOCK_K // 128
     RUNS: tl.constexpr = BLOCK_K // RUN
@@ -385,6 +395,12 @@ def _fp8_gemv_kernel(
         for chunk in range(chunk_start, tl.minimum(chunk_start + early_chunks, chunk_end)):
             prefetch_to_l2(w_rows + tl.minimum(chunk * BLOCK_K + lines, K - 1))
         tl.extra.cuda.gdc_wait()
+    if NORM:  # each warp its row's inverse RMS, as each reads x itself
+        squares = tl.zeros((WARPS, 1, BLOCK_K), tl.float32)
+        for start in range(0, K, BLOCK_K):
+            v = tl.load(x_row + start + col, mask=start + col < K, other=0.0).to(tl.float32)
+            squares += v * v
+        inverse = inverse_rms(tl.sum(squares, axis=2), K, norm_eps)[:, :, None]
     acc = tl.zeros((WARPS, ROWS, RUNS), dtype=tl.float32)
     if PREFETCH:
         w_next = tl.load(w_rows + chunk_start * BLOCK_K + w_col, mask=chunk_start * BLOCK_K + col < K, other=0.0)
@@ -402,6 +418,9 @@ def _fp8_gemv_kernel(
         if SWIGLU:
             up_row = up_ptr + row * up_stride + tl.zeros((WARPS, 1, 1), tl.int32)
             x = _swiglu_input(x, up_row + k, k_live, limit, x_ptr.dtype.element_ty)
+        if NORM:
+            norm_weight = tl.load(norm_ptr + k, mask=k_live, other=0.0).to(tl.float32)
+            x = rounded(x * inverse * norm_weight, x_ptr.dtype.element_ty)
         if ROW_SCALES:
             ws = tl.full((GROUPS,), 1.0, tl.float32)
         else:
@@ -511,12 +530,14 @@ def chunks_asked_early(plan: LinearPlan, grid: tuple[int, int, int], budget: int
     return min(plan.chunks_per_split, budget // chunk_bytes)
 
 
-def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | None, up=None, limit=0.0):
+def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | None, up=None, limit=0.0, norm=None):
     m = x.shape[0]
     n, k = weight.shape
     rows = n // groups
     if plan is None:
         plan = linear_plan(m, rows, groups, k, x.element_size(), num_sms(x.device), shared_memory_per_block(x.device))
+    if norm is not None and plan.use_dot:  # only the M = 1 kernel normalises as it loads
+        x, norm = rms_norm(x, *norm), None
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     split = plan.splits > 1
     part = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x.device) if split else out
@@ -569,7 +590,10 @@ def _triton(x, weight, scale, groups, quantize_x, out_dtype, plan: LinearPlan | 
             plan.chunks_per_split,
             plan.splits,
             chunks_asked_early(plan, grid, early_prefetch_bytes(x.device)) if pdl else 0,
+            norm[0] if norm is not None else x,
+            norm[1] if norm is not None else 0.0,
             **common,
+            NORM=norm is not None,
             BLOCK_N=plan.block_n,
             BLOCK_K=plan.block_k,
             WARPS=plan.num_warps,
@@ -690,6 +714,7 @@ def fp8_linear(
     plan: LinearPlan | None = None,
     swiglu_up: torch.Tensor | None = None,
     swiglu_limit: float = 0.0,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """x [..., G*K] -> [..., G*R]; weight float8_e4m3fn [G*R, K]; scale fp32 [ceil(G*R/128), ceil(K/128)].
 
@@ -697,7 +722,8 @@ def fp8_linear(
     "triton" (the Triton kernel at any M; CPU under TRITON_INTERPRET=1), "cublas" or "torch". plan: override
     the Triton kernel's launch plan (tests run the small-shared-memory plan with it). swiglu_up: x is a gate and
     this its up ([..., K] each, one group): the input is swiglu(x, up, swiglu_limit) in x's dtype, computed as the
-    Triton kernel loads it (before cuBLAS, a launch of its own).
+    Triton kernel loads it (before cuBLAS, a launch of its own). norm: (fp32 weight [K], eps): the input is
+    rms_norm(x, weight, eps) in x's dtype (one group), computed as the M = 1 kernel loads it (else rms_norm first).
     """
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
@@ -710,6 +736,8 @@ def fp8_linear(
         raise ValueError(f"fp8_linear: scale {list(scale.shape)} does not fit weight {list(weight.shape)}")
     if swiglu_up is not None and (groups != 1 or swiglu_up.shape != x.shape):
         raise ValueError(f"fp8_linear: a SwiGLU input takes one group and up like x, got {list(swiglu_up.shape)}")
+    if norm is not None and (groups != 1 or swiglu_up is not None or norm[0].shape != (k,)):
+        raise ValueError(f"fp8_linear: a normalised input takes one group, no SwiGLU and a weight of {k}")
     lead = x.shape[:-1]
     x2 = _rows(x)
     up2 = _rows(swiglu_up) if swiglu_up is not None else None
@@ -725,12 +753,14 @@ def fp8_linear(
         x2, up2 = swiglu_to(x2, up2, swiglu_limit, x.dtype), None
     elif up2 is not None and impl == "torch":
         x2, up2 = swiglu(x2, up2, swiglu_limit).to(x.dtype), None
+    if norm is not None and impl != "triton":
+        x2, norm = rms_norm(x2, *norm), None
     if impl == "torch":
         y = fp8_linear_reference(x2, weight, scale, groups, quantize_x, out_dtype)
     elif m == 0:
         y = torch.empty(0, n, dtype=out_dtype, device=x.device)
     elif impl == "triton":
-        y = _triton(x2, weight, scale, groups, quantize_x, out_dtype, plan, up2, swiglu_limit)
+        y = _triton(x2, weight, scale, groups, quantize_x, out_dtype, plan, up2, swiglu_limit, norm)
     elif impl == "cublas":
         if not cublas_fits(CUBLAS_MIN_M_DEQUANTIZED + 1, n, k, groups, quantize_x):
             raise ValueError(f"fp8_linear: cuBLAS needs one group of whole 128x128 blocks, got {groups} x {[n, k]}")

@@ -34,7 +34,6 @@ from ds4.distributed.parallel import Parallel
 from ds4.kernels.norm_rope import EntryForm, norm_rope
 from ds4.kernels.paging import decode_visible_rows, decode_window_keys, visible_entry_rows, window_key_rows
 from ds4.kernels.ring_write import write_rings
-from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.sparse_attention import RotaryQueries, sparse_attention
 from ds4.model.batch import ForwardBatch, LayerStep, StepLayout
 from ds4.model.cache import FP8, LayerCache
@@ -141,8 +140,8 @@ class Attention(nn.Module):
         # the side stream reads it.
         with side.fork(t):
             kv = norm_rope(projected, pos, self._form(self.kv_norm.weight, self.fp8_kv), ring_copy)
-        qr = rms_norm(q_a, self.q_norm.weight, self.eps)
-        q, index_q = self.queries(qr) if self.kind == CSA else (self.wq_b(qr), None)
+        norm = (q_a, self.q_norm.weight, self.eps)  # q_norm, inside the query projection's launch at one token
+        q, index_q = self.queries.normed(*norm) if self.kind == CSA else (self.wq_b.normed(*norm), None)
         q = q.view(t, self.heads, self.head_dim)  # finished (norm, RoPE) by sparse_attention
         side.join()
 

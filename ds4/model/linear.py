@@ -15,6 +15,7 @@ from ds4.checkpoint.quant import e8m0_to_float, fp8_block_dequantize
 from ds4.config import ModelConfig
 from ds4.kernels.fp8_linear import QUANT_BLOCK, fp8_linear
 from ds4.kernels.fp32_product import fp32_product
+from ds4.kernels.rmsnorm import rms_norm
 from ds4.kernels.swiglu import swiglu_to
 from ds4.model.shard import cut, hold, read, read_grouped, region_of
 
@@ -91,11 +92,24 @@ class Linear(nn.Module):
             )  # fmt: skip
         return self(swiglu_to(gate, up, limit, gate.dtype))
 
-    def multiply(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        """x times `weight` (with FP8 block `scale`) as this layer multiplies its own: StackedLinears passes the
-        weights of several such layers at once."""
+    def normed(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(rms_norm(x, norm, eps)): an FP8 layer normalises x as its kernel loads it (no launch of its own at
+        one token)."""
+        return self.multiply(x, self.weight, self.scale, (norm, eps))
+
+    def multiply(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: torch.Tensor | None,
+        norm: tuple[torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        """x (first rms_norm'ed with `norm`'s weight and eps, if given) times `weight` (with FP8 block `scale`) as
+        this layer multiplies its own: StackedLinears passes the weights of several such layers at once."""
         if scale is not None:
-            return fp8_linear(x, weight, scale, self.groups, self.quantize_input, out_dtype=self.dtype)
+            return fp8_linear(x, weight, scale, self.groups, self.quantize_input, out_dtype=self.dtype, norm=norm)
+        if norm is not None:
+            x = rms_norm(x, *norm)
         if self.fp32_output:
             return fp32_product(x, weight)
         x = x.to(weight.dtype)
@@ -130,6 +144,12 @@ class StackedLinears(nn.Module):
         if not self.stacked:
             return tuple(layer(x) for layer in self.parts)
         return self.parts[0].multiply(x, self.weight, self.scale).split(self.sizes, dim=-1)
+
+    def normed(self, x: torch.Tensor, norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+        """self(rms_norm(x, norm, eps)), normalised as Linear.normed does."""
+        if not self.stacked:
+            return self(rms_norm(x, norm, eps))
+        return self.parts[0].multiply(x, self.weight, self.scale, (norm, eps)).split(self.sizes, dim=-1)
 
 
 def _linear_kind(layer: Linear) -> tuple:

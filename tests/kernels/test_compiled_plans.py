@@ -179,7 +179,7 @@ for m in (1, 4, 16):  # decode rows (the Triton kernel's: cuBLAS takes larger ca
             w_ptr=t(torch.float8_e4m3fn), w_stride=k, ws_ptr=t(torch.float32), ws_stride=-(-k // 128),
             out_ptr=t(torch.bfloat16), out_stride=n, part_ptr=t(torch.float32), part_split_stride=n, part_stride=n,
             arrivals_ptr=t(torch.int32), M=m, rows_per_group=n // groups, K=k, chunks_per_split=plan.chunks_per_split,
-            splits=plan.splits, early_chunks=2,
+            splits=plan.splits, early_chunks=2, norm_ptr=t(torch.float32), norm_eps=1e-6,
         )
         constexprs = dict(QUANTIZE_X=groups == 1, SWIGLU=False, ROW_SCALES=False, SPLIT=plan.splits > 1)
         if plan.use_dot:
@@ -192,6 +192,7 @@ for m in (1, 4, 16):  # decode rows (the Triton kernel's: cuBLAS takes larger ca
             constexprs.update(
                 BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, WARPS=plan.num_warps, RUN=fl.fma_weight_run(plan, 2),
                 STAGES=plan.num_stages, PREFETCH=plan.prefetch, PDL=True,  # these parts launch it early
+                NORM=n == 32768,  # wq_b takes q_a, its q_norm fused in
             )
         args = {name: value for name, value in args.items() if name in kernel.arg_names}
         compiled = compile_kernel(kernel, args, constexprs, arch, plan.num_warps, plan.num_stages)
@@ -264,7 +265,7 @@ def test_attention_plans_compile_within_the_device(arch, sms, smem):
 )
 def test_fp8_linear_decode_plans_do_not_spill(arch, sms, smem):
     """The FP8 linear's decode plans (M = 1 by FMA, launched early with its weights asked into L2 as these parts
-    launch it; 4 and 16 by tl.dot) on the parts with e4m3, at Flash's wq_b, wo_b and grouped wo_a: no spill stack,
-    within the shared memory."""
+    launch it, wq_b's with its q_norm fused in; 4 and 16 by tl.dot) on the parts with e4m3, at Flash's wq_b, wo_b
+    and grouped wo_a: no spill stack, within the shared memory."""
     for result in _compiled(_FP8_LINEAR, [arch, sms, smem]):
         assert result["stack"] == 0 and result["shared"] <= smem, result

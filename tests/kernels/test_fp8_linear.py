@@ -144,6 +144,31 @@ def test_swiglu_input_is_the_gate_and_up_activation(fp8, m, use_dot, dtype):
         fp8.fp8_linear(gate, w, s, swiglu_up=stacked)
 
 
+@pytest.mark.parametrize("m, use_dot", [(1, False), (5, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_normalised_input_is_the_rms_norm_of_x(fp8, m, use_dot, dtype):
+    """norm: the kernel's input is rms_norm(x, weight, eps) in x's dtype, normalised as the M = 1 kernel loads it
+    (wq_b takes q_a so, its q_norm fused in), by rms_norm first for tl.dot; K split over programs (each sums the
+    whole row's squares) and a K tail. Without act_quant, as the SwiGLU test above."""
+    g = torch.Generator().manual_seed(m)
+    k = 320  # two chunks of 256 columns, the second partial
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    norm = (torch.rand(k, generator=g) + 0.5, 1e-6)
+    w, s = weights(128, k, g)
+    plan = fp8.linear_plan(m, 128, 1, k, x.element_size(), sms=8, smem=99 << 10, use_dot=use_dot)
+    assert plan.splits > 1
+    args = dict(norm=norm, out_dtype=torch.float32)  # the interpreter truncates bf16 stores
+    got = fp8.fp8_linear(x, w, s, 1, False, impl="triton", plan=plan, **args)
+    want = fp8.fp8_linear_reference(fp8.rms_norm(x, *norm), w, s, 1, False, torch.float32)
+    # the sum of squares in another order: an inverse one ulp apart may round a bf16 input the other way
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fp8.fp8_linear(x, w, s, 1, False, impl="torch", **args), want)
+    unnormalised = fp8.fp8_linear_reference(x, w, s, 1, False, torch.float32)
+    assert not torch.allclose(got, unnormalised, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="normalised"):
+        fp8.fp8_linear(x, w, s, norm=(norm[0][:-1], 1e-6))
+
+
 def test_split_runs_are_bit_identical_and_write_the_output_dtype(fp8):
     g = torch.Generator().manual_seed(3)
     x = exact_inputs(2, 512, g)

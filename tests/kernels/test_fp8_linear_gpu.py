@@ -78,6 +78,21 @@ def test_swiglu_input_matches_swiglu_then_the_linear(m):
     assert rel_err(got, want) < (1e-5 if fl.prefers_triton(m, 4096, 2048, 1, True) else 2e-3)
 
 
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_normalised_input_matches_rms_norm_then_the_linear(m):
+    """wq_b taking q_a with its q_norm (1024 -> 4096 here): normalised as the M = 1 kernel loads it, rms_norm's own
+    launch first elsewhere; against rms_norm then the reference."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = (torch.randn(m, 1024, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    norm = (torch.rand(1024, device="cuda", generator=g) + 0.5, 1e-6)
+    w, s = weights(4096, 1024, g)
+    want = fl.fp8_linear_reference(fl.rms_norm(x, *norm), w, s, out_dtype=torch.float32)
+    got = fl.fp8_linear(x, w, s, out_dtype=torch.float32, norm=norm)
+    # the Triton kernels: exact products, fp32 sums in another order (at M = 1 the row's sum of squares too, which
+    # may round an input the other way); cuBLAS: as in the tests above
+    assert rel_err(got, want) < (1e-3 if fl.prefers_triton(m, 4096, 1024, 1, True) else 2e-3)
+
+
 @pytest.mark.parametrize("m", [1, 5, 64, 300])
 def test_grouped_projection_without_act_quant(m):
     """The attention's wo_a at Flash shape: 8 groups of 1024 rows over 4096 columns each, bf16 inputs."""

@@ -13,6 +13,7 @@ import ds4.model.block
 import ds4.model.compressor
 import ds4.model.deepseek_v4
 import ds4.model.indexer
+import ds4.model.linear
 from ds4.kernels import gated_pool, hyper_connections, norm_rope, ring_write, rmsnorm, rope
 from ds4.model.batch import ForwardBatch
 
@@ -37,7 +38,7 @@ KERNELS = [
     (ds4.model.block, "hc_post_pre", _hc_post_pre),
     (ds4.model.deepseek_v4, "hc_head", hyper_connections.hc_head_triton),
     (ds4.model.block, "rms_norm", rmsnorm.rms_norm_triton),
-    (ds4.model.attention, "rms_norm", rmsnorm.rms_norm_triton),
+    (ds4.model.linear, "rms_norm", rmsnorm.rms_norm_triton),  # q_norm, by the query projection
     (ds4.model.deepseek_v4, "rms_norm", rmsnorm.rms_norm_triton),
     (ds4.model.indexer, "apply_rope", rope.apply_rope_triton),
     (ds4.model.attention, "norm_rope", norm_rope.norm_rope_triton),
