@@ -191,6 +191,8 @@ class PrefixCache:
         if self._unkeyed:
             self._key_snapshots(seq)
         num_full = seq.num_computed_tokens // self.page_size
+        if num_full <= seq.num_cached_pages:  # no page completed since the last commit: most decode steps
+            return
         keys = self.keys(seq, num_full)
         for j in range(seq.num_cached_pages, num_full):
             key = keys[j]
@@ -205,7 +207,7 @@ class PrefixCache:
                 else:
                     self._snapshot_of[page] = snapshot
                     self._snapshot_lru[snapshot] = page
-        seq.num_cached_pages = max(seq.num_cached_pages, num_full)
+        seq.num_cached_pages = num_full
 
     def end_step(self) -> None:
         """Snapshots taken for pages that were not computed after all (a failed step, a request that ended before
