@@ -88,21 +88,23 @@ class ModelRunner:
         step = build_step(chunks, snapshots, key)
         first_rows = chunk_rows(chunks, key.tokens_per_request if key is not None else None)
         sample_rows, prompt_rows = logit_rows(chunks, first_rows)
-        rows = [r for first, i in sample_rows for r in range(first, first + _num_sample_rows(chunks[i]))]
+        # The sample rows, chunk by chunk; of those, the rows of the chunks that sample one token (no drafts).
+        rows, plain, plain_rows = [], [], []
+        for first, i in sample_rows:
+            if not chunks[i].draft_token_ids:
+                plain.append(i)
+                plain_rows.append(len(rows))
+            rows += range(first, first + _num_sample_rows(chunks[i]))
         step.logit_rows = rows + [r for r, _, _ in prompt_rows]
         if after is not None and self.channel is not None:
             raise ValueError("a step launched ahead runs on one rank: the other ranks would not get its token ids")
         input_ids = after.sampled.token_ids if after is not None else None
         batch, hidden, logits = self._mirrored(lambda message: self.execute(message, input_ids), step)
-        launched = LaunchedStep(chunks, step, first_rows, batch, hidden, logits, sample_rows, prompt_rows, len(rows))
-        plain_rows, row = [], 0
-        for _, i in sample_rows:
-            if not chunks[i].draft_token_ids:
-                launched.plain.append(i)
-                plain_rows.append(row)
-            row += _num_sample_rows(chunks[i])
-        if launched.plain:
-            requests = [chunks[i].seq.sampling for i in launched.plain]
+        launched = LaunchedStep(
+            chunks, step, first_rows, batch, hidden, logits, sample_rows, prompt_rows, len(rows), plain
+        )
+        if plain:
+            requests = [chunks[i].seq.sampling for i in plain]
             launched.sampled = self.sampler.sample(_select_rows(logits, plain_rows), requests)
             # Copied now, so that finish waits for this copy alone: a blocking read would wait for everything queued
             # on the stream by then, a step launched ahead included.
