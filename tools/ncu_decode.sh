@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-.out}
 mkdir -p "$OUT"
 . tools/install_device_wheels.sh > /dev/null 2>&1
-kernels=${KERNELS:-^(_fp8_gemv_kernel|_post_project_kernel|_sparse_attention_kernel|_grouped_gemm_kernel|_gemv_kernel|_norm_rope_kernel|_pooled_entries_kernel)$}
+kernels=${KERNELS:-^(_fp8_gemv_kernel|_post_project_kernel|_sparse_attention_kernel|_grouped_gemm_kernel|_gemv_kernel|_combine_splits|_norm_rope_kernel|_pooled_entries_kernel)$}
 ncu --profile-from-start off --set "${SET:-full}" -k "regex:$kernels" -f -o "$OUT/ncu_decode" \
   python3 -m ds4.cli bench model --config flash --load-format dummy --layers "${LAYERS:-4}" --context 2048 \
   --batch-sizes "${BATCH:-1}" --prefill-lengths 256 --decode-steps 2 --no-profile --nsight \

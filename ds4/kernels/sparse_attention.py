@@ -11,12 +11,11 @@ A pool is either rows of head_dim values ([N, D], any float dtype) or the FP8 ca
 into fp32. The Triton kernel (CUDA, or the interpreter) runs one program per token and block of query heads:
 the heads are the MMA's M dimension, so one key tile read from the cache serves all of them; it walks the
 token's key lists tile by tile with an online softmax whose running maximum starts at the sink. A small decode
-batch splits each token's tiles over several programs (up to one per SM), which combine their pieces in the same
-launch (each a slice of the dims, once all are in).
+batch splits each token's tiles over several programs (up to one per SM) and a second launch combines them.
 Prefill chunks and decode steps (one or a few tokens a request) are the same launch; no host sync, every length
 and stride a runtime argument. With RotaryQueries (the model's call) q is the projection's: each program
 normalises and rotates its heads as norm_rope does, and the output's RoPE pairs are turned back before they are
-written (by the combining programs when split), so the output [T, H, D] is what the grouped wo_a reads.
+written (by the combining launch when split), so the output [T, H, D] is what the grouped wo_a reads.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ds4.kernels._device import (
-    ARRIVAL_COUNTERS,
-    arrival_counters,
     dependent_launch_start,
     has_fp8,
     interpreting,
@@ -54,8 +51,9 @@ _LOG2E = 1.4426950408889634
 # Registers a thread the fp32 accumulator may take (of 255), the rest for the key tile and the softmax.
 _ACC_REGISTERS = 128
 _MIN_SPLIT_KEYS = 64
-_COMBINE_BLOCK_D = 64  # dims of a combined slice (at least a tile of the RoPE angles: see _combined_slice)
-_COMBINE_STAGES = tl.constexpr(3)  # splits' pieces in flight while a slice of them is summed (decode: many splits)
+_COMBINE_BLOCK_H = 16
+_COMBINE_BLOCK_D = 64
+_COMBINE_STAGES = tl.constexpr(3)  # splits' pieces in flight while the combine sums them (decode: many splits)
 SMALL_BATCH_SHARE = 16  # batches of at most SMs / this many tokens take 16-head programs (attention_plan)
 KEY_STAGES = 2  # key tiles in flight where shared memory holds them (attention_plan)
 
@@ -351,7 +349,6 @@ def _sparse_attention_kernel(
     stride_ot,
     stride_oh,
     part_ptr,
-    arrivals_ptr,
     exchange_ptr,
     sink_ptr,
     pos_ptr,
@@ -385,22 +382,19 @@ def _sparse_attention_kernel(
     DOT: tl.constexpr,
     IEEE: tl.constexpr,
     SPLIT: tl.constexpr,
-    CONCURRENT: tl.constexpr,
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     EXCHANGE: tl.constexpr,
-    COMBINE_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # One program: one token, BLOCK_H of its heads (the MMA's M) and one split of its key tiles (the three lists'
     # tiles counted end to end), with an online softmax in the log2 domain whose running max starts at the sink
     # in the first split. STAGES > 1: the key tiles' reads (indices, entries) run that many tiles ahead by async
     # copies through shared memory, so that a tile's loads overlap the previous tiles' products.
-    # SPLIT: the running max, denominator and numerator go to part_ptr, then the token's programs of these heads
-    # combine them (_combine_own_splits: CONCURRENT or not), else straight to the output.
+    # SPLIT: the running max, denominator and numerator go to part_ptr for _combine_splits, else the output.
     # ROTARY: q is the projection's; its heads are finished here and the output turned back (RotaryQueries).
     # EXCHANGE: each tile's probabilities and rescale factors reach the PV product through this program's slot of
     # exchange_ptr (see AttentionPlan.exchange). PDL: launched early (`dependent_launch_start`).
@@ -459,11 +453,6 @@ def _sparse_attention_kernel(
         tl.store(part_ptr + row[:, None] + dims[None, :], acc, mask=live)
         tl.store(part_ptr + row + D, m, mask=head_in)
         tl.store(part_ptr + row + D + 1, denom, mask=head_in)
-        counter = arrivals_ptr + t * tl.num_programs(1) + tl.program_id(1)
-        _combine_own_splits(
-            part_ptr, counter, out_ptr + t * stride_ot, stride_oh, t, heads, head_in, n_heads, split,
-            tl.num_programs(2), pos_ptr, freq_ptr, D, CONCURRENT, ROTARY, HALF, BLOCK_H, COMBINE_D,
-        )  # fmt: skip
     else:
         out = acc / denom[:, None]
         tl.store(
@@ -475,68 +464,53 @@ def _sparse_attention_kernel(
             _turn_back(out_ptr + t * stride_ot, stride_oh, heads, head_in, position, freq_ptr, D, HALF, BLOCK_H)
 
 
-@triton.jit
-def _combine_own_splits(
-    part_ptr, counter, out_row, stride_oh, t, heads, head_in, n_heads, split, splits, pos_ptr, freq_ptr, D,
-    CONCURRENT: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """After this program stored its piece: the pieces of the token's `splits` programs of these heads combined into
-    the output. CONCURRENT (every program of the launch resident at once: see _launch): each program waits for all
-    pieces (the counter), then combines its share of the BLOCK_D slices of dims, and the last to finish resets the
-    counter; else (the interpreter runs programs one after another: a wait would never end) the last to arrive
-    combines every slice. The same sums in the same order either way."""
-    tl.debug_barrier()  # every thread's piece is stored before the release below
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    slices = tl.cdiv(D, BLOCK_D)
-    if CONCURRENT:
-        seen = arrived + 1
-        while seen < splits:  # the pieces of the programs still out
-            seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        for piece in range(split, slices, splits):
-            _combined_slice(
-                part_ptr, out_row, stride_oh, t, heads, head_in, n_heads, splits, piece, pos_ptr, freq_ptr, D, ROTARY,
-                HALF, BLOCK_H, BLOCK_D,
-            )  # fmt: skip
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == 2 * splits - 1:
-            tl.atomic_xchg(counter, 0)
-    elif arrived == splits - 1:
-        for piece in range(0, slices):
-            _combined_slice(
-                part_ptr, out_row, stride_oh, t, heads, head_in, n_heads, splits, piece, pos_ptr, freq_ptr, D, ROTARY,
-                HALF, BLOCK_H, BLOCK_D,
-            )  # fmt: skip
-        tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _combined_slice(
-    part_ptr, out_row, stride_oh, t, heads, head_in, n_heads, splits, piece, pos_ptr, freq_ptr, D,
-    ROTARY: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Dims piece * BLOCK_D on of the heads' output: the splits' softmax pieces rescaled to their common maximum,
-    their reads (past L1: other programs wrote them) running ahead of the sums. ROTARY: the output turned back
-    (BLOCK_D a multiple of 2 * HALF, so that the angles tile it)."""
-    dims = piece * BLOCK_D + tl.arange(0, BLOCK_D)
+@triton.jit(do_not_specialize=["n_heads", "splits"])
+def _combine_splits(
+    part_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    pos_ptr,
+    freq_ptr,
+    n_heads,
+    splits,
+    D: tl.constexpr,
+    ROTARY: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # One program: one token's BLOCK_H heads, BLOCK_D of the dims; the splits' softmax pieces rescaled to their
+    # common maximum, their reads running ahead of the sums. ROTARY: the output turned back (BLOCK_D a multiple of
+    # 2 * HALF, so that the angles tile it). PDL: as _sparse_attention_kernel's.
+    dependent_launch_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_in = heads < n_heads
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = head_in[:, None] & (dims < D)[None, :]
     peak = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for s in tl.range(0, splits, num_stages=_COMBINE_STAGES):
         row = ((t * splits + s) * n_heads + heads) * (D + 4)
-        peak = tl.maximum(peak, tl.load(part_ptr + row + D, mask=head_in, other=0.0, cache_modifier=".cg"))
+        peak = tl.maximum(peak, tl.load(part_ptr + row + D, mask=head_in, other=0.0))
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for s in tl.range(0, splits, num_stages=_COMBINE_STAGES):
         row = ((t * splits + s) * n_heads + heads) * (D + 4)
-        weight = tl.exp2(tl.load(part_ptr + row + D, mask=head_in, other=0.0, cache_modifier=".cg") - peak)
-        denom += weight * tl.load(part_ptr + row + D + 1, mask=head_in, other=0.0, cache_modifier=".cg")
-        numerator = tl.load(part_ptr + row[:, None] + dims[None, :], mask=live, other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * numerator
+        weight = tl.exp2(tl.load(part_ptr + row + D, mask=head_in, other=0.0) - peak)
+        denom += weight * tl.load(part_ptr + row + D + 1, mask=head_in, other=0.0)
+        acc += weight[:, None] * tl.load(part_ptr + row[:, None] + dims[None, :], mask=live, other=0.0)
     out = acc / tl.where(head_in, denom, 1.0)[:, None]
     if ROTARY:
         position = tl.load(pos_ptr + t).to(tl.float32)
-        out = _rotated_back(
-            out, piece * (BLOCK_D // 2), position, freq_ptr, D, HALF, BLOCK_H, BLOCK_D, out_row.dtype.element_ty
-        )
-    tl.store(out_row + heads[:, None] * stride_oh + dims[None, :], out.to(out_row.dtype.element_ty), mask=live)
+        first_pair = tl.program_id(2) * (BLOCK_D // 2)
+        out = _rotated_back(out, first_pair, position, freq_ptr, D, HALF, BLOCK_H, BLOCK_D, out_ptr.dtype.element_ty)
+    tl.store(
+        out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=live,
+    )
 
 
 @dataclass(frozen=True)
@@ -708,10 +682,7 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
     dot_f32 = interpreting() or q.dtype == torch.float32
     head_blocks = triton.cdiv(heads, plan.block_h)
     tiles = sum(triton.cdiv(idx.shape[1], plan.block_n) for _, idx in key_sets)
-    sms = num_sms(q.device)
-    splits = splits or key_splits(t * head_blocks, tiles * plan.block_n, sms)
-    if t * head_blocks > ARRIVAL_COUNTERS:  # a counter for each token's programs of a head block
-        splits = 1
+    splits = splits or key_splits(t * head_blocks, tiles * plan.block_n, num_sms(q.device))
     per_split = max(1, triton.cdiv(tiles, splits))
     splits = max(1, triton.cdiv(tiles, per_split))
     part = torch.empty(t * splits * heads * (head_dim + 4) if splits > 1 else 0, dtype=torch.float32, device=q.device)
@@ -725,11 +696,6 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
         positions, eps, half = rotary.positions, rotary.form.eps, rotary.form.inv_freq.numel()
         freqs = rotary.form.inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     pdl = launches_dependents_early(q.device)
-    # Split programs that wait for each other need all of them resident at once: at most a program an SM (key_splits
-    # asks no more; a test's own split may), every one started before the launch after this one may start (PDL).
-    concurrent = not interpreting() and t * head_blocks * splits <= sms
-    # with rotary queries a combined slice holds whole tiles of the angles (see _combined_slice)
-    combine_d = min(max(_COMBINE_BLOCK_D, 2 * half), triton.next_power_of_2(head_dim))
     _sparse_attention_kernel[(t, head_blocks, splits)](
         q,
         q.stride(0),
@@ -738,7 +704,6 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
         out.stride(0),
         out.stride(1),
         part,
-        arrival_counters(q.device) if splits > 1 else part,
         exchange,
         sink,
         positions,
@@ -758,15 +723,34 @@ def _launch(q, out, sink, scale, sets, key_sets, rope_dim, fp8, plan, splits, ro
         DOT=tl.float32 if dot_f32 else _DOT_TYPES[q.dtype],
         IEEE=dot_f32,
         SPLIT=splits > 1,
-        CONCURRENT=concurrent,
         ROTARY=rotary is not None,
         HALF=half,
         BLOCK_H=plan.block_h,
         BLOCK_N=plan.block_n,
         STAGES=1 if plan.exchange else plan.stages,
         EXCHANGE=plan.exchange,
-        COMBINE_D=combine_d,
         PDL=pdl,
         num_warps=plan.num_warps,
         launch_pdl=pdl,
     )
+    if splits > 1:
+        # with rotary queries a block holds whole tiles of the angles (see _combine_splits)
+        block_d = min(max(_COMBINE_BLOCK_D, 2 * half), triton.next_power_of_2(head_dim))
+        grid = (t, triton.cdiv(heads, _COMBINE_BLOCK_H), triton.cdiv(head_dim, block_d))
+        _combine_splits[grid](
+            part,
+            out,
+            out.stride(0),
+            out.stride(1),
+            positions,
+            freqs,
+            heads,
+            splits,
+            D=head_dim,
+            ROTARY=rotary is not None,
+            HALF=half,
+            BLOCK_H=_COMBINE_BLOCK_H,
+            BLOCK_D=block_d,
+            PDL=pdl,
+            launch_pdl=pdl,
+        )

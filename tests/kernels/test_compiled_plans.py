@@ -145,15 +145,14 @@ for tokens, split in ((1, True), (8192, False)):  # a decode step of one token, 
         sets[f"width{i}"] = width
     args = dict(
         q_ptr=t(torch.bfloat16), stride_qt=64 * 512, stride_qh=512, out_ptr=t(torch.bfloat16), stride_ot=64 * 512,
-        stride_oh=512, part_ptr=t(torch.float32), arrivals_ptr=t(torch.int32), exchange_ptr=t(torch.uint8),
-        sink_ptr=t(torch.float32),
+        stride_oh=512, part_ptr=t(torch.float32), exchange_ptr=t(torch.uint8), sink_ptr=t(torch.float32),
         pos_ptr=t(torch.int64), freq_ptr=t(torch.float32), eps=1e-6, n_heads=64, scale_log2=0.06, **sets,
         tiles_per_split=4,
     )
     constexprs = dict(
         D=512, DP=512, NOPE=448, ROPE=64, FP8=True, FP8_CVT=arch >= 89, ROW_ALIGN=8, DOT=tl.bfloat16, IEEE=False,
-        SPLIT=split, CONCURRENT=split, ROTARY=True, HALF=32, BLOCK_H=plan.block_h, BLOCK_N=plan.block_n,
-        STAGES=plan.stages, EXCHANGE=plan.exchange, COMBINE_D=64, PDL=arch >= 90,
+        SPLIT=split, ROTARY=True, HALF=32, BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, STAGES=plan.stages,
+        EXCHANGE=plan.exchange, PDL=arch >= 90,
     )
     compiled = compile_kernel(sa._sparse_attention_kernel, args, constexprs, arch, plan.num_warps, plan.stages)
     results.append(dict(tokens=tokens, plan=repr(plan), **report(compiled)))

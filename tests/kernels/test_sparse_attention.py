@@ -203,9 +203,8 @@ def _positions(requests):
 @pytest.mark.parametrize("head_dim,rope,splits", [(128, 64, 1), (128, 64, 3), (80, 16, 2), (72, 16, 1)])
 def test_rotary_queries_are_finished_and_the_output_turned_back(dtype, head_dim, rope, splits):
     """RotaryQueries: the projection's q is normalised and rotated at its position in the kernel, and the output's
-    RoPE pairs turned back (in the kernel, or with splits by the programs combining the pieces), as norm_rope before
-    the attention and apply_rope(inverse) after it. 72 channels with 8 frequencies do not tile: the separate
-    launches."""
+    RoPE pairs turned back (in the kernel, or with splits in the combining launch), as norm_rope before the
+    attention and apply_rope(inverse) after it. 72 channels with 8 frequencies do not tile: the separate launches."""
     mod = _kernel()
     requests = [(40, 1), (5, 3)]
     fp8 = (head_dim - rope) % 64 == 0  # else plain rows (the FP8 entries take blocks of 64)
