@@ -395,12 +395,14 @@ def _fp8_gemv_kernel(
         for chunk in range(chunk_start, tl.minimum(chunk_start + early_chunks, chunk_end)):
             prefetch_to_l2(w_rows + tl.minimum(chunk * BLOCK_K + lines, K - 1))
         tl.extra.cuda.gdc_wait()
-    if NORM:  # each warp its row's inverse RMS, as each reads x itself
-        squares = tl.zeros((WARPS, 1, BLOCK_K), tl.float32)
+    if NORM:  # the row's inverse RMS, a scalar: a value in x's layout would move its tiles through shared memory
+        row_start = x_ptr + row * x_stride + group * K
+        squares = tl.zeros((BLOCK_K,), tl.float32)
         for start in range(0, K, BLOCK_K):
-            v = tl.load(x_row + start + col, mask=start + col < K, other=0.0).to(tl.float32)
+            at = start + tl.arange(0, BLOCK_K)
+            v = tl.load(row_start + at, mask=at < K, other=0.0).to(tl.float32)
             squares += v * v
-        inverse = inverse_rms(tl.sum(squares, axis=2), K, norm_eps)[:, :, None]
+        inverse = inverse_rms(tl.sum(squares, axis=0), K, norm_eps)
     acc = tl.zeros((WARPS, ROWS, RUNS), dtype=tl.float32)
     if PREFETCH:
         w_next = tl.load(w_rows + chunk_start * BLOCK_K + w_col, mask=chunk_start * BLOCK_K + col < K, other=0.0)
@@ -419,7 +421,7 @@ def _fp8_gemv_kernel(
             up_row = up_ptr + row * up_stride + tl.zeros((WARPS, 1, 1), tl.int32)
             x = _swiglu_input(x, up_row + k, k_live, limit, x_ptr.dtype.element_ty)
         if NORM:
-            norm_weight = tl.load(norm_ptr + k, mask=k_live, other=0.0).to(tl.float32)
+            norm_weight = tl.load(norm_ptr + tl.zeros((WARPS, 1, 1), tl.int32) + k, mask=k_live, other=0.0)
             x = rounded(x * inverse * norm_weight, x_ptr.dtype.element_ty)
         if ROW_SCALES:
             ws = tl.full((GROUPS,), 1.0, tl.float32)
