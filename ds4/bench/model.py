@@ -8,8 +8,8 @@ On any config (`--config flash|pro|DIR` with `--load-format dummy`, or a checkpo
     interval between the steps returned): the requests are prefilled first, then the batch shrinks by aborting
     requests, largest first;
   - prefill tok/s of one prompt of each `--prefill-lengths` (chunks of `--prefill-chunk` tokens);
-  - peak device memory; finite logits asserted on every step but the timed decode steps (whose times would hold
-    the check's launches): every prefill and an eager decode step at each batch size.
+  - peak device memory; finite logits asserted on every step but the timed and profiled decode steps (whose times
+    would hold the check's launches): every prefill and an eager decode step at each batch size.
 Rooflines (ds4.bench.roofline): decode = the bytes a step must read over the copy bandwidth; prefill = the FLOPs by
 kind over the GEMM rate of that kind (FP8 linears with act_quant'ed inputs and the indexer fp8; bf16 linears, wo_a
 (no act_quant in the reference), experts and attention bf16: Hopper has no FP4 tensor cores). The ratio is measured
@@ -342,7 +342,7 @@ def _greedy(max_tokens: int):
 
 def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens, finite) -> list[dict]:
     """Prefill max(batch) requests of --context tokens, then time decode steps at each batch size, largest first
-    (`finite` paused while they are timed)."""
+    (`finite` paused while they are timed or profiled)."""
     batches = sorted(set(args.batch_sizes), reverse=True)
     ids = [f"decode-{i}" for i in range(batches[0])]
     for request_id in ids:
@@ -394,7 +394,8 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens, fi
         if not args.no_profile and batch in (batches[0], batches[-1]):
             progress(f"profiling one decode step at batch {batch} (eager)")
             by_kernel, launches = defaultdict(Counter), Counter()
-            families = _eager_profile(engine, lambda: step(engine), by_kernel, launches)
+            with finite.paused():  # the check's kernels are the benchmark's, not the step's
+                families = _eager_profile(engine, lambda: step(engine), by_kernel, launches)
             roof = {name: b / rates["copy_bytes_per_s"] * 1e3 for name, b in _decode_family_bytes(parts).items()}
             row["profile"] = _with_rooflines(families, launches, roof)
             row["profile_kernels"] = _largest(by_kernel)
