@@ -10,7 +10,8 @@
 # batches alone, with their tile sweep), linear (the FP8
 # linear with its tile sweep), fp8_mma (tools/fp8_mma_gemv_probe.py: the M = 1 linear by an e4m3 MMA against the FMA kernel), mhc (the mHC kernels with the prefill projection's and the fused decode launch's sweeps), ncu
 # (tools/ncu_decode.sh's Nsight Compute lines for the decode step's largest kernels, NCU_LAYERS layers), ncu_attention
-# (tools/ncu_attention.sh on the 8K CSA prefill's attention plans). Each writes its log and JSON under $RESULTS and a
+# (tools/ncu_attention.sh on the 8K CSA prefill's attention plans), ab (tools/gpu_ab.sh: the decode steps of the trees
+# tools/ab_trees.sh packed, in turns; carry `.ab`). Each writes its log and JSON under $RESULTS and a
 # line to $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. With the trees of
 # tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected after the
 # tests stage (tools/gpu_bisect.sh; LIMIT_bisect seconds each). TESTS names the test paths (default: all of tests/);
@@ -72,6 +73,7 @@ run_stage() {
     mhc) stage mhc 240 python3 -m ds4.cli bench kernels --only mhc --all-tiles --json "$R/mhc.json" ;;
     ncu) stage ncu 300 env OUT="$R/ncu" LAYERS="${NCU_LAYERS:-4}" bash tools/ncu_decode.sh ;;
     ncu_attention) stage ncu_attention 300 env OUT="$R/ncu_attention" bash tools/ncu_attention.sh ;;
+    ab) stage ab 900 env OUT="$R/ab" bash tools/gpu_ab.sh ;;
     *) echo "unknown stage $1" >> "$R/summary.txt" ;;
   esac
 }
