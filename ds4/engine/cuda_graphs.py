@@ -25,11 +25,13 @@ and no Python decisions on the batch's values. A model says so with `cuda_graph_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ds4.engine.speculative import MTPDrafter
+from ds4.engine.uploads import layout, padded, upload_into, views
 from ds4.model.batch import ForwardBatch
 
 
@@ -56,7 +58,16 @@ class GraphKey:
 
 
 class DecodeInputs:
-    """The static input buffers of padded decode batches: a step's requests first, then padding requests."""
+    """The static input buffers of padded decode batches: a step's requests first, then padding requests (token 0
+    at position 0 and context length 0, the padding slot, block-table rows of -1).
+
+    A graph's batch lies in one byte buffer as `upload_into` packs it (ds4.engine.uploads), in the graph's own
+    shape (requests, tokens a request, block-table width): the host packs a step's batch with the padding after it
+    and one copy from the host writes both where the graph reads (each copy costs ~5-10 us of host time on the
+    H200: copying a staged batch field by field, then rewriting stale padding, took five to eleven). Graphs of
+    other shapes read the same bytes in their own layouts, so every load writes its whole padded batch. The MTP
+    graph's inputs (the token after each row, each request's last kept row) lie in a second buffer the same way.
+    """
 
     def __init__(
         self,
@@ -67,65 +78,101 @@ class DecodeInputs:
         max_tokens_per_request: int = 1,
     ):
         n, self.padding_slot = max_batch_size, padding_slot
-        t = n * max_tokens_per_request
-        self.input_ids = torch.zeros(t, dtype=torch.long, device=device)
-        self.positions = torch.zeros(t, dtype=torch.long, device=device)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.slots = torch.full((n,), padding_slot, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((n, max_pages), -1, dtype=torch.int32, device=device)
+        largest = GraphKey(max_tokens_per_request, n, max_pages)
+        self._batch = torch.zeros(layout(_batch_sizes(largest))[1], dtype=torch.uint8, device=device)
+        self._draft = torch.zeros(layout(_draft_sizes(largest))[1], dtype=torch.uint8, device=device)
         self.requests = torch.arange(n, device=device)
         self.query_start_loc = {
             m: torch.arange(0, (n + 1) * m, m, dtype=torch.int32, device=device)
             for m in range(1, max_tokens_per_request + 1)
         }
-        # The MTP graph's inputs: the token after each row, each request's last kept row.
-        self.next_ids = torch.zeros(t, dtype=torch.long, device=device)
-        self.last_rows = torch.zeros(n, dtype=torch.long, device=device)
-        # Past these tokens, requests and block-table columns every row is padding (a step's copies cost ~5-10 us
-        # of host time each on the H200, so padding is rewritten only where an earlier step wrote a request).
-        self._tokens = self._requests = self._width = 0
+        # Each graph's fields of the buffers, made once (a view costs host time every step otherwise).
+        self._views: dict[GraphKey, tuple[torch.Tensor, ...]] = {}
+        self._draft_views: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def load(self, batch: ForwardBatch) -> None:
-        """Copy a decode batch into the first rows; every row after them is padding (`view(key)`: the padded
-        batch of a graph's shape)."""
-        r, t, width = batch.num_requests, batch.num_tokens, batch.block_tables.shape[1]
-        self.input_ids[:t] = batch.input_ids
-        self.positions[:t] = batch.positions
-        self.context_lens[:r] = batch.context_lens
-        self.slots[:r] = batch.slots
-        self.block_tables[:r, :width] = batch.block_tables
-        if self._width > width:
-            self.block_tables[:r, width : self._width] = -1
-        if self._tokens > t:
-            self.input_ids[t : self._tokens] = 0
-            self.positions[t : self._tokens] = 0
-        if self._requests > r:
-            self.context_lens[r : self._requests] = 0
-            self.slots[r : self._requests] = self.padding_slot
-            self.block_tables[r : self._requests] = -1
-        self._tokens, self._requests, self._width = t, r, width
-
-    def load_draft(self, next_ids: torch.Tensor, last_rows: torch.Tensor, key: GraphKey) -> None:
-        """The MTP step's inputs for the first len(last_rows) requests (padding requests draft from their first row)."""
-        r, t = last_rows.shape[0], next_ids.shape[0]
-        self.next_ids[:t] = next_ids
-        self.next_ids[t : key.size * key.tokens_per_request] = 0
-        self.last_rows[:r] = last_rows
-        self.last_rows[r : key.size] = self.requests[r : key.size] * key.tokens_per_request
-
-    def view(self, key: GraphKey) -> ForwardBatch:
-        """The first key.size requests, with block tables key.pages wide."""
-        t = key.size * key.tokens_per_request
+    def load(
+        self,
+        key: GraphKey,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        context_lens: Sequence[int],
+        slots: Sequence[int],
+        block_tables: Sequence[int],
+    ) -> ForwardBatch:
+        """A step's batch (host values; block tables key.pages wide, end to end) into the first rows of the graph of
+        `key`, padding requests after it, in one copy; returns the step's rows there (its batch on the device)."""
+        tokens, requests = key.size * key.tokens_per_request, key.size
+        long, int32 = torch.long, torch.int32
+        upload_into(
+            self._batch,
+            padded(input_ids, long, tokens, 0),
+            padded(positions, long, tokens, 0),
+            padded(context_lens, int32, requests, 0),
+            padded(slots, int32, requests, self.padding_slot),
+            padded(block_tables, int32, requests * key.pages, -1),
+        )
+        ids, pos, lens, slot, table = self._fields(key)
+        n = len(slots)
         return ForwardBatch(
-            input_ids=self.input_ids[:t],
-            positions=self.positions[:t],
-            query_start_loc=self.query_start_loc[key.tokens_per_request][: key.size + 1],
-            context_lens=self.context_lens[: key.size],
-            slots=self.slots[: key.size],
-            block_tables=self.block_tables[: key.size, : key.pages],
+            input_ids=ids[: len(input_ids)],
+            positions=pos[: len(input_ids)],
+            query_start_loc=self.query_start_loc[key.tokens_per_request][: n + 1],
+            context_lens=lens[:n],
+            slots=slot[:n],
+            block_tables=table[:n],
             decode_only=True,
             tokens_per_request=key.tokens_per_request,
         )
+
+    def load_draft(self, key: GraphKey, next_ids: Sequence[int], last_rows: Sequence[int]) -> None:
+        """The MTP step's inputs (host values) for the first len(last_rows) requests (padding requests draft from
+        their first row)."""
+        n, r = key.tokens_per_request, len(last_rows)
+        upload_into(
+            self._draft,
+            padded(next_ids, torch.long, key.size * n, 0),
+            ([*last_rows, *range(r * n, key.size * n, n)], torch.long),
+        )
+
+    def view(self, key: GraphKey) -> ForwardBatch:
+        """The padded batch the graph of `key` reads (as the last `load` for `key` left it, unless a load for another
+        graph has written other values since)."""
+        ids, pos, lens, slot, table = self._fields(key)
+        return ForwardBatch(
+            input_ids=ids,
+            positions=pos,
+            query_start_loc=self.query_start_loc[key.tokens_per_request][: key.size + 1],
+            context_lens=lens,
+            slots=slot,
+            block_tables=table,
+            decode_only=True,
+            tokens_per_request=key.tokens_per_request,
+        )
+
+    def draft_view(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next ids, last rows) of the padded batch the MTP graph of `key` reads."""
+        if key not in self._draft_views:
+            self._draft_views[key] = tuple(views(self._draft, _draft_sizes(key)))
+        return self._draft_views[key]
+
+    def _fields(self, key: GraphKey) -> tuple[torch.Tensor, ...]:
+        if key not in self._views:
+            ids, pos, lens, slot, table = views(self._batch, _batch_sizes(key))
+            self._views[key] = ids, pos, lens, slot, table.view(key.size, key.pages)
+        return self._views[key]
+
+
+def _batch_sizes(key: GraphKey) -> list[tuple[int, torch.dtype]]:
+    """(length, dtype) of the fields of a graph's batch, in order: input ids, positions, context lengths, slots,
+    block tables."""
+    t = key.size * key.tokens_per_request
+    int32 = torch.int32
+    return [(t, torch.long), (t, torch.long), (key.size, int32), (key.size, int32), (key.size * key.pages, int32)]
+
+
+def _draft_sizes(key: GraphKey) -> list[tuple[int, torch.dtype]]:
+    """(length, dtype) of the MTP graph's inputs: the token after each row, each request's last kept row."""
+    return [(key.size * key.tokens_per_request, torch.long), (key.size, torch.long)]
 
 
 class DecodeGraphs:
@@ -171,34 +218,36 @@ class DecodeGraphs:
         return GraphKey(n, size, next(p for p in self.page_buckets if p >= width))
 
     def run(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
-        """The streams of a decode batch of key.tokens_per_request tokens a request (the model's forward)."""
-        self.inputs.load(batch)
+        """The streams of a decode batch of key.tokens_per_request tokens a request (the model's forward): the batch
+        `inputs.load` just returned for `key`."""
         if self.eager:  # kept apart from the captured graph's output, which later replays still write
             self._eager_streams = self._forward(key)
             return self._eager_streams[: batch.num_tokens]
         self.graphs[key].replay()
         return self.outputs[key][: batch.num_tokens]
 
-    def draft(self, next_ids: torch.Tensor, last_rows: torch.Tensor, key: GraphKey) -> torch.Tensor:
-        """[len(last_rows), k] drafts after the step `run` just ran for `key` (MTPDrafter.run on its rows)."""
-        self.inputs.load_draft(next_ids, last_rows, key)
+    def draft(self, next_ids: Sequence[int], last_rows: Sequence[int], key: GraphKey) -> torch.Tensor:
+        """[len(last_rows), k] drafts after the step `run` just ran for `key` (MTPDrafter.run on its rows), from the
+        token after each of its rows and each request's last kept row (host values)."""
+        self.inputs.load_draft(key, next_ids, last_rows)
         if self.eager:
-            return self._draft(key, self._eager_streams)[: last_rows.shape[0]]
+            return self._draft(key, self._eager_streams)[: len(last_rows)]
         self.draft_graphs[key].replay()
-        return self.drafts[key][: last_rows.shape[0]]
+        return self.drafts[key][: len(last_rows)]
 
     def _forward(self, key: GraphKey) -> torch.Tensor:
         return self.model.forward(self.inputs.view(key), self.cache)
 
     def _draft(self, key: GraphKey, streams: torch.Tensor) -> torch.Tensor:
-        inputs, r = self.inputs, key.size
-        next_ids, last_rows = inputs.next_ids[: r * key.tokens_per_request], inputs.last_rows[:r]
-        return self.drafter.run(inputs.view(key), streams, next_ids, last_rows, inputs.requests[:r])
+        next_ids, last_rows = self.inputs.draft_view(key)
+        return self.drafter.run(self.inputs.view(key), streams, next_ids, last_rows, self.inputs.requests[: key.size])
 
     def _capture(self) -> None:
-        """Largest first, so the shared memory pool is sized by the largest graph; the buffers hold padding only."""
+        """Largest first, so the shared memory pool is sized by the largest graph. Each graph's inputs are loaded with
+        padding only (a step of no requests) first: the other graphs' layouts leave other values in their bytes."""
         pool = None
         for key in self.keys:
+            self.inputs.load(key, [], [], [], [], [])
             self._forward(key)  # warm-up outside the capture: allocator, autotuning, lazy init
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -207,6 +256,7 @@ class DecodeGraphs:
             pool = graph.pool() if pool is None else pool
             self.graphs[key] = graph
             if self.drafter is not None:
+                self.inputs.load_draft(key, [], [])
                 graph.replay()  # the draft warm-up reads the streams of the (padding) rows
                 self._draft(key, self.outputs[key])
                 torch.cuda.synchronize(self.device)

@@ -23,6 +23,7 @@ engine rank 0 sends those to the other ranks first (ds4.engine.step_channel), wh
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -147,15 +148,21 @@ class ModelRunner:
         """The step's snapshot restores, forward (or graph replay) and the logits of its logit rows (None when it
         asks for none); without an MTP layer also its snapshot saves (else `draft` makes them). input_ids: the
         step's token ids on the device, in place of step.input_ids (placeholders)."""
-        batch = step.to_batch(self.device)
-        if input_ids is not None:
-            batch.input_ids = input_ids
+        key = step.graph_key
+        if key is not None:  # uploaded straight into the graph's inputs
+            batch = self.graphs.inputs.load(
+                key, step.input_ids, step.positions, step.context_lens, step.slots, step.block_tables
+            )
+        else:
+            batch = step.to_batch(self.device)
+        if input_ids is not None:  # over the placeholders (a graph's inputs stay where its graph reads them)
+            batch.input_ids.copy_(input_ids)
         snapshots = step.snapshots
         if snapshots is not None:  # prefix caching: resume admitted requests, keep page-end states
             self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots, snapshots.restore_ends)
             batch.snapshots = tuple(snapshots.inner)
-        if step.graph_key is not None:
-            hidden = self.graphs.run(batch, step.graph_key)
+        if key is not None:
+            hidden = self.graphs.run(batch, key)
         else:
             hidden = self.model.forward(batch, self.cache)
         if self.drafter is None:
@@ -168,10 +175,10 @@ class ModelRunner:
     def draft(self, step: Step, batch: ForwardBatch, hidden: torch.Tensor, inputs: DraftInputs) -> torch.Tensor:
         """The MTP layer over the step's rows, then the step's snapshot saves (the MTP window is part of the
         state kept). Returns the drafts: of every request after a graph step, else of inputs.drafting's."""
-        ids = _to_device(inputs.next_ids, torch.long, self.device)
         if step.graph_key is not None:
-            drafts = self.graphs.draft(ids, _to_device(inputs.last_rows, torch.long, self.device), step.graph_key)
+            drafts = self.graphs.draft(inputs.next_ids, inputs.last_rows, step.graph_key)
         else:
+            ids = _to_device(inputs.next_ids, torch.long, self.device)
             rows = _to_device([inputs.last_rows[i] for i in inputs.drafting], torch.long, self.device)
             requests = _to_device(inputs.drafting, torch.long, self.device)
             drafts = self.drafter.run(batch, hidden, ids, rows, requests)
@@ -272,13 +279,15 @@ class Step:
     query_start_loc: list[int]
     context_lens: list[int]
     slots: list[int]
-    block_tables: list[int]  # every request's page table padded with -1 to the widest, end to end
+    # Every request's page table padded with -1 to the widest (a graph step: to its graph's width), end to end:
+    # int32 values in an array, whose padding is repeated in C rather than converted value by value.
+    block_tables: array
     snapshots: StepSnapshots | None = None
     graph_key: GraphKey | None = None  # the CUDA graph the step replays
     logit_rows: list[int] = field(default_factory=list)  # hidden rows projected to logits (none: no projection)
 
     def to_batch(self, device: torch.device) -> ForwardBatch:
-        """The flat batch on the device, in one transfer."""
+        """The flat batch on the device, in one transfer (a graph step's goes into its graph's inputs instead)."""
         int32, long = torch.int32, torch.long
         ids, pos, loc, lens, slot, table = upload(
             device,
@@ -289,16 +298,8 @@ class Step:
             (self.slots, int32),
             (self.block_tables, int32),
         )
-        key = self.graph_key
         return ForwardBatch(
-            ids,
-            pos,
-            loc,
-            lens,
-            slot,
-            table.view(len(self.slots), len(self.block_tables) // len(self.slots)),
-            decode_only=key is not None,
-            tokens_per_request=key.tokens_per_request if key is not None else 1,
+            ids, pos, loc, lens, slot, table.view(len(self.slots), len(self.block_tables) // len(self.slots))
         )
 
 
@@ -339,9 +340,10 @@ def build_step(
     """The flat batch of one step (tokens of every chunk end to end) and its snapshot copies, on the host.
 
     With a graph key (a CUDA-graph step): a decode_only batch, each chunk followed by padding tokens (id 0) at
-    the positions after its own, up to key.tokens_per_request tokens."""
-    input_ids, positions, starts, context_lens, slots, tables = [], [], [0], [], [], []
-    width = max(len(c.seq.page_table) for c in chunks)
+    the positions after its own, up to key.tokens_per_request tokens, and block tables key.pages wide."""
+    input_ids, positions, starts, context_lens, slots, tables = [], [], [0], [], [], array("i")
+    width = graph_key.pages if graph_key is not None else max(len(c.seq.page_table) for c in chunks)
+    no_page = array("i", [-1])
     for c in chunks:
         seq, start = c.seq, c.start
         n = graph_key.tokens_per_request if graph_key is not None else c.num_tokens
@@ -354,8 +356,8 @@ def build_step(
         starts.append(starts[-1] + n)
         context_lens.append(start)
         slots.append(seq.slot)
-        tables += seq.page_table
-        tables += [-1] * (width - len(seq.page_table))
+        tables.fromlist(seq.page_table)
+        tables += no_page * (width - len(seq.page_table))
     return Step(input_ids, positions, starts, context_lens, slots, tables, snapshots, graph_key)
 
 

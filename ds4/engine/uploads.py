@@ -6,6 +6,9 @@ that blocks the host until the whole stream has drained (the forward included). 
 copies them to the device in one non-blocking transfer; the returned tensors are views of one fresh device
 buffer, so later uploads never change them. Ring bytes are written again only after the copy that read them has
 run (an event per upload), so the host never overwrites data still in flight. On CPU the lists simply become tensors.
+
+`upload_into` packs the same way into a device buffer that outlives the upload (a CUDA graph's inputs), where
+`views` of that buffer find the fields: one copy writes them all.
 """
 
 from __future__ import annotations
@@ -31,15 +34,56 @@ def upload(device: torch.device, *fields: tuple[Sequence[int] | Sequence[float],
     return _uploader(device).upload(*fields)
 
 
-def pack(fields: tuple[tuple[Sequence[int] | Sequence[float], torch.dtype], ...]) -> tuple[bytearray, list[int]]:
+def upload_into(buffer: torch.Tensor, *fields: tuple[Sequence[int] | Sequence[float], torch.dtype]) -> None:
+    """The fields packed into the start of `buffer` (bytes, where `views` finds them) in one copy: on CUDA a
+    non-blocking one, queued on the current stream after the work already there (which may still read the buffer)."""
+    if buffer.device.type != "cuda":
+        payload, _ = pack(fields)
+        if payload:
+            buffer[: len(payload)].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+        return
+    _uploader(buffer.device).upload_into(buffer, *fields)
+
+
+def padded(values: Sequence[int], dtype: torch.dtype, length: int, fill: int) -> tuple[array, torch.dtype]:
+    """The field of `values`, then `fill` up to `length` values: repeated in C, not converted value by value."""
+    code = _ARRAY_CODES[dtype]
+    return array(code, values) + array(code, [fill]) * (length - len(values)), dtype
+
+
+def layout(sizes: Sequence[tuple[int, torch.dtype]]) -> tuple[list[int], int]:
+    """Where `pack` puts fields of these (length, dtype): each one's byte offset, and the bytes of all."""
+    starts, end = [], 0
+    for length, dtype in sizes:
+        starts.append(end)
+        end += length * dtype.itemsize
+        end += _padding(end)
+    return starts, end
+
+
+def views(buffer: torch.Tensor, sizes: Sequence[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+    """The 1-D tensors of `buffer` (bytes) that hold fields of these (length, dtype) once packed into it."""
+    return _views(buffer, sizes, layout(sizes)[0])
+
+
+def pack(fields: Sequence[tuple[Sequence[int] | Sequence[float], torch.dtype]]) -> tuple[bytearray, list[int]]:
     """The fields' values end to end as native bytes, each field starting _ALIGN-aligned, and each one's offset.
     Python's array module packs a list in C: a field costs no torch call (one each would cost more than the copy)."""
     payload, starts = bytearray(), []
     for values, dtype in fields:
         starts.append(len(payload))
         payload += array(_ARRAY_CODES[dtype], values).tobytes()
-        payload += bytes(-len(payload) % _ALIGN)
+        payload += bytes(_padding(len(payload)))
     return payload, starts
+
+
+def _padding(size: int) -> int:
+    """The bytes after `size` bytes of fields up to the next field's start."""
+    return -size % _ALIGN
+
+
+def _views(buffer: torch.Tensor, sizes: Sequence[tuple[int, torch.dtype]], starts: list[int]) -> list[torch.Tensor]:
+    return [buffer[s : s + length * dtype.itemsize].view(dtype) for (length, dtype), s in zip(sizes, starts)]
 
 
 @cache
@@ -59,21 +103,30 @@ class Uploader:
 
     def upload(self, *fields: tuple[Sequence[int] | Sequence[float], torch.dtype]) -> list[torch.Tensor]:
         with self._lock:
-            return self._upload(fields)
+            first, host, starts = self._stage(fields)
+            device = host.to(self.device, non_blocking=True)
+            self._copied(first, host.numel())
+        return _views(device, [(len(values), dtype) for values, dtype in fields], starts)
 
-    def _upload(self, fields) -> list[torch.Tensor]:
+    def upload_into(self, buffer: torch.Tensor, *fields: tuple[Sequence[int] | Sequence[float], torch.dtype]) -> None:
+        with self._lock:
+            first, host, _ = self._stage(fields)
+            buffer[: host.numel()].copy_(host, non_blocking=True)
+            self._copied(first, host.numel())
+
+    def _stage(self, fields) -> tuple[int, torch.Tensor, list[int]]:
+        """The fields packed into the ring: (offset, bytes, each field's offset in them)."""
         payload, starts = pack(fields)
         first, host = self._reserve(len(payload))
         if payload:
             host.copy_(torch.frombuffer(payload, dtype=torch.uint8))
-        device = host.to(self.device, non_blocking=True)
+        return first, host, starts
+
+    def _copied(self, first: int, size: int) -> None:
+        """A copy of the ring's bytes first:first + size is queued: they are written again only once it has run."""
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        self._in_flight.append((first, first + len(payload), done))
-        return [
-            device[start : start + len(values) * dtype.itemsize].view(dtype)
-            for (values, dtype), start in zip(fields, starts)
-        ]
+        self._in_flight.append((first, first + size, done))
 
     def _reserve(self, size: int) -> tuple[int, torch.Tensor]:
         """(offset, bytes) of the next `size` bytes of the ring (from its start when they do not fit before its

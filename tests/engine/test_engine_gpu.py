@@ -248,6 +248,7 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
     eager_cache, graph_cache = caches
     inputs = DecodeInputs(4, 6, padding_slot=2, device=torch.device("cuda"))  # tables 4 of 6 columns wide
     key = GraphKey(tokens_per_request=1, size=4, pages=4)
+    inputs.load(key, [], [], [], [], [])
     model.forward(inputs.view(key), graph_cache)  # warm-up: padding rows only
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -272,7 +273,7 @@ def test_decode_path_never_syncs_and_its_graph_replays_the_eager_steps(model):
             eager = model.forward(batch, eager_cache)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        inputs.load(batch)
+        inputs.load(key, tokens, pos, pos, [0, 1], [p for table in tables for p in table])
         graph.replay()
         assert torch.allclose(out[:2], eager, rtol=1e-5, atol=1e-5), f"step {step}"
         tokens = model.compute_logits(eager).argmax(dim=-1).tolist()

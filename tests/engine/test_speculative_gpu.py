@@ -66,31 +66,22 @@ def test_verify_and_draft_graphs_replay_the_eager_steps(model, k):
         for r in range(2):
             ids += [last[r]] + drafts[r] + [0] * (k - len(drafts[r]))
             positions += range(context[r], context[r] + n)
-        i32 = dict(dtype=torch.int32, device="cuda")
-        batch = ForwardBatch(
-            torch.tensor(ids, device="cuda"),
-            torch.tensor(positions, device="cuda"),
-            torch.arange(3, **i32) * n,
-            torch.tensor(context, **i32),
-            torch.tensor([0, 1], **i32),
-            torch.tensor(tables, **i32),
-            decode_only=True,
-            tokens_per_request=n,
-        )
         key = graphs.key([1 + len(d) for d in drafts], 4)
         kept = [drafts[r][: rng.randint(0, len(drafts[r]))] + [rng.randrange(vocab)] for r in range(2)]
         next_ids = [0] * (2 * n)
         for r in range(2):
             next_ids[r * n : r * n + len(kept[r])] = kept[r]
-        next_ids = torch.tensor(next_ids, device="cuda")
-        last_rows = torch.tensor([r * n + len(kept[r]) - 1 for r in range(2)], device="cuda")
+        last_rows = [r * n + len(kept[r]) - 1 for r in range(2)]
+        batch = (key, ids, positions, context, [0, 1], [p for table in tables for p in table])
         torch.cuda.set_sync_debug_mode("error")
         try:
-            expected = eager.run(batch, key).clone()
+            expected = eager.run(eager.inputs.load(*batch), key).clone()
             expected_drafts = eager.draft(next_ids, last_rows, key).clone()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert torch.allclose(graphs.run(batch, key), expected, rtol=1e-5, atol=1e-5), f"step {step}"
+        assert torch.allclose(graphs.run(graphs.inputs.load(*batch), key), expected, rtol=1e-5, atol=1e-5), (
+            f"step {step}"
+        )
         assert torch.equal(graphs.draft(next_ids, last_rows, key), expected_drafts), f"step {step}"
         for r in range(2):
             context[r] += len(kept[r])

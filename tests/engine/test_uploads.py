@@ -1,12 +1,13 @@
-"""Host lists to device tensors (ds4.engine.uploads): the values and dtypes arrive, and on CUDA a copy still in
-flight is never overwritten by later uploads through the same small ring (wrapping and growing)."""
+"""Host lists to device tensors (ds4.engine.uploads): the values and dtypes arrive, into fresh tensors or where
+`views` of a given buffer find them, and on CUDA a copy still in flight is never overwritten by later uploads
+through the same small ring (wrapping and growing)."""
 
 import random
 
 import pytest
 import torch
 
-from ds4.engine.uploads import Uploader, pack, upload
+from ds4.engine.uploads import Uploader, layout, pack, padded, upload, upload_into, views
 
 DTYPES = (torch.int32, torch.long, torch.float32, torch.float64)
 
@@ -47,6 +48,18 @@ def test_pack_lays_out_each_field_as_torch_stores_it_aligned_and_apart():
             assert torch.equal(raw[start:end].view(dtype), torch.tensor(values, dtype=dtype))
 
 
+def test_upload_into_a_buffer_puts_each_field_where_its_view_finds_it():
+    rng = random.Random(3)
+    for _ in range(20):
+        fields = _random_fields(rng) + [padded([5, -2], torch.int32, 7, -1)]
+        sizes = [(len(values), dtype) for values, dtype in fields]
+        buffer = torch.full((layout(sizes)[1] + 16,), 0xAB, dtype=torch.uint8)
+        upload_into(buffer, *fields)
+        for (values, dtype), tensor in zip(fields, views(buffer, sizes)):
+            assert tensor.dtype == dtype and tensor.tolist() == pytest.approx(list(values))
+    assert list(padded([5, -2], torch.int32, 4, -1)[0]) == [5, -2, -1, -1]
+
+
 @pytest.mark.gpu
 def test_uploads_in_flight_are_never_overwritten():
     rng = random.Random(0)
@@ -56,7 +69,13 @@ def test_uploads_in_flight_are_never_overwritten():
     for _ in range(200):
         fields = _random_fields(rng)
         sent.append(fields)
-        received.append(uploader.upload(*fields))
+        if len(sent) % 2:
+            received.append(uploader.upload(*fields))
+        else:  # into a buffer of its own
+            sizes = [(len(values), dtype) for values, dtype in fields]
+            buffer = torch.empty(layout(sizes)[1], dtype=torch.uint8, device="cuda")
+            uploader.upload_into(buffer, *fields)
+            received.append(views(buffer, sizes))
     torch.cuda.synchronize()
     for fields, tensors in zip(sent, received):
         for (values, dtype), tensor in zip(fields, tensors):
