@@ -14,8 +14,8 @@ only before the first, as a server runs them. Per batch size, medians over those
     faster.
   - host ms: the same steps with the forward and logits replaced by stubs that return ready tensors (logits
     over a 256-token vocabulary, so the sampler's device work is ~0 too): the engine's own work per step.
-  - launch ms: the host's time inside those same model calls (on CUDA the graph replay's launch and the copies
-    into its inputs, which the stubbed steps below keep only in part): host work the host-only figure leaves out.
+  - launch ms: the host's time inside those same model calls (on CUDA the graph replay's launch and the logits'
+    launches): host work the host-only figure leaves out; "of which logits" the time inside the logits' call.
   - exposed ms = step - model: what the engine adds to the model's time. Host work that overlaps the
     device's work costs nothing here: with async decode, exposed ~ max(host - model, 0) plus the launch gap;
     with none overlapped (--no-async-decode), exposed ~ host.
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
             timer.read()
             steps_ahead = engine.stats().num_steps_ahead
             step_ms = timed_steps(engine, args.steps, timer.end_step)
-            model_ms, launch_ms = timer.read()
+            model_ms, launch_ms, logits_ms = timer.read()
             ahead = (engine.stats().num_steps_ahead - steps_ahead) / args.steps
             with _stubbed(engine):
                 step(engine)
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
             if any(i not in engine.requests for i in ids):
                 raise SystemExit(f"batch {batch}: a request finished early (max_tokens {max_tokens} too small)")
             step_med, model_med, host_med = _median(step_ms), _median(model_ms), _median(host_ms)
-            launch_med = _median(launch_ms)
+            launch_med, logits_med = _median(launch_ms), _median(logits_ms)
             rows.append(
                 {
                     "batch": batch,
@@ -122,6 +122,7 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
                     "model_ms": model_med,
                     "host_ms": host_med,
                     "launch_ms": launch_med,
+                    "logits_launch_ms": logits_med,
                     "exposed_ms": step_med - model_med,
                     "ahead": ahead,
                 }
@@ -152,13 +153,14 @@ def table(result: dict) -> str:
         f"async decode {result['async_decode']}, "
         f"prefix caching {result['prefix_caching']}, detokenizing {result['detokenizing']}; "
         f"medians of {result['steps']} steps",
-        "batch | step ms | model ms | exposed ms (step - model) | host ms (model stubbed) | launch ms (host) | ahead",
-        "---|---|---|---|---|---|---",
+        "batch | step ms | model ms | exposed ms (step - model) | host ms (model stubbed) | launch ms (host) | "
+        "of which logits | ahead",
+        "---|---|---|---|---|---|---|---",
     ]
     for r in result["rows"]:
         lines.append(
             f"{r['batch']} | {r['step_ms']:.3f} | {r['model_ms']:.3f} | {r['exposed_ms']:.3f} | {r['host_ms']:.3f} | "
-            f"{r['launch_ms']:.3f} | {r['ahead']:.0%}"
+            f"{r['launch_ms']:.3f} | {r['logits_launch_ms']:.3f} | {r['ahead']:.0%}"
         )
     return "\n".join(lines)
 
@@ -177,8 +179,8 @@ class _ModelTimer:
         self.cuda = engine.device.type == "cuda"
         self.spans: list = []
         self.steps: list[list] = []
-        self.host_spans: list[float] = []
-        self.host_steps: list[list[float]] = []
+        self.host_spans: list[tuple[str, float]] = []  # (call, host ms)
+        self.host_steps: list[list[tuple[str, float]]] = []
         self._depth = 0
         model, graphs = engine.model, engine.runner.graphs
         self._wrap(model, "forward")
@@ -202,7 +204,7 @@ class _ModelTimer:
             finally:
                 self._depth -= 1
             host_ms = (time.perf_counter() - host_start) * 1e3
-            self.host_spans.append(host_ms)
+            self.host_spans.append((name, host_ms))
             if self.cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
@@ -219,16 +221,17 @@ class _ModelTimer:
         self.host_steps.append(self.host_spans)
         self.spans, self.host_spans = [], []
 
-    def read(self) -> tuple[list[float], list[float]]:
+    def read(self) -> tuple[list[float], list[float], list[float]]:
         """For each step ended since the last reading (the calls of no step are dropped): the device's time of its
-        calls, and the host's time inside them."""
+        calls, the host's time inside them, and the host's time inside its logits' calls."""
         steps, host_steps = self.steps, self.host_steps
         self.steps, self.spans, self.host_steps, self.host_spans = [], [], [], []
-        host_ms = [sum(spans) for spans in host_steps]
+        host_ms = [sum(ms for _, ms in spans) for spans in host_steps]
+        logits_ms = [sum(ms for name, ms in spans if name == "compute_logits") for spans in host_steps]
         if self.cuda:
             torch.cuda.synchronize()
-            return [sum(start.elapsed_time(end) for start, end in spans) for spans in steps], host_ms
-        return [sum(spans) for spans in steps], host_ms
+            return [sum(start.elapsed_time(end) for start, end in spans) for spans in steps], host_ms, logits_ms
+        return [sum(spans) for spans in steps], host_ms, logits_ms
 
 
 class _stubbed:

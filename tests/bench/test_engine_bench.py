@@ -21,6 +21,8 @@ def test_engine_bench_rows_and_json(tmp_path, capsys):
         assert row["host_ms"] > 0
         # on the CPU the model's calls run on the host: their host time is their time
         assert row["launch_ms"] == row["model_ms"]
+        # the logits' call is one of those calls: part of their time, not nothing (a medians' order, step by step)
+        assert 0 < row["logits_launch_ms"] <= row["launch_ms"]
 
 
 def test_engine_bench_refuses_a_cache_too_small_for_its_batch():
