@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On the GPU machine: the decode steps of `ds4 bench model` (20 Flash layers, dummy weights, no profile) from each
-# tree of .ab/trees.tar.xz (tools/ab_trees.sh), ROUNDS rounds of every tree in turn (default 2: a drift of the
-# machine shows as a difference between rounds, not between trees), each run PER_RUN_S seconds at most (default
-# 200), with the wheels tools/install_device_wheels.sh installed. Writes OUT/<tree>.<round>.json and prints the
-# median ms/step of each tree and batch over its rounds. BATCHES (default 1,64), LAYERS (default 20).
+# On the GPU machine: the decode steps of `ds4 bench model` (20 Flash layers, dummy weights, no profile), or with
+# BENCH=engine those of `ds4 bench engine` (the built-in tiny model: the engine's own time a step), from each tree
+# of .ab/trees.tar.xz (tools/ab_trees.sh), ROUNDS rounds of every tree in turn (default 2: a drift of the machine
+# shows as a difference between rounds, not between trees), each run PER_RUN_S seconds at most (default 200), with
+# the wheels tools/install_device_wheels.sh installed. Writes OUT/<tree>.<round>.json and prints the median ms/step
+# of each tree and batch over its rounds. BATCHES (default 1,64), LAYERS (default 20).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:?OUT: the folder for the results}
@@ -18,9 +19,14 @@ fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in "$trees"/trees/*/; do
     name=$(basename "$tree")
+    if [ "${BENCH:-model}" = engine ]; then
+      bench=(bench engine --input-len 128 --steps 50)
+    else
+      bench=(bench model --config flash --load-format dummy --context 2048 --layers "${LAYERS:-20}" --prefill-lengths 8192
+        --no-profile "${extra[@]}")
+    fi
     (cd "$tree" && PYTHONPATH="/tmp/site:$tree" DS4_CACHE="/tmp/ds4-cache-$name" timeout -s ABRT "${PER_RUN_S:-200}" \
-      python3 -m ds4.cli bench model --config flash --load-format dummy --context 2048 --layers "${LAYERS:-20}" \
-      --batch-sizes "${BATCHES:-1,64}" --prefill-lengths 8192 --no-profile "${extra[@]}" \
+      python3 -m ds4.cli "${bench[@]}" --batch-sizes "${BATCHES:-1,64}" \
       --json "$out/$name.$round.json" > "$out/$name.$round.txt" 2>&1)
     echo "$name round $round: rc $?"
   done
@@ -30,8 +36,10 @@ import json, pathlib, statistics, sys
 runs = {}
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     tree = path.name.rsplit(".", 2)[0]
-    for row in json.loads(path.read_text())["decode"]:
-        runs.setdefault(tree, {}).setdefault(row["batch"], []).append(row["ms_per_step"])
+    result = json.loads(path.read_text())
+    for row in result["decode"] if "decode" in result else result["rows"]:  # bench model's, bench engine's
+        ms = row["ms_per_step"] if "ms_per_step" in row else row["step_ms"]
+        runs.setdefault(tree, {}).setdefault(row["batch"], []).append(ms)
 for tree, batches in runs.items():
     cells = []
     for batch, ms in sorted(batches.items()):

@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # The measurements the open issues ask of one H200, in order of need, for tools/gpu_detached.sh (it sets RESULTS):
 #   bash tools/gpu_detached.sh start tools/gpu_measure.sh     then, in the next call, `collect`
-# Stages in the order STAGES names them (default: all but ncu, ncu_attention, moe_skew, moe_decode and fp8_mma, in this order): model4 (4
-# Flash layers with transformers beside them), tests (every gpu-marked test, several processes with pytest-xdist),
-# model20 (20 Flash layers, prefill to 64K), model20_serial (its decode without the side-stream overlaps, `--serial`),
-# model20_nopdl (without programmatic dependent launch, `--no-pdl`), engine and engine_sync (the engine's host time
-# per step, async decode on and off, each with its costliest host functions), attention (with its plan sweep), moe
-# (with its tile sweep; moe_skew: the 8K prefill's under a skewed routing like the dummy model's; moe_decode: decode
-# batches alone, with their tile sweep), linear (the FP8
-# linear with its tile sweep), fp8_mma (tools/fp8_mma_gemv_probe.py: the M = 1 linear by an e4m3 MMA against the FMA kernel), mhc (the mHC kernels with the prefill projection's and the fused decode launch's sweeps), ncu
-# (tools/ncu_decode.sh's Nsight Compute lines for the decode step's largest kernels, NCU_LAYERS layers), ncu_attention
-# (tools/ncu_attention.sh on the 8K CSA prefill's attention plans), ab (tools/gpu_ab.sh: the decode steps of the trees
-# tools/ab_trees.sh packed, in turns; carry `.ab`). Each writes its log and JSON under $RESULTS and a
-# line to $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others. With the trees of
-# tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is bisected after the
-# tests stage (tools/gpu_bisect.sh; LIMIT_bisect seconds each). TESTS names the test paths (default: all of tests/);
-# COMPARE= (empty) leaves transformers out of model4; LAYERS the model stages' layers (default 20); LIMIT_<stage>=S
-# sets a stage's time limit in seconds.
+# Stages in the order STAGES names them (default: model4 tests model20 model20_serial engine engine_sync attention moe
+# linear mhc): model4 (4 Flash layers with transformers beside them), tests (every gpu-marked test, several processes
+# with pytest-xdist), model20 (20 Flash layers, prefill to 64K), model20_serial (its decode without the side-stream
+# overlaps, `--serial`), model20_nopdl (without programmatic dependent launch, `--no-pdl`), engine and engine_sync
+# (the engine's host time per step, async decode on and off, each with its costliest host functions), attention (with
+# its plan sweep), moe (with its tile sweep; moe_skew: the 8K prefill's under a skewed routing like the dummy model's;
+# moe_decode: decode batches alone, with their tile sweep), linear (the FP8 linear with its tile sweep), fp8_mma
+# (tools/fp8_mma_gemv_probe.py: the M = 1 linear by an e4m3 MMA against the FMA kernel), mhc (the mHC kernels with the
+# prefill projection's and the fused decode launch's sweeps), ncu (tools/ncu_decode.sh's Nsight Compute lines for the
+# decode step's largest kernels, NCU_LAYERS layers), ncu_attention (tools/ncu_attention.sh on the 8K CSA prefill's
+# attention plans), ab (tools/gpu_ab.sh: the decode steps of the trees tools/ab_trees.sh packed, in turns; carry
+# `.ab`), ab_engine (the same with `ds4 bench engine`: the engine's time a step). Each writes its log and JSON under
+# $RESULTS and a line to $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others.
+# With the trees of tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is
+# bisected after the tests stage (tools/gpu_bisect.sh; LIMIT_bisect seconds each). TESTS names the test paths
+# (default: all of tests/); COMPARE= (empty) leaves transformers out of model4; LAYERS the model stages' layers
+# (default 20); LIMIT_<stage>=S sets a stage's time limit in seconds.
 # Needs the wheels in .whl (tools/fetch_device_wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +75,7 @@ run_stage() {
     ncu) stage ncu 300 env OUT="$R/ncu" LAYERS="${NCU_LAYERS:-4}" bash tools/ncu_decode.sh ;;
     ncu_attention) stage ncu_attention 300 env OUT="$R/ncu_attention" bash tools/ncu_attention.sh ;;
     ab) stage ab 900 env OUT="$R/ab" bash tools/gpu_ab.sh ;;
+    ab_engine) stage ab_engine 600 env OUT="$R/ab_engine" BENCH=engine bash tools/gpu_ab.sh ;;
     *) echo "unknown stage $1" >> "$R/summary.txt" ;;
   esac
 }
