@@ -63,7 +63,7 @@ run_stage() {
     model20) stage model20 600 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192,65536 --batch-sizes 1,8,32,64 --json "$R/model20.json" ;;
     model20_nopdl) stage model20_nopdl 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --no-pdl --json "$R/model20_nopdl.json" ;;
     model20_serial) stage model20_serial 400 "${model[@]}" --layers "${LAYERS:-20}" --prefill-lengths 8192 --batch-sizes 1,64 --serial --json "$R/model20_serial.json" ;;
-    engine) stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --json "$R/engine.json" ;;
+    engine) stage engine 400 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --api-profile 30 --json "$R/engine.json" ;;
     engine_sync) stage engine_sync 200 python3 -m ds4.cli bench engine --batch-sizes 1,64 --input-len 128 --steps 50 --cprofile 30 --no-async-decode --json "$R/engine_sync.json" ;;
     attention) stage attention 420 python3 -m ds4.cli bench attention --sweep --json "$R/attention.json" ;;
     moe) stage moe 420 python3 -m ds4.cli bench moe --sweep --json "$R/moe.json" ;;

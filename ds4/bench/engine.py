@@ -19,7 +19,9 @@ only before the first, as a server runs them. Per batch size, medians over those
   - exposed ms = step - model: what the engine adds to the model's time. Host work that overlaps the
     device's work costs nothing here: with async decode, exposed ~ max(host - model, 0) plus the launch gap;
     with none overlapped (--no-async-decode), exposed ~ host.
-`--cprofile N` prints the N functions with the most own time in the host-only steps (stderr).
+`--cprofile N` prints the N functions with the most own time in the host-only steps (stderr); `--api-profile N` the N
+host calls (torch ops; on CUDA the runtime and driver calls: graph launches, kernel launches, copies, the waits for
+the device) with the most own time in as many real steps, under torch.profiler (stderr).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N costliest host functions")
+    parser.add_argument(
+        "--api-profile", type=int, default=0, metavar="N", help="print the N costliest host calls of real steps"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     add_engine_args(parser)
     args = parser.parse_args(argv)
@@ -67,9 +72,9 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
     from ds4.engine.sampling_params import SamplingParams
 
     batches = sorted(set(args.batch_sizes), reverse=True)
-    # Every request decodes through the prefill of the others, then through each batch size's steps: timed, stubbed
-    # and profiled.
-    max_tokens = batches[0] + len(batches) * (3 * args.steps + 8) + 16
+    # Every request decodes through the prefill of the others, then through each batch size's steps: timed,
+    # API-profiled, stubbed and profiled.
+    max_tokens = batches[0] + len(batches) * (4 * args.steps + 8) + 16
     engine_flags = dict(
         engine_flags,
         max_num_seqs=batches[0],
@@ -106,6 +111,8 @@ def run(args: argparse.Namespace, model_flags: dict, engine_flags: dict) -> dict
             step_ms = timed_steps(engine, args.steps, timer.end_step)
             model_ms, launch_ms, logits_ms = timer.read()
             ahead = (engine.stats().num_steps_ahead - steps_ahead) / args.steps
+            if args.api_profile and batch == batches[0]:
+                _print_api_profile(engine, args.steps, args.api_profile)
             with _stubbed(engine):
                 step(engine)
                 host_ms = timed_steps(engine, args.steps)
@@ -257,6 +264,19 @@ class _stubbed:
     def __exit__(self, *exc):
         for owner, name, call in self.saved:
             setattr(owner, name, call)
+
+
+def _print_api_profile(engine, steps: int, top: int) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(engine)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    print(f"real steps under torch.profiler ({steps} steps, {wall_ms:.1f} ms), by own host time:", file=sys.stderr)
+    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=top), file=sys.stderr)
 
 
 def _print_profile(engine, steps: int, top: int) -> None:

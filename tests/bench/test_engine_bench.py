@@ -25,6 +25,15 @@ def test_engine_bench_rows_and_json(tmp_path, capsys):
         assert 0 < row["logits_launch_ms"] <= row["launch_ms"]
 
 
+def test_engine_bench_profiles_the_host_calls_of_real_steps(capsys):
+    argv = ["--device", "cpu", "--batch-sizes", "2", "--steps", "3", "--input-len", "8", "--api-profile", "5"]
+    assert engine.main(argv + ["--kv-cache-memory", str(64 << 20), "--page-size", "64"]) == 0
+    err = capsys.readouterr().err
+    assert "real steps under torch.profiler (3 steps" in err
+    # the model's own ops run in those steps: the table lists torch's ops by their own time
+    assert "Self CPU" in err and "aten::" in err
+
+
 def test_engine_bench_refuses_a_cache_too_small_for_its_batch():
     """None of the bench's requests finishes, so one that cannot start with the others would wait forever: the
     bench says so instead (2 requests need two 64-token pages; this budget holds one)."""
