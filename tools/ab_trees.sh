@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Here, before a GPU call: the trees (ds4/, pyproject.toml) of each REF (a commit or branch: the variants to time
+# Here, before a GPU call: the trees (ds4/, tests/, pyproject.toml) of each REF (a commit or branch: the variants to time
 # against each other), packed into .ab/trees.tar.xz, one folder a REF named by its position, the REF and its short
 # hash. Carry `.ab`; on the GPU machine tools/gpu_measure.sh's stage `ab` (tools/gpu_ab.sh) times the same decode
 # steps from each tree in turns on the one machine, so that the variants' differences are not the machines'.
@@ -12,7 +12,7 @@ i=0
 for ref in "$@"; do
   tree=$work/trees/$i-$(echo "$ref" | tr -c 'A-Za-z0-9._\n-' '_')-$(git rev-parse --short "$ref")
   mkdir -p "$tree"
-  git archive "$ref" ds4 pyproject.toml | tar -x -C "$tree"
+  git archive "$ref" ds4 tests pyproject.toml | tar -x -C "$tree"
   i=$((i + 1))
 done
 XZ_OPT="-9e" tar -C "$work" -cJf .ab/trees.tar.xz trees

@@ -4,7 +4,9 @@
 # of .ab/trees.tar.xz (tools/ab_trees.sh), ROUNDS rounds of every tree in turn (default 2: a drift of the machine
 # shows as a difference between rounds, not between trees), each run PER_RUN_S seconds at most (default 200), with
 # the wheels tools/install_device_wheels.sh installed. Writes OUT/<tree>.<round>.json and prints the median ms/step
-# of each tree and batch over its rounds. BATCHES (default 1,64), LAYERS (default 20).
+# of each tree and batch over its rounds. BATCHES (default 1,64), LAYERS (default 20). AB_TESTS (test paths, e.g.
+# tests/engine): first the gpu-marked tests of those paths in every tree but the first (the variants), each's summary
+# printed and its log in OUT/<tree>.tests.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:?OUT: the folder for the results}
@@ -15,6 +17,16 @@ extra=()
 if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1 | awk '{print ($1 < 100000)}')" = 1 ]; then
   extra=(--gpu-memory-utilization 0.93)  # 20 layers on a card under 100 GiB (see tools/gpu_measure.sh)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+fi
+if [ -n "${AB_TESTS:-}" ]; then
+  for tree in "$trees"/trees/*/; do
+    name=$(basename "$tree")
+    case $name in 0-*) continue ;; esac
+    # shellcheck disable=SC2086  # AB_TESTS: several paths
+    (cd "$tree" && PYTHONPATH="/tmp/site:$tree" DS4_CACHE="/tmp/ds4-cache-$name" timeout -s ABRT "${TESTS_S:-600}" \
+      python3 -m pytest -m gpu -p no:cacheprovider -rf $AB_TESTS > "$out/$name.tests.txt" 2>&1)
+    echo "$name tests: rc $? ($(tail -n 1 "$out/$name.tests.txt"))"
+  done
 fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in "$trees"/trees/*/; do

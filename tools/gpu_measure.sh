@@ -12,12 +12,13 @@
 # prefill projection's and the fused decode launch's sweeps), ncu (tools/ncu_decode.sh's Nsight Compute lines for the
 # decode step's largest kernels, NCU_LAYERS layers), ncu_attention (tools/ncu_attention.sh on the 8K CSA prefill's
 # attention plans), ab (tools/gpu_ab.sh: the decode steps of the trees tools/ab_trees.sh packed, in turns; carry
-# `.ab`), ab_engine (the same with `ds4 bench engine`: the engine's time a step). Each writes its log and JSON under
-# $RESULTS and a line to $RESULTS/summary.txt; a stage that fails or runs out of its time does not stop the others.
-# With the trees of tools/bisect_trees.sh carried (.bisect), the first failing test of each of up to 3 test files is
-# bisected after the tests stage (tools/gpu_bisect.sh; LIMIT_bisect seconds each). TESTS names the test paths
-# (default: all of tests/); COMPARE= (empty) leaves transformers out of model4; LAYERS the model stages' layers
-# (default 20); LIMIT_<stage>=S sets a stage's time limit in seconds.
+# `.ab`; AB_TESTS: the variants' gpu tests of those paths first), ab_engine (the same with `ds4 bench engine`: the
+# engine's time a step). Each writes its log and JSON under $RESULTS and a line to $RESULTS/summary.txt; a stage that
+# fails or runs out of its time does not stop the others. With the trees of tools/bisect_trees.sh carried (.bisect),
+# the first failing test of each of up to 3 test files is bisected after the tests stage (tools/gpu_bisect.sh;
+# LIMIT_bisect seconds each). TESTS names the test paths (default: all of tests/); COMPARE= (empty) leaves
+# transformers out of model4; LAYERS the model stages' layers (default 20); LIMIT_<stage>=S sets a stage's time limit
+# in seconds.
 # Needs the wheels in .whl (tools/fetch_device_wheels.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
