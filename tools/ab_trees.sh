@@ -6,15 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: $0 REF [REF...]"; exit 2; }
-work=$(mktemp -d)
-mkdir -p "$work/trees" .ab
+pairs=()
 i=0
 for ref in "$@"; do
-  tree=$work/trees/$i-$(echo "$ref" | tr -c 'A-Za-z0-9._\n-' '_')-$(git rev-parse --short "$ref")
-  mkdir -p "$tree"
-  git archive "$ref" ds4 tests pyproject.toml | tar -x -C "$tree"
+  pairs+=("$i-$(echo "$ref" | tr -c 'A-Za-z0-9._\n-' '_')-$(git rev-parse --short "$ref")=$ref")
   i=$((i + 1))
 done
-XZ_OPT="-9e" tar -C "$work" -cJf .ab/trees.tar.xz trees
-rm -rf "$work"
+bash tools/pack_trees.sh .ab/trees.tar.xz "${pairs[@]}"
 echo "$i trees in .ab/trees.tar.xz ($(du -h .ab/trees.tar.xz | cut -f1)): $(tar -tJf .ab/trees.tar.xz | awk -F/ 'NF == 3 && $3 == "" {print $2}' | tr '\n' ' ')"

@@ -7,15 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=${1:?usage: $0 BASE_COMMIT}
-work=$(mktemp -d)
-mkdir -p "$work/trees" .bisect
+pairs=()
 i=0
 for c in $(git rev-parse --short "$base") $(git log --reverse --format=%h "$base..HEAD" -- ds4 tests pyproject.toml); do
-  tree=$work/trees/$(printf %03d $i)_$c
-  mkdir -p "$tree"
-  git archive "$c" ds4 tests pyproject.toml | tar -x -C "$tree"
+  pairs+=("$(printf %03d $i)_$c=$c")
   i=$((i + 1))
 done
-XZ_OPT="-9e" tar -C "$work" -cJf .bisect/trees.tar.xz trees
-rm -rf "$work"
+bash tools/pack_trees.sh .bisect/trees.tar.xz "${pairs[@]}"
 echo "$i trees in .bisect/trees.tar.xz ($(du -h .bisect/trees.tar.xz | cut -f1))"
