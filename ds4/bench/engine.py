@@ -9,13 +9,14 @@ only before the first, as a server runs them. Per batch size, medians over those
     default with CUDA graphs) a call launches the next step before it waits for this one's tokens, so the host
     work of one step runs while the device computes the next: step ms is then the time between two returned
     steps, what a request waits per token; `ahead` is the share of the timed steps that were launched so.
-  - model ms: the model's forward (a CUDA graph's replay, with the copies into its inputs) and logits of one
+  - model ms: the model's forward and logits (a CUDA graph's replay computes both) of one
     step, timed on the device by CUDA events around them (wall time on CPU): the ceiling, a step can be no
     faster.
   - host ms: the same steps with the forward and logits replaced by stubs that return ready tensors (logits
     over a 256-token vocabulary, so the sampler's device work is ~0 too): the engine's own work per step.
-  - launch ms: the host's time inside those same model calls (on CUDA the graph replay's launch and the logits'
-    launches): host work the host-only figure leaves out; "of which logits" the time inside the logits' call.
+  - launch ms: the host's time inside those same model calls (on CUDA a graph replay's launch; the logits' launches
+    of steps that replay no graph): host work the host-only figure leaves out; "of which logits" the time inside
+    the logits' calls.
   - exposed ms = step - model: what the engine adds to the model's time. Host work that overlaps the
     device's work costs nothing here: with async decode, exposed ~ max(host - model, 0) plus the launch gap;
     with none overlapped (--no-async-decode), exposed ~ host.
@@ -258,7 +259,8 @@ class _stubbed:
         model.forward = lambda batch, cache: hidden[: batch.num_tokens]
         model.compute_logits = lambda h: logits[: h.shape[0]]
         if graphs is not None:
-            graphs.run = lambda batch, key: hidden[: batch.num_tokens]  # the runner loaded the graph's inputs
+            # the runner loaded the graph's inputs
+            graphs.run = lambda batch, key: (hidden[: batch.num_tokens], logits[: batch.num_tokens])
         return self
 
     def __exit__(self, *exc):

@@ -5,6 +5,10 @@ one. Graphs are captured for sizes 1, 2, 4, 8, then multiples of 16; a step of R
 smallest size >= R, the extra rows being padding (position 0, no pages) that writes only to a reserved
 scratch slot and the cache's scratch page, so they never touch a real request's cache.
 
+Each graph also computes the logits of every row of its padded batch (the model's `compute_logits`: the final
+collapse, norm and head, whose launches would otherwise cost the host ~0.1-0.5 ms a step) into one buffer the
+graphs share, sized for the largest graph; a step reads its own rows of it.
+
 A captured graph also fixes the block-table width, and the model's decode path does work in proportion
 to it (every compressed entry the table could hold), not to the context. So graphs are captured per
 (batch size, page bucket), buckets growing 4x up to the pages of max_model_len: a step replays the
@@ -201,6 +205,8 @@ class DecodeGraphs:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.draft_graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
+        # Every graph's logits, its rows first: only the streams stay apart (a graph's drafts read its own).
+        self.logits: torch.Tensor | None = None
         self.drafts: dict[GraphKey, torch.Tensor] = {}
         self.eager = not capture
         self._eager_streams: torch.Tensor | None = None  # the last eager run's output (its drafts read it)
@@ -217,14 +223,16 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= len(tokens_per_request))
         return GraphKey(n, size, next(p for p in self.page_buckets if p >= width))
 
-    def run(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
-        """The streams of a decode batch of key.tokens_per_request tokens a request (the model's forward): the batch
-        `inputs.load` just returned for `key`."""
+    def run(self, batch: ForwardBatch, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """The streams and fp32 logits of each row of a decode batch of key.tokens_per_request tokens a request (the
+        model's forward and compute_logits): the batch `inputs.load` just returned for `key`. The logits stay valid
+        until the next run."""
+        n = batch.num_tokens
         if self.eager:  # kept apart from the captured graph's output, which later replays still write
             self._eager_streams = self._forward(key)
-            return self._eager_streams[: batch.num_tokens]
+            return self._eager_streams[:n], self.model.compute_logits(self._eager_streams)[:n]
         self.graphs[key].replay()
-        return self.outputs[key][: batch.num_tokens]
+        return self.outputs[key][:n], self.logits[:n]
 
     def draft(self, next_ids: Sequence[int], last_rows: Sequence[int], key: GraphKey) -> torch.Tensor:
         """[len(last_rows), k] drafts after the step `run` just ran for `key` (MTPDrafter.run on its rows), from the
@@ -248,11 +256,19 @@ class DecodeGraphs:
         pool = None
         for key in self.keys:
             self.inputs.load(key, [], [], [], [], [])
-            self._forward(key)  # warm-up outside the capture: allocator, autotuning, lazy init
+            # warm-up outside the capture: allocator, autotuning, lazy init
+            logits = self.model.compute_logits(self._forward(key))
+            if self.logits is None:  # the largest graph's, first: every later graph's rows fit
+                self.logits = torch.empty_like(logits)
+            rows = logits.shape[0]
+            del logits
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[key] = self._forward(key)
+                # Computed in the graph's pool (its memory free again for the next capture), then copied to the
+                # shared buffer: each graph's own logits would hold ~0.5 MB a row of the vocabulary, every graph.
+                self.logits[:rows].copy_(self.model.compute_logits(self.outputs[key]))
             pool = graph.pool() if pool is None else pool
             self.graphs[key] = graph
             if self.drafter is not None:

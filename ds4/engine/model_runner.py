@@ -161,15 +161,18 @@ class ModelRunner:
         if snapshots is not None:  # prefix caching: resume admitted requests, keep page-end states
             self.cache.restore_snapshots(snapshots.restore_snapshots, snapshots.restore_slots, snapshots.restore_ends)
             batch.snapshots = tuple(snapshots.inner)
-        if key is not None:
-            hidden = self.graphs.run(batch, key)
+        if key is not None:  # the graph computes every row's logits (valid until the next step's replay)
+            hidden, every_row = self.graphs.run(batch, key)
         else:
             hidden = self.model.forward(batch, self.cache)
         if self.drafter is None:
             self._save_snapshots(snapshots)
         logits = None
         if step.logit_rows:
-            logits = self.model.compute_logits(_select_rows(hidden, step.logit_rows))
+            if key is not None:
+                logits = _select_rows(every_row, step.logit_rows)
+            else:
+                logits = self.model.compute_logits(_select_rows(hidden, step.logit_rows))
         return batch, hidden, logits
 
     def draft(self, step: Step, batch: ForwardBatch, hidden: torch.Tensor, inputs: DraftInputs) -> torch.Tensor:
