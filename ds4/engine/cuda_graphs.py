@@ -6,7 +6,7 @@ smallest size >= R, the extra rows being padding (position 0, no pages) that wri
 scratch slot and the cache's scratch page, so they never touch a real request's cache.
 
 Each graph also computes the logits of every row of its padded batch (the model's `compute_logits`: the final
-collapse, norm and head, whose launches would otherwise cost the host ~0.1-0.5 ms a step) into one buffer the
+collapse, norm and head, whose launches would otherwise cost the host time every step) into one buffer the
 graphs share, sized for the largest graph; a step reads its own rows of it.
 
 A captured graph also fixes the block-table width, and the model's decode path does work in proportion
