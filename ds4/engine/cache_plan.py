@@ -1,10 +1,11 @@
 """How many cache pages and slots the engine allocates at start-up, from a memory budget.
 
 The budget is --kv-cache-memory bytes when given; on CUDA otherwise --gpu-memory-utilization of the
-device minus what is already in use (weights) and the activation peak of one full step, measured by
-running one; on CPU otherwise 1 GiB. Slots (sliding windows, compressor states) and the prefix cache's
-boundary snapshots (ds4.engine.prefix_cache) are paid first, the rest becomes pages. Pages beyond
-max_num_seqs requests of max_model_len tokens would never be used.
+device minus what is already in use (weights), the activation peak of one full step, measured by
+running one, and the logits buffer the decode graphs share; on CPU otherwise 1 GiB. Slots (sliding
+windows, compressor states) and the prefix cache's boundary snapshots (ds4.engine.prefix_cache) are
+paid first, the rest becomes pages. Pages beyond max_num_seqs requests of max_model_len tokens would
+never be used.
 """
 
 from __future__ import annotations
@@ -64,14 +65,18 @@ class CachePlan:
         )
 
 
-def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int) -> CachePlan:
+def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int, reserved: int = 0) -> CachePlan:
+    """reserved: bytes the engine holds beside the cache that the measured step does not (the decode graphs' shared
+    logits), taken from a budget measured on CUDA."""
     cfg = model.cfg
     kv = model.kv_cache_dtype
     page_bytes = bytes_per_page(cfg, config.page_size, model.dtype, model.with_mtp, kv)
     slot_bytes = bytes_per_slot(cfg, model.dtype, model.with_mtp, config.num_speculative_tokens, kv)
     budget = config.kv_cache_memory
-    if budget is None:
-        budget = cuda_cache_budget(model, config, device) if device.type == "cuda" else CPU_DEFAULT_CACHE_BYTES
+    if budget is None and device.type == "cuda":
+        budget = cuda_cache_budget(model, config, device, reserved)
+    elif budget is None:
+        budget = CPU_DEFAULT_CACHE_BYTES
     snapshot_bytes = bytes_per_snapshot(cfg, model.dtype, model.with_mtp, kv)
     num_snapshots = 0
     if config.enable_prefix_caching:
@@ -97,18 +102,20 @@ def plan_cache(model, config: EngineConfig, device: torch.device, num_slots: int
     return plan
 
 
-def cuda_cache_budget(model, config: EngineConfig, device: torch.device) -> int:
-    """Bytes left for the cache under gpu_memory_utilization after the weights and one full step's activations."""
+def cuda_cache_budget(model, config: EngineConfig, device: torch.device, reserved: int = 0) -> int:
+    """Bytes left for the cache under gpu_memory_utilization after the weights, one full step's activations and
+    `reserved`."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free
     peak = _activation_peak(model, config, device)
-    budget = int(total * config.gpu_memory_utilization) - in_use - peak
+    budget = int(total * config.gpu_memory_utilization) - in_use - peak - reserved
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no room for the cache: "
             f"{in_use / GiB:.1f} GiB in use, one step needs {peak / GiB:.1f} GiB of activations, "
+            f"the decode graphs' logits {reserved / GiB:.1f} GiB, "
             f"device {total / GiB:.1f} GiB"
         )
     return budget

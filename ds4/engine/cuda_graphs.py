@@ -39,6 +39,11 @@ from ds4.engine.uploads import layout, padded, upload_into, views
 from ds4.model.batch import ForwardBatch
 
 
+def shared_logits_bytes(vocab_size: int, max_batch_size: int, tokens_per_request: int) -> int:
+    """Bytes of the fp32 logits buffer DecodeGraphs shares among its graphs: the largest graph's rows."""
+    return max_batch_size * tokens_per_request * vocab_size * 4
+
+
 def graph_sizes(max_batch_size: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size] + list(range(16, max_batch_size, 16))
     return sizes + [max_batch_size]

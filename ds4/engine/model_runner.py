@@ -30,7 +30,7 @@ import torch
 
 from ds4.engine.cache_plan import CachePlan, plan_cache
 from ds4.engine.config import EngineConfig, EngineConfigError
-from ds4.engine.cuda_graphs import DecodeGraphs, GraphKey
+from ds4.engine.cuda_graphs import DecodeGraphs, GraphKey, shared_logits_bytes
 from ds4.engine.prefix_cache import StepSnapshots
 from ds4.engine.sampler import Sampler, SamplerOutput, TokenLogprobs, compute_logprobs
 from ds4.engine.scheduler import ScheduledChunk
@@ -375,8 +375,10 @@ def build_runner(
     if use_graphs and not getattr(model, "cuda_graph_safe", False):
         logger.warning("the model's forward is not CUDA-graph safe; decode steps run eagerly")
         use_graphs = False
+    max_graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
+    graph_logits = shared_logits_bytes(model.cfg.vocab_size, max_graph_batch, k + 1) if use_graphs else 0
     # With graphs, one extra slot is the scratch slot that padding rows write to.
-    plan = plan_cache(model, config, device, config.max_num_seqs + use_graphs)
+    plan = plan_cache(model, config, device, config.max_num_seqs + use_graphs, graph_logits)
     if channel is not None:
         gathered = channel.all_gather((rank_setup(model, config), plan))
         check_same_setup([setup for setup, _ in gathered])
@@ -388,7 +390,7 @@ def build_runner(
         graphs = DecodeGraphs(
             model,
             cache,
-            min(config.max_cuda_graph_batch_size, config.max_num_seqs),
+            max_graph_batch,
             -(-plan.max_model_len // plan.page_size),
             padding_slot=config.max_num_seqs,
             device=device,

@@ -24,6 +24,7 @@ from torch import nn
 from ds4.checkpoint.tiny import default_model_dir
 from ds4.config import load_config
 from ds4.engine.config import EngineConfig
+from ds4.engine.cuda_graphs import shared_logits_bytes
 from ds4.engine.engine import LLMEngine
 from ds4.engine.sampling_params import SamplingParams
 from ds4.kernels.fp8_kv import dequantize_kv
@@ -114,7 +115,11 @@ def test_decode_graphs_replay_equals_eager_on_a_toy_model():
     prompts, lens = random_prompts(11, seed=1), [3 + 2 * i for i in range(11)]
     eager = run_all(LLMEngine(model, EngineConfig(enforce_eager=True, **flags)), prompts, lens)
     graphed_engine = LLMEngine(model, EngineConfig(**flags))
-    assert graphed_engine.runner.graphs is not None and graphed_engine.runner.graphs.sizes == [1, 2, 4, 8]
+    graphs = graphed_engine.runner.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+    # the logits buffer the graphs share is the one the cache plan set aside: 8 rows of the vocabulary, fp32
+    assert graphs.logits.shape == (8, cfg.vocab_size) and graphs.logits.dtype == torch.float32
+    assert graphs.logits.nbytes == shared_logits_bytes(cfg.vocab_size, 8, 1)
     calls = count_replays(graphed_engine)
     assert run_all(graphed_engine, prompts, lens) == eager
     assert calls["replays"] > 5
