@@ -393,12 +393,12 @@ def _decode(engine, args, cfg, rates, kv_entry, index_entry, rng, max_tokens, fi
                 torch.cuda.profiler.stop()
         if not args.no_profile and batch in (batches[0], batches[-1]):
             progress(f"profiling one decode step at batch {batch} (eager)")
-            by_kernel, launches = defaultdict(Counter), Counter()
+            by_kernel, launches, kernel_launches = defaultdict(Counter), Counter(), defaultdict(Counter)
             with finite.paused():  # the check's kernels are the benchmark's, not the step's
-                families = _eager_profile(engine, lambda: step(engine), by_kernel, launches)
+                families = _eager_profile(engine, lambda: step(engine), by_kernel, launches, kernel_launches)
             roof = {name: b / rates["copy_bytes_per_s"] * 1e3 for name, b in _decode_family_bytes(parts).items()}
             row["profile"] = _with_rooflines(families, launches, roof)
-            row["profile_kernels"] = _largest(by_kernel)
+            row["profile_kernels"] = _largest(by_kernel, kernel_launches)
         rows.append(row)
     for request_id in ids:
         engine.abort(request_id)
@@ -420,10 +420,10 @@ def _replay_ms(engine, ids: list[str]) -> float | None:
     return ceilings.kernel_ms(graphs.graphs[key].replay)  # the forward and every row's logits
 
 
-def _eager_profile(engine, step, by_kernel: defaultdict[str, Counter], launches: Counter) -> dict:
+def _eager_profile(engine, step, by_kernel, launches: Counter, kernel_launches) -> dict:
     """Profile one engine step with the decode graph's batch run eagerly (the same padded decode_only batch)."""
     with _graphs_eager(engine):
-        return profile_families(engine.model, step, engine.device, by_kernel, launches)
+        return profile_families(engine.model, step, engine.device, by_kernel, launches, kernel_launches)
 
 
 def _eager_step(engine) -> None:
@@ -444,10 +444,15 @@ def _graphs_eager(engine) -> Iterator[None]:
             graphs.eager = False
 
 
-def _largest(by_kernel: defaultdict[str, Counter]) -> dict[str, dict[str, float]]:
-    """Each family's kernels by name (ms), largest first: where a family's time goes, for the next change to aim at
-    (the JSON keeps them all, the table LARGEST_SHOWN of each)."""
-    return {family: {name[:100]: ms for name, ms in kernels.most_common()} for family, kernels in by_kernel.items()}
+def _largest(by_kernel: defaultdict[str, Counter], kernel_launches: defaultdict[str, Counter]) -> dict[str, dict]:
+    """Each family's kernels by name (ms and launches), largest first: where a family's time goes, for the next
+    change to aim at (the JSON keeps them all, the table LARGEST_SHOWN of each)."""
+    return {
+        family: {
+            name[:100]: {"ms": ms, "launches": kernel_launches[family][name]} for name, ms in kernels.most_common()
+        }
+        for family, kernels in by_kernel.items()
+    }
 
 
 def _decode_family_bytes(parts: dict) -> dict:
@@ -523,9 +528,14 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
     if not args.no_profile:
         length = min(args.prefill_lengths)
         progress(f"profiling the prefill of {length} tokens")
-        by_kernel, launches = defaultdict(Counter), Counter()
+        by_kernel, launches, kernel_launches = defaultdict(Counter), Counter(), defaultdict(Counter)
         families = profile_families(
-            engine.model, lambda: prefill(length, "prefill-profiled"), engine.device, by_kernel, launches
+            engine.model,
+            lambda: prefill(length, "prefill-profiled"),
+            engine.device,
+            by_kernel,
+            launches,
+            kernel_launches,
         )
         flops = roofline.prefill_flops(cfg, length)
         family_of = {"dense": "GEMMs", "dense_bf16": "GEMMs", "experts": "MoE", "attention": "attention"}
@@ -534,7 +544,7 @@ def _prefill(engine, args, cfg, rates, rng) -> list[dict]:
         for kind, f in flops.items():
             roof[family_of[kind]] += f / per_kind[kind] * 1e3
         rows[0]["profile"] = _with_rooflines(families, launches, roof)
-        rows[0]["profile_kernels"] = _largest(by_kernel)
+        rows[0]["profile_kernels"] = _largest(by_kernel, kernel_launches)
     length = min(args.prefill_lengths)
     rows[0]["routing"] = routing_balance(engine.model, lambda: prefill(length, "prefill-routing"))
     return rows
@@ -730,7 +740,10 @@ def table(result: dict) -> str:
             for family, top in row.get("profile_kernels", {}).items():
                 if row["profile"][family]["share"] >= LARGEST_SHOWN_SHARE or family == "other":
                     shown = list(top.items())[:LARGEST_SHOWN]
-                    lines.append(f"largest in {family}: " + "; ".join(f"{n} {ms:.3f} ms" for n, ms in shown))
+                    lines.append(
+                        f"largest in {family}: "
+                        + "; ".join(f"{n} {k['ms']:.3f} ms / {k['launches']}" for n, k in shown)
+                    )
     lines += ["", _extrapolation_lines(result)]
     return "\n".join(lines)
 

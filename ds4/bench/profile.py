@@ -139,10 +139,12 @@ def profile_families(
     device: torch.device,
     by_kernel: defaultdict[str, Counter] | None = None,
     launches: Counter | None = None,
+    kernel_launches: defaultdict[str, Counter] | None = None,
 ) -> dict[str, float]:
     """Milliseconds per family of one call of run (device time on CUDA, CPU time otherwise), plus "total".
     by_kernel, if given, receives each family's milliseconds by kernel (CPU: op) name; launches, the number of
-    kernels (CPU: ops) per family: a family of many small kernels is launch-bound at decode sizes. Each kernel
+    kernels (CPU: ops) per family: a family of many small kernels is launch-bound at decode sizes; kernel_launches,
+    each family's launches by kernel name. Each kernel
     launches after the one before it ends (no programmatic dependent launch): one launched early would count its
     wait for the one before as its own time."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -150,7 +152,7 @@ def profile_families(
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return summarise(prof.events(), device.type == "cuda", by_kernel, launches)
+    return summarise(prof.events(), device.type == "cuda", by_kernel, launches, kernel_launches)
 
 
 @contextlib.contextmanager
@@ -164,11 +166,16 @@ def _launches_in_order() -> Iterator[None]:
 
 
 def summarise(
-    events, on_device: bool, by_kernel: defaultdict[str, Counter] | None = None, launches: Counter | None = None
+    events,
+    on_device: bool,
+    by_kernel: defaultdict[str, Counter] | None = None,
+    launches: Counter | None = None,
+    kernel_launches: defaultdict[str, Counter] | None = None,
 ) -> dict[str, float]:
     times = dict.fromkeys(FAMILIES, 0.0)
     by_kernel = defaultdict(Counter) if by_kernel is None else by_kernel
     launches = Counter() if launches is None else launches
+    kernel_launches = defaultdict(Counter) if kernel_launches is None else kernel_launches
     claimed = Counter()  # kernel name -> microseconds some op's launch accounts for
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU:
@@ -183,6 +190,7 @@ def summarise(
             launches[family] += len(kernels) if on_device else 1
             for kernel in kernels if on_device else (event,):
                 by_kernel[family][kernel.name] += (kernel.duration if on_device else us) / 1e3
+                kernel_launches[family][kernel.name] += 1
         for kernel in kernels:
             claimed[kernel.name] += kernel.duration
     if on_device:
@@ -199,6 +207,7 @@ def summarise(
                 times[family] += (us - taken) / 1e3
                 launches[family] += 1
                 by_kernel[family][event.name] += (us - taken) / 1e3
+                kernel_launches[family][event.name] += 1
     times["total"] = sum(times.values())
     return times
 

@@ -29,8 +29,11 @@ def test_bench_model_runs_end_to_end_on_dummy_weights(tmp_path, capsys):
         assert row["context"] >= 24 and row["roofline_ms"] > 0 and row["ratio"] > 0
     weights = result["weights"]
     assert len(weights["resident_per_layer_gb"]) == len(weights["checkpoint_per_layer_gb"]) == 4
-    for profile in (result["decode"][-1]["profile"], result["prefill"][0]["profile"]):
+    for row in (result["decode"][-1], result["prefill"][0]):
+        profile = row["profile"]
         assert set(profile) == {*FAMILIES, "total"}
+        for family, kernels in row["profile_kernels"].items():  # each family's launches, by kernel
+            assert sum(k["launches"] for k in kernels.values()) == profile[family]["kernels"]
         assert sum(profile[f]["ms"] for f in FAMILIES) == pytest.approx(profile["total"]["ms"])
         assert profile["GEMMs"]["ms"] > 0 and profile["MoE"]["ms"] > 0 and profile["attention"]["ms"] > 0
     routing = result["prefill"][0]["routing"]  # the tiny model: 2 score layers of 8 experts, 2 a token
@@ -76,21 +79,28 @@ def test_device_profile_counts_each_kernel_once_and_unclaimed_triton_kernels_by_
         device("_grouped_gemm_kernel", 500.0),
         device("_act_quant_kernel", 20.0),
         device("some_library_kernel", 7.0),
+        device("_grouped_gemm_kernel", 300.0),
     ]
-    by_kernel, launches = defaultdict(Counter), Counter()
-    times = summarise(events, on_device=True, by_kernel=by_kernel, launches=launches)
+    by_kernel, launches, kernel_launches = defaultdict(Counter), Counter(), defaultdict(Counter)
+    times = summarise(events, True, by_kernel, launches, kernel_launches)
     assert by_kernel == {
         "attention": {"gemm": pytest.approx(0.030)},
-        "MoE": {"_grouped_gemm_kernel": pytest.approx(0.500)},
+        "MoE": {"_grouped_gemm_kernel": pytest.approx(0.800)},
         "GEMMs": {"_act_quant_kernel": pytest.approx(0.020)},
         "other": {"some_library_kernel": pytest.approx(0.007)},
     }
-    assert launches == {"attention": 1, "MoE": 1, "GEMMs": 1, "other": 1}
+    assert launches == {"attention": 1, "MoE": 2, "GEMMs": 1, "other": 1}
+    assert kernel_launches == {
+        "attention": {"gemm": 1},
+        "MoE": {"_grouped_gemm_kernel": 2},
+        "GEMMs": {"_act_quant_kernel": 1},
+        "other": {"some_library_kernel": 1},
+    }
     assert times["attention"] == pytest.approx(0.030)
-    assert times["MoE"] == pytest.approx(0.500)
+    assert times["MoE"] == pytest.approx(0.800)
     assert times["GEMMs"] == pytest.approx(0.020)
     assert times["other"] == pytest.approx(0.007)
-    assert times["total"] == pytest.approx(0.557)
+    assert times["total"] == pytest.approx(0.857)
 
 
 def test_bench_model_on_two_ranks_reports_collective_bytes_per_step(tmp_path, capsys):
