@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> dict:
     load_s = time.perf_counter() - start
     finite = _FiniteLogits(model)
     progress("starting the engine (cache plan, CUDA-graph capture)")
-    engine = LLMEngine(model, engine_config, tokenizer=None, seed=args.seed, workers=ranks)
+    with finite.paused():  # the decode graphs compute logits: a check captured in them would run in timed steps
+        engine = LLMEngine(model, engine_config, tokenizer=None, seed=args.seed, workers=ranks)
     needed = max_batch * (args.context + max_tokens)
     if engine.allocator.capacity_tokens < needed:
         raise SystemExit(
