@@ -421,7 +421,9 @@ def _replay_ms(engine, ids: list[str]) -> float | None:
     return ceilings.kernel_ms(graphs.graphs[key].replay)  # the forward and every row's logits
 
 
-def _eager_profile(engine, step, by_kernel, launches: Counter, kernel_launches) -> dict:
+def _eager_profile(
+    engine, step, by_kernel: defaultdict[str, Counter], launches: Counter, kernel_launches: defaultdict[str, Counter]
+) -> dict:
     """Profile one engine step with the decode graph's batch run eagerly (the same padded decode_only batch)."""
     with _graphs_eager(engine):
         return profile_families(engine.model, step, engine.device, by_kernel, launches, kernel_launches)

@@ -144,9 +144,8 @@ def profile_families(
     """Milliseconds per family of one call of run (device time on CUDA, CPU time otherwise), plus "total".
     by_kernel, if given, receives each family's milliseconds by kernel (CPU: op) name; launches, the number of
     kernels (CPU: ops) per family: a family of many small kernels is launch-bound at decode sizes; kernel_launches,
-    each family's launches by kernel name. Each kernel
-    launches after the one before it ends (no programmatic dependent launch): one launched early would count its
-    wait for the one before as its own time."""
+    each family's launches by kernel name. Each kernel launches after the one before it ends (no programmatic
+    dependent launch): one launched early would count its wait for the one before as its own time."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with family_ranges(model), _launches_in_order(), profile(activities=activities) as prof:
         run()
