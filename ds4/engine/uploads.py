@@ -57,7 +57,7 @@ def layout(sizes: Sequence[tuple[int, torch.dtype]]) -> tuple[list[int], int]:
     for length, dtype in sizes:
         starts.append(end)
         end += length * dtype.itemsize
-        end += _padding(end)
+        end += -end % _ALIGN  # the next field starts aligned
     return starts, end
 
 
@@ -69,17 +69,12 @@ def views(buffer: torch.Tensor, sizes: Sequence[tuple[int, torch.dtype]]) -> lis
 def pack(fields: Sequence[tuple[Sequence[int] | Sequence[float], torch.dtype]]) -> tuple[bytearray, list[int]]:
     """The fields' values end to end as native bytes, each field starting _ALIGN-aligned, and each one's offset.
     Python's array module packs a list in C: a field costs no torch call (one each would cost more than the copy)."""
-    payload, starts = bytearray(), []
-    for values, dtype in fields:
-        starts.append(len(payload))
-        payload += array(_ARRAY_CODES[dtype], values).tobytes()
-        payload += bytes(_padding(len(payload)))
+    starts, size = layout([(len(values), dtype) for values, dtype in fields])
+    payload = bytearray(size)
+    for (values, dtype), start in zip(fields, starts):
+        data = array(_ARRAY_CODES[dtype], values).tobytes()
+        payload[start : start + len(data)] = data
     return payload, starts
-
-
-def _padding(size: int) -> int:
-    """The bytes after `size` bytes of fields up to the next field's start."""
-    return -size % _ALIGN
 
 
 def _views(buffer: torch.Tensor, sizes: Sequence[tuple[int, torch.dtype]], starts: list[int]) -> list[torch.Tensor]:
