@@ -391,15 +391,17 @@ def test_interpreted_e4m3_decoding_and_activations_share_the_column_order(kernel
     assert torch.all(values.abs() <= 448) and torch.equal(values, values.to(torch.float8_e4m3fn).float())
 
 
-@pytest.mark.parametrize("columns", [16, 8, 4])
-def test_interpreted_column_group_plans_equal_the_reference(kernels, columns):
+@pytest.mark.parametrize("columns, inter", [(16, 256), (16, 512), (8, 256), (4, 256)])
+def test_interpreted_column_group_plans_equal_the_reference(kernels, columns, inter):
     """The e4m3 MMA's plans (one, two or four rows a tile, the rest of its 16 columns 32-groups) under score and
-    hash routing (a token sent twice to one expert: two one-row tiles)."""
+    hash routing (a token sent twice to one expert: two one-row tiles); x's 128-groups of unlike scales, so that
+    each column's activation scale counts. At inter 512 the down pass takes one-row tiles too."""
     gen = torch.Generator().manual_seed(10)
-    e, d, i, t, k = 8, 512, 256, 3, 3
-    experts = _packed(_dense(e, d, i, gen))
-    x = (torch.randn(t, d, generator=gen) * 3).to(torch.bfloat16)
-    down_columns = min(columns, 8)  # K = 256 for the down pass
+    e, d, t, k = 8, 512, 3, 3
+    experts = _packed(_dense(e, d, inter, gen))
+    spread = 2.0 ** torch.randint(-4, 5, (t, d // 128), generator=gen).repeat_interleave(128, dim=1)
+    x = (torch.randn(t, d, generator=gen) * spread).to(torch.bfloat16)  # 128-groups of unlike scales
+    down_columns = min(columns, inter // 32)  # a K step of the down pass within its K
     plan1 = GemmPlan(bm=16 // columns, weight_rows=64, bk=32 * columns, warps=4, stages=2, column_groups=columns)
     plan2 = replace(plan1, bm=16 // down_columns, bk=32 * down_columns, column_groups=down_columns)
     for kind in ("score", "hash"):
