@@ -223,8 +223,8 @@ class Attention(nn.Module):
             return None
         size = ring.shape[1]
         _, (slots, rows) = step.ring_writes(size)
-        # Every layer's rings have the same rows: their flat rows are made once a step (three launches fewer a layer).
-        return ring, step.batch.shared(("flat ring rows", size), lambda: slots.long() * size + rows)
+        # Every layer's rings have the same rows: their flat rows are made once a step, in one launch (int64: rows').
+        return ring, step.batch.shared(("flat ring rows", size), lambda: torch.add(rows, slots, alpha=size))
 
     def _store_window(self, kv: torch.Tensor, step: LayerStep) -> None:
         """Each request's ring takes its last tokens at position % rows: every token writes its ring row with the

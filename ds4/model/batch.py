@@ -180,15 +180,26 @@ class LayerStep:
         return self.batch.tokens_per_request if self.layout is None else max(self.layout.counts, default=0)
 
     @cached_property
+    def token_indices(self) -> torch.Tensor:
+        """[T] 0, 1, .., T - 1."""
+        return self.batch.shared(
+            "token indices", lambda: torch.arange(self.batch.num_tokens, device=self.batch.positions.device)
+        )
+
+    @cached_property
     def token_requests(self) -> torch.Tensor:
         """[T] the request index of each token."""
         if self.layout is None:
-            tokens_per_request = self.batch.tokens_per_request
-            return self.batch.shared(
-                "token requests",
-                lambda: torch.arange(self.batch.num_tokens, device=self.batch.positions.device) // tokens_per_request,
-            )
+            n = self.batch.tokens_per_request
+            return self.batch.shared("token requests", lambda: self.token_indices // n if n > 1 else self.token_indices)
         return self.layout.token_requests
+
+    @cached_property
+    def token_slots(self) -> torch.Tensor:
+        """[T] the slot of each token's request (a plain decode step's: the batch's slots, one token a request)."""
+        if self.decode_only and self.batch.tokens_per_request == 1:
+            return self.batch.slots
+        return self.batch.shared("token slots", lambda: self.batch.slots[self.token_requests])
 
     @cached_property
     def request_ends(self) -> torch.Tensor:
@@ -206,10 +217,9 @@ class LayerStep:
         row agree and their order is moot."""
 
         def writes():
-            pos, req = self.batch.positions, self.token_requests
-            last = torch.arange(pos.shape[0], device=pos.device)
+            pos, last = self.batch.positions, self.token_indices
             if not self.decode_only:  # decode_only: fewer tokens a request than ring rows, each its own last
-                last = last + rows * ((self.request_ends[req] - 1 - pos) // rows)
-            return last, (self.batch.slots[req], pos % rows)
+                last = last + rows * ((self.request_ends[self.token_requests] - 1 - pos) // rows)
+            return last, (self.token_slots, pos % rows)
 
         return self.batch.shared(("ring writes", rows), writes)
