@@ -223,7 +223,7 @@ class Attention(nn.Module):
             return None
         size = ring.shape[1]
         _, (slots, rows) = step.ring_writes(size)
-        # Every layer's rings have the same rows: their flat rows are made once a step, in one launch (int64: rows').
+        # Every layer's rings have the same rows: their flat rows (int64, as `rows`) are made once a step, one launch.
         return ring, step.batch.shared(("flat ring rows", size), lambda: torch.add(rows, slots, alpha=size))
 
     def _store_window(self, kv: torch.Tensor, step: LayerStep) -> None:
