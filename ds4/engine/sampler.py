@@ -33,28 +33,16 @@ import torch
 
 from ds4.engine.sampling_params import SamplingParams
 from ds4.engine.uploads import upload
+from ds4.kernels.argmax import argmax
 
 _SEED_RANGE = 2**62
 _UNIFORM_BLOCK = 64
-GREEDY_GROUP = 2048  # columns greedy_tokens' first pass reduces together
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1) of [rows, vocab] in two passes: the maximum of each group of GREEDY_GROUP columns and
-    its first index, then the first group holding the row's maximum; the same token (the first index of the
-    largest value, NaN counting as the largest), in reductions that spread over the device where torch's one-pass
-    argmax reduces a row in one block (H200, Flash's 129280 logits at batch 1: 28 us, the 20-layer decode
-    profile; greedy decode and every MTP draft take one)."""
-    rows, cols = logits.shape
-    whole = cols - cols % GREEDY_GROUP
-    if whole == 0:
-        return logits.argmax(dim=-1)
-    values, indices = logits[:, :whole].reshape(rows, whole // GREEDY_GROUP, GREEDY_GROUP).max(dim=-1)
-    indices = indices + torch.arange(0, whole, GREEDY_GROUP, device=logits.device)
-    if whole < cols:
-        rest_value, rest_index = logits[:, whole:].max(dim=-1, keepdim=True)
-        values, indices = torch.cat([values, rest_value], 1), torch.cat([indices, rest_index + whole], 1)
-    return indices.gather(1, values.argmax(dim=-1, keepdim=True)).squeeze(1)
+    """logits.argmax(dim=-1) of [rows, vocab]: the first index of each row's largest value, NaN counting as the
+    largest (`kernels.argmax`: two launches on CUDA)."""
+    return argmax(logits)
 
 
 @dataclass

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ds4.engine.sampler import GREEDY_GROUP, Sampler, apply_penalties, compute_logprobs, greedy_tokens, sample_random
+from ds4.engine.sampler import Sampler, apply_penalties, compute_logprobs, sample_random
 from ds4.engine.sampling_params import SamplingParams
 
 EOS = 1
@@ -63,39 +63,6 @@ def test_greedy_rows_are_the_argmax_of_the_raw_logits():
     tokens = sampler.sample(logits, requests).token_ids
     greedy_rows = [row for row in range(9) if row % 3]
     assert tokens[greedy_rows].tolist() == [int(torch.argmax(logits[row])) for row in greedy_rows]
-
-
-def _tied_logits(rows: int, cols: int, device: str = "cpu") -> torch.Tensor:
-    """Rows whose largest value repeats: in two groups of GREEDY_GROUP columns, twice in one group, in the columns
-    past the last whole group; a row with a NaN (the largest for argmax), one of -inf only, one all equal."""
-    g = torch.Generator().manual_seed(cols)
-    x = torch.randn(rows, cols, generator=g)
-    top = x.max() + 1
-    for row in range(rows):
-        picks = torch.randint(0, cols, (1 + row % 4,), generator=g)
-        x[row, picks] = top
-    if cols > GREEDY_GROUP:
-        x[0, [GREEDY_GROUP + 3, GREEDY_GROUP - 1, cols - 1]] = top + 1  # across a group boundary and in the rest
-    x[1, cols // 2] = float("nan")
-    x[2] = float("-inf")
-    x[3] = 0.25
-    return x.to(device)
-
-
-@pytest.mark.parametrize("cols", [300, GREEDY_GROUP, 3 * GREEDY_GROUP, 129280])
-def test_greedy_tokens_are_the_first_index_of_the_largest_logit(cols):
-    """greedy_tokens' two passes against torch.argmax (the first index of the largest value, NaN the largest), ties
-    within and across the groups of its first pass and in the columns after the last whole group."""
-    logits = _tied_logits(6, cols)
-    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
-    assert torch.equal(greedy_tokens(logits[2:5]), logits[2:5].argmax(dim=-1))  # rows of a larger tensor
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cols", [GREEDY_GROUP, 129280, 129280 + 7])
-def test_greedy_tokens_on_cuda_are_the_cpu_argmax(cols):
-    logits = _tied_logits(64, cols)
-    assert torch.equal(greedy_tokens(logits.cuda()).cpu(), logits.argmax(dim=-1))
 
 
 @pytest.mark.parametrize(
