@@ -202,10 +202,10 @@ def _streams(h_ptr, h_stride, t, t_ok, i, chunk, D, BLOCK_D: tl.constexpr, CACHE
 def _mixing_gates(
     part_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, t_ok, T, K, splits, iters, hc_eps, norm_eps,
     HC: tl.constexpr, MIX: tl.constexpr, MIX_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-    CACHE: tl.constexpr,
+    CACHE: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """post[t] and comb[t] of the tokens t [TOKENS] (int64) from their split projection rows (hc_split_sinkhorn of
-    the rows' sums times their RMS factor). CACHE: as _collapse_tokens's."""
+    the rows' sums times their RMS factor). CACHE: as _collapse_tokens's; PTX: CUDA (not the interpreter)."""
     i = tl.arange(0, HC)
     jk = tl.arange(0, HC * HC)
     post_scale = tl.load(scale_ptr + 1)
@@ -224,11 +224,42 @@ def _mixing_gates(
     mix = tl.reshape(tl.sum(logits, 0) * norm, (TOKENS, HC, HC)) * comb_scale + comb_base
     e = tl.exp(mix - tl.max(mix, axis=2)[:, :, None])
     comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    comb = tl.reshape(comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps), (TOKENS, HC * HC))
+    # The later Sinkhorn steps, a serial chain the launch's end waits on, on HC * HC tensors of the tokens (an entry
+    # each): a line's sum is then additions in each thread's registers (a sum over the matrix's axis crossed
+    # threads), and a line is divided by one reciprocal (PTX: one rcp.approx; a division checks its range).
+    entries = ()
+    for at in tl.static_range(HC * HC):
+        entries = entries + (tl.sum(tl.where(jk[None, :] == at, comb, 0.0), axis=1),)
     for _ in range(1, iters):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    tl.store(comb_ptr + t[:, None] * HC * HC + jk[None, :], tl.reshape(comb, (TOKENS, HC * HC)), mask=t_ok[:, None])
+        entries = _normalise_lines(entries, hc_eps, HC, HC, 1, PTX)  # rows
+        entries = _normalise_lines(entries, hc_eps, HC, 1, HC, PTX)  # columns
+    comb = tl.zeros((TOKENS, HC * HC), tl.float32)
+    for at in tl.static_range(HC * HC):
+        comb = tl.where(jk[None, :] == at, entries[at][:, None], comb)
+    tl.store(comb_ptr + t[:, None] * HC * HC + jk[None, :], comb, mask=t_ok[:, None])
+
+
+@triton.jit
+def _normalise_lines(entries, eps, HC: tl.constexpr, LINE: tl.constexpr, ALONG: tl.constexpr, PTX: tl.constexpr):
+    """The HC x HC entries (a tuple, row-major) with each line times the reciprocal of its sum plus eps: rows with
+    LINE = HC and ALONG = 1, columns with LINE = 1 and ALONG = HC (line l's entries l * LINE + j * ALONG)."""
+    scales = ()
+    for line in tl.static_range(HC):
+        total = entries[line * LINE]
+        for j in tl.static_range(1, HC):
+            total = total + entries[line * LINE + j * ALONG]
+        if PTX:
+            scale = tl.inline_asm_elementwise(
+                "rcp.approx.ftz.f32 $0, $1;", "=f,f", [total + eps], dtype=tl.float32, is_pure=True, pack=1
+            )
+        else:
+            scale = 1.0 / (total + eps)
+        scales = scales + (scale,)
+    out = ()
+    for at in tl.static_range(HC * HC):
+        out = out + (entries[at] * scales[at // HC if LINE == HC else at % HC],)
+    return out
 
 
 @triton.jit
@@ -264,6 +295,7 @@ def _collapse_tokens(
     BLOCK_D: tl.constexpr,
     CACHE: tl.constexpr,
     NORM: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """x[t, chunk] = sum_i pre_i h[t, i, chunk] for the tokens t [TOKENS] (int64) and the chunks part, part +
     parts, ...; with MIXING (hc_pre, not hc_head) the first part also writes post[t] and comb[t]. CACHE: the
@@ -299,7 +331,7 @@ def _collapse_tokens(
         if part == 0:
             _mixing_gates(
                 part_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, t, t_ok, T, K, splits, iters, hc_eps, norm_eps,
-                HC, MIX, MIX_PAD, SPLIT_BLOCK, TOKENS, CACHE,
+                HC, MIX, MIX_PAD, SPLIT_BLOCK, TOKENS, CACHE, PTX,
             )  # fmt: skip
 
 
@@ -331,15 +363,16 @@ def _collapse_kernel(
     TOKENS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
+    PTX: tl.constexpr,
 ):
-    """_collapse_tokens for TOKENS tokens and one part of their chunks a program. PDL: launched early."""
+    """_collapse_tokens for TOKENS tokens and one part of their chunks a program. PDL: launched early; PTX: CUDA."""
     dependent_launch_start(PDL)
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     t_ok = t < T
     _collapse_tokens(
         h_ptr, h_stride, part_ptr, scale_ptr, base_ptr, x_ptr, x_stride, post_ptr, comb_ptr, scale_ptr,
         t.to(tl.int64), t_ok, tl.program_id(1), T, D, K, splits, iters, chunks, parts, hc_eps, norm_eps, HC, MIX,
-        MIX_PAD, MIXING, SPLIT_BLOCK, TOKENS, BLOCK_D, "", False,
+        MIX_PAD, MIXING, SPLIT_BLOCK, TOKENS, BLOCK_D, "", False, PTX,
     )  # fmt: skip
 
 
@@ -438,6 +471,7 @@ def _post_project_kernel(
     ROW_NORM: tl.constexpr,
     CONCURRENT: tl.constexpr,
     PDL: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """hc_post, then the next hc_pre, in one launch for a few tokens (T <= BLOCK_T, one program a block of
     BLOCK_D channels): new[t, k, block] = post[t, k] * out[t, block] + sum_j comb[t, j, k] h[t, j, block] (stored
@@ -507,7 +541,7 @@ def _post_project_kernel(
             _collapse_tokens(
                 new_ptr, new_stride, part_ptr, scale_ptr, base_ptr, x_ptr, x_stride, next_post_ptr, next_comb_ptr,
                 x_weight_ptr, one, one < T, 0, T, D, K, programs, iters, chunks, 1, hc_eps, norm_eps, HC, MIX, MIX_PAD,
-                False, SPLIT_BLOCK, 1, COLLAPSE_D, ".cg", ROW_NORM,
+                False, SPLIT_BLOCK, 1, COLLAPSE_D, ".cg", ROW_NORM, PTX,
             )  # fmt: skip
             if not ROW_NORM:
                 _normalize_row(x_ptr, x_stride, token, x_weight_ptr, D, norm_eps, COLLAPSE_D)
@@ -519,7 +553,7 @@ def _post_project_kernel(
             one = token + tl.zeros([1], tl.int64)
             _mixing_gates(
                 part_ptr, scale_ptr, base_ptr, next_post_ptr, next_comb_ptr, one, one < T, T, K, programs, iters,
-                hc_eps, norm_eps, HC, MIX, MIX_PAD, SPLIT_BLOCK, 1, ".cg",
+                hc_eps, norm_eps, HC, MIX, MIX_PAD, SPLIT_BLOCK, 1, ".cg", PTX,
             )  # fmt: skip
     if gates != last:
         if tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu") == programs + 1:
@@ -636,6 +670,7 @@ def _collapse_triton(streams, fn, scale, base, iters, hc_eps, norm_eps, mixing: 
         TOKENS=launch.collapse_tokens,
         BLOCK_D=launch.block_d,
         PDL=pdl,
+        PTX=not interpreting(),
         num_warps=WARPS,
         launch_pdl=pdl,
     )
@@ -710,7 +745,7 @@ def hc_post_pre_triton(
         hc_eps, norm_eps, HC=hc, MIX=mix, MIX_PAD=mix_pad, BLOCK_T=POST_PRE_TOKENS, BLOCK_D=block_d,
         SPLIT_BLOCK=triton.next_power_of_2(blocks), COLLAPSE_D=collapse_d, ROW_NORM=d <= collapse_d,
         CONCURRENT=not interpreting(),
-        PDL=pdl, num_warps=WARPS, launch_pdl=pdl,
+        PDL=pdl, PTX=not interpreting(), num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return new, x, next_post, next_comb
 
