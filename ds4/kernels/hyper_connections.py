@@ -227,7 +227,8 @@ def _mixing_gates(
     comb = tl.reshape(comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps), (TOKENS, HC * HC))
     # The later Sinkhorn steps, a serial chain the launch's end waits on, on HC * HC tensors of the tokens (an entry
     # each): a line's sum is then additions in each thread's registers (a sum over the matrix's axis crossed
-    # threads), and a line is divided by one reciprocal (PTX: one rcp.approx; a division checks its range).
+    # threads), and a line is scaled by the reciprocal of its sum plus eps (PTX: one rcp.approx.ftz, where a
+    # division adds range checks; the sums are at least eps, far above the subnormals).
     entries = ()
     for at in tl.static_range(HC * HC):
         entries = entries + (tl.sum(tl.where(jk[None, :] == at, comb, 0.0), axis=1),)
